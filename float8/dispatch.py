@@ -1,0 +1,96 @@
+"""The dispatch table of Float8Tensor and its one fallback.
+
+`implements([aten.x, aten.y])` registers a handler for those ops; registering an op twice is an error.
+`Float8Tensor.__torch_dispatch__` looks the op up here; an op not in the table goes to `fallback`:
+
+    compute in high precision: every Float8Tensor argument is dequantized to its nominal dtype, the op
+    runs on plain tensors, and its plain result is returned. A warning (Float8FallbackWarning) names the
+    op, once per op (Python's warning filter de-duplicates by message). An in-place op on a Float8Tensor
+    (`w.add_(g)`, `w.mul_(0.5)`) runs on the dequantized copy and re-quantizes the result into the same
+    Float8Tensor (same FP8 dtype and scaling granularity, fresh scale), so it keeps its type.
+
+This module knows nothing of Float8Tensor's class: handlers live in float8/native_ops.py and
+float8/gemm.py, which import both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+class Float8FallbackWarning(UserWarning):
+    """An op had no FP8 implementation and ran in high precision (slower, and its result is not FP8)."""
+
+
+_TABLE: dict = {}
+
+
+def implements(ops) -> Callable:
+    """Register a handler `fn(func, args, kwargs)` for each aten op (overload packet or overload)."""
+
+    def decorator(fn):
+        for op in ops:
+            if op in _TABLE:
+                raise ValueError(f"Float8Tensor already has a handler for {op}: {_TABLE[op].__name__}")
+            _TABLE[op] = fn
+        return fn
+
+    return decorator
+
+
+def lookup(func):
+    """The handler for `func` (an OpOverload), looked up by overload first, then by its packet."""
+    handler = _TABLE.get(func)
+    if handler is None:
+        handler = _TABLE.get(func.overloadpacket)
+    return handler
+
+
+def registered_ops() -> list:
+    return list(_TABLE)
+
+
+def fallback(func, args, kwargs, is_float8: Callable, requantize_into: Callable):
+    """Run `func` on dequantized copies; re-quantize into the mutated Float8Tensor for in-place ops."""
+    warnings.warn(
+        f"Float8Tensor has no FP8 implementation of {func}; it ran in high precision on dequantized "
+        "copies (slower, and the result is a plain tensor). Dequantize explicitly to silence this.",
+        Float8FallbackWarning,
+        stacklevel=3,
+    )
+
+    def unwrap(t):
+        return t.dequantize() if is_float8(t) else t
+
+    plain_args = tree_map(unwrap, args)
+    plain_kwargs = tree_map(unwrap, kwargs)
+    out = func(*plain_args, **plain_kwargs)
+
+    mutated = _mutated_float8_args(func, args, kwargs, is_float8)
+    if not mutated:
+        return out
+    # In-place: the op wrote into the dequantized copy of each mutated argument; write it back as FP8.
+    for i, t in mutated:
+        requantize_into(t, plain_args[i] if isinstance(i, int) else plain_kwargs[i])
+    first = mutated[0][1]
+    return first if func._schema.returns and len(func._schema.returns) == 1 else out
+
+
+def _mutated_float8_args(func, args, kwargs, is_float8):
+    mutated = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if i < len(args):
+            key, value = i, args[i]
+        elif arg.name in kwargs:
+            key, value = arg.name, kwargs[arg.name]
+        else:
+            continue
+        if is_float8(value):
+            mutated.append((key, value))
+    return mutated

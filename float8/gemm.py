@@ -1,0 +1,136 @@
+"""FP8 GEMM between Float8Tensors: `mm` and `addmm` (so `@`, `torch.matmul` and `F.linear`, which
+decompose into views, `t` and these, run in FP8 too).
+
+The GEMM is cuBLASLt through `torch._scaled_mm` (1225-1278 TFLOP/s at large shapes on the H100 here,
+DESIGN.md section 8); `torch._scaled_mm` also runs on the CPU. Its rules, which we enforce the same way
+on every device so a CPU test catches what the GPU would refuse:
+- A (M, K) row-major and B (K, N) column-major: we take each operand's data or its cached transpose,
+  whichever already has the layout, and copy only when neither does;
+- K and N multiples of 16 (M is free): otherwise a ValueError names the shapes; pad the tensors yourself;
+- not both operands E5M2 (the tensor cores need one E4M3 operand);
+- scales constant along K: per-tensor (0-d) or per-row of A (M, 1) and per-column of B (1, N). Block
+  scales, or per-row scales along K, go to the high-precision fallback (with a warning).
+The output has the nominal dtype of the operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from float8 import dispatch
+from float8.tensor import Float8Tensor, _is_float8, requantize_into
+
+aten = torch.ops.aten
+
+
+def _aligned(d: torch.Tensor) -> bool:
+    # cuBLASLt wants 16-byte aligned operands; allocations are, so only a view's offset can break it
+    # (read from the offset, not data_ptr(), which torch.compile's fake tensors do not have).
+    return d.storage_offset() % 16 == 0
+
+
+def _row_major(t: Float8Tensor) -> torch.Tensor:
+    """(M, K) data, contiguous: the data itself, or a copy."""
+    d = t._data
+    return d if d.is_contiguous() and _aligned(d) else d.contiguous()
+
+
+def _col_major(t: Float8Tensor) -> torch.Tensor:
+    """(K, N) data with strides (1, K): the data viewed, the cached transpose viewed, or a copy."""
+    d = t._data
+    if d.mT.is_contiguous() and _aligned(d):
+        return d
+    if t._transpose is not None:
+        return t._transpose.mT
+    return d.mT.contiguous().mT
+
+
+def _gemm_scales(a: Float8Tensor, b: Float8Tensor):
+    """(scale_a, scale_b, rowwise) in the layout _scaled_mm takes, or None if the blocks don't fit."""
+    sa, sb = a._scale_inv, b._scale_inv
+    m, n = a.shape[0], b.shape[1]
+    a_ok = sa.dim() == 0 or tuple(sa.shape) == (m, 1)
+    b_ok = sb.dim() == 0 or tuple(sb.shape) == (1, n)
+    if not (a_ok and b_ok):
+        return None
+    if sa.dim() == 0 and sb.dim() == 0:
+        return sa, sb, False
+    sa = sa.expand(m, 1) if sa.dim() == 0 else sa
+    sb = sb.expand(1, n) if sb.dim() == 0 else sb
+    return sa.contiguous(), sb.contiguous(), True
+
+
+def _check_operands(a: Float8Tensor, b: Float8Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"FP8 mm needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"FP8 mm operands are on different devices: {a.device} and {b.device}")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"FP8 mm shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    if k % 16 or n % 16:
+        raise ValueError(
+            f"FP8 GEMM needs K and N to be multiples of 16 (cuBLASLt), got (M, K) = {(m, k)} @ (K, N) = {(k2, n)}; "
+            "pad the tensors, or dequantize for this product"
+        )
+    if a.fp8_dtype == torch.float8_e5m2 and b.fp8_dtype == torch.float8_e5m2:
+        # ValueError, not TypeError: `a @ b` turns a TypeError into "unsupported operand type(s)".
+        raise ValueError("FP8 GEMM of two E5M2 operands is not supported by the tensor cores: make one E4M3")
+
+
+def fp8_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None):
+    """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback."""
+    _check_operands(a, b)
+    scales = _gemm_scales(a, b)
+    if scales is None:
+        return None
+    out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
+    sa, sb, rowwise = scales
+    mat_a, mat_b = _row_major(a), _col_major(b)
+    cuda_rowwise = (
+        a.device.type == "cuda"
+        and out_dtype == torch.bfloat16
+        and a.fp8_dtype == b.fp8_dtype == torch.float8_e4m3fn
+    )
+    if not rowwise or cuda_rowwise:
+        fused_bias = bias is not None and not rowwise and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype != torch.float32
+        out = torch._scaled_mm(
+            mat_a, mat_b, scale_a=sa, scale_b=sb, bias=bias if fused_bias else None, out_dtype=out_dtype
+        )
+        if bias is not None and not fused_bias:
+            out = out + bias
+        return out
+    # Per-row scales where _scaled_mm has no such mode: GEMM with unit scales in float32, then scale.
+    # The same arithmetic as cuBLAS's (scales applied to the float32 accumulator), one extra pass.
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    acc = torch._scaled_mm(mat_a, mat_b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    out = acc * sa * sb
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype)
+
+
+def _fallback(func, args, kwargs):
+    return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
+
+
+@dispatch.implements([aten.mm.default])
+def _mm(func, args, kwargs):
+    a, b = args[0], args[1]
+    if _is_float8(a) and _is_float8(b):
+        out = fp8_mm(a, b)
+        if out is not None:
+            return out
+    return _fallback(func, args, kwargs)
+
+
+@dispatch.implements([aten.addmm.default])
+def _addmm(func, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if _is_float8(a) and _is_float8(b) and not _is_float8(bias):
+        simple = beta == 1 and alpha == 1
+        out = fp8_mm(a, b, bias=bias if simple else None)
+        if out is not None:
+            return out if simple else alpha * out + beta * bias
+    return _fallback(func, args, kwargs)

@@ -1,0 +1,214 @@
+"""Scaling recipes: what granularity and format to quantize with. Frozen, validated, stateless.
+
+A recipe describes how the *next* FP8 tensor is made; it never owns or changes a tensor that exists
+(the scale-inverse travels with the FP8 bits, see float8/tensor.py). The one piece of state, the amax
+history of delayed scaling, lives in a `DelayedScalingState` owned by whoever quantizes (an op), and is
+updated on the device with no host sync.
+
+    Float8Tensor.quantize(x)                                   # per-tensor current scaling, E4M3
+    Float8Tensor.quantize(x, scaling=RowwiseScaling())         # one scale per row
+    Float8Tensor.quantize(w, scaling=BlockwiseScaling((128, 128)))
+    state = DelayedScalingState(DelayedScaling(history_len=16)); Float8Tensor.quantize(x, scaling=state)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from float8.kernels.cast import cast
+from float8.kernels.reference import fp8_max, scale_from_amax
+
+
+class Format(enum.Enum):
+    """FP8 formats for the forward pass (activations, weights) and the backward pass (gradients).
+
+    E4M3 has more precision (3 mantissa bits, max 448); E5M2 more range (max 57344). HYBRID, the usual
+    training choice, uses E4M3 forward and E5M2 for gradients, whose range is wider.
+    """
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    HYBRID = "hybrid"
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
+
+
+def _check_margin(margin: int) -> None:
+    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 32:
+        raise ValueError(f"margin must be an int in [0, 32] (scale is divided by 2**margin), got {margin!r}")
+
+
+@dataclass(frozen=True)
+class TensorwiseScaling:
+    """One scale for the whole tensor, from this tensor's own amax (current scaling)."""
+
+    margin: int = 0
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+
+
+@dataclass(frozen=True)
+class RowwiseScaling:
+    """One scale per row (per slice along the last dim); scale_inv has shape x.shape[:-1] + (1,)."""
+
+    margin: int = 0
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+
+
+SUPPORTED_BLOCKS = ((1, 128), (128, 128))
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling:
+    """One scale per block: (1, 128) for activations/gradients, (128, 128) for 2-D weights (DeepSeek-V3 style).
+
+    scale_inv has one value per block: shape x.shape[:-1] + (K // 128,) for (1, 128), and
+    (M // 128, K // 128) for (128, 128). The block must tile the tensor exactly.
+    """
+
+    block: tuple = (1, 128)
+    margin: int = 0
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        block = tuple(self.block)
+        if block not in SUPPORTED_BLOCKS:
+            raise ValueError(f"block must be one of {SUPPORTED_BLOCKS}, got {self.block!r}")
+        object.__setattr__(self, "block", block)
+        _check_margin(self.margin)
+
+
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor scale from the amax history of earlier steps: the cast needs no amax pass first.
+
+    The scale used for step t comes from amaxes up to step t-1 (`amax_compute_algo` "max" over the last
+    `history_len` steps, or "most_recent"). Non-finite amaxes are not recorded and keep the previous
+    scale; an all-zero history gives scale 1. Create a `DelayedScalingState` from it to quantize.
+    """
+
+    history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    power_of_2: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"history_len must be a positive int, got {self.history_len!r}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, got {self.amax_compute_algo!r}")
+        _check_margin(self.margin)
+
+
+Scaling = Union[TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling]
+
+
+class DelayedScalingState(torch.nn.Module):
+    """The amax history and current scale of one delayed-scaled tensor, kept on its device.
+
+    Buffers (saved in state_dict, moved by .to()): `amax_history` (history_len,) float32, newest first,
+    and `scale` () float32, the scale the next cast will use. `quantize` casts with `scale` in one
+    kernel that also returns this tensor's amax, then updates history and scale with device ops only:
+    no .item(), no host sync, CUDA-graph safe.
+    """
+
+    def __init__(self, recipe: DelayedScaling = DelayedScaling(), device=None):
+        super().__init__()
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"DelayedScalingState needs a DelayedScaling recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.register_buffer("amax_history", torch.zeros(recipe.history_len, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
+
+    def cast(self, x: torch.Tensor, fp8_dtype: torch.dtype):
+        """Cast x with the current scale; returns (data, scale_inv) and updates the state."""
+        data, scale_inv, amax = cast(x, self.scale, fp8_dtype)
+        self.update(amax, fp8_dtype)
+        return data, scale_inv
+
+    @torch.no_grad()
+    def update(self, amax: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+        """Record one amax and compute the next scale, in place, on the device."""
+        finite = torch.isfinite(amax)
+        history = self.amax_history
+        recorded = torch.where(finite, amax.float(), torch.zeros_like(amax, dtype=torch.float32))
+        history.copy_(torch.roll(history, 1))
+        history[0] = recorded
+        if self.recipe.amax_compute_algo == "max":
+            reduced = history.amax()
+        else:
+            reduced = history[0]
+        candidate = scale_from_amax(reduced, fp8_dtype, self.recipe.margin, self.recipe.power_of_2)
+        # A NaN/inf amax keeps the previous scale rather than resetting it to 1.
+        self.scale.copy_(torch.where(finite, candidate, self.scale))
+
+    def extra_repr(self) -> str:
+        return repr(self.recipe)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Which format and scaling each role of a Linear uses. Hand it to ops or to `Sequential`.
+
+    Defaults: HYBRID format (E4M3 forward, E5M2 gradients), per-tensor current scaling everywhere.
+    """
+
+    format: Format = Format.HYBRID
+    input: Scaling = field(default_factory=TensorwiseScaling)
+    weight: Scaling = field(default_factory=TensorwiseScaling)
+    grad: Scaling = field(default_factory=TensorwiseScaling)
+
+    def __post_init__(self):
+        if not isinstance(self.format, Format):
+            raise TypeError(f"format must be a float8.Format, got {self.format!r}")
+        for role in ("input", "weight", "grad"):
+            s = getattr(self, role)
+            if not isinstance(s, (TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling)):
+                raise TypeError(f"Recipe.{role} must be a scaling dataclass, got {type(s).__name__}")
+
+    @classmethod
+    def tensorwise(cls, format: Format = Format.HYBRID) -> "Recipe":
+        return cls(format)
+
+    @classmethod
+    def delayed(cls, format: Format = Format.HYBRID, history_len: int = 16, amax_compute_algo: str = "max") -> "Recipe":
+        d = DelayedScaling(history_len, amax_compute_algo)
+        return cls(format, d, d, d)
+
+    @classmethod
+    def rowwise(cls, format: Format = Format.E4M3) -> "Recipe":
+        return cls(format, RowwiseScaling(), RowwiseScaling(), RowwiseScaling())
+
+    @classmethod
+    def blockwise(cls, format: Format = Format.E4M3) -> "Recipe":
+        return cls(format, BlockwiseScaling((1, 128)), BlockwiseScaling((128, 128)), BlockwiseScaling((1, 128)))
+
+
+__all__ = [
+    "Format",
+    "TensorwiseScaling",
+    "RowwiseScaling",
+    "BlockwiseScaling",
+    "DelayedScaling",
+    "DelayedScalingState",
+    "Recipe",
+    "fp8_max",
+]

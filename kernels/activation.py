@@ -1,0 +1,814 @@
+"""Activations, forward and backward, optionally writing FP8 directly: the fused kernels of DESIGN.md 4.
+
+    act_fwd(x, kind, bias=None) -> y                                        y = act(x + bias), x.dtype
+    act_fp8(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False)
+        -> (data, data_t, scale_inv, amax)          current per-tensor scaling of act(x + bias)
+    act_fp8_scaled(x, kind, bias, scale, fp8_dtype, with_transpose=False)
+        -> (data, data_t, scale_inv, amax)          a given scale (delayed scaling); amax for the history
+    act_bwd(dy, x, kind, bias=None) -> dx                                   dx = dy * act'(x + bias), x.dtype
+    dact_dbias_cast_transpose(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False)
+        -> (dx_data, dx_data_t, scale_inv, amax, dbias)
+    dbias_cast_transpose(dy, fp8_dtype, margin=0, power_of_2=False)
+        -> (data, data_t, scale_inv, amax, dbias)   the same with kind "identity": a bias's backward
+
+Kinds: "identity", "relu", "gelu" (erf form, torch.nn.functional.gelu's default), "gelu_tanh"
+(approximate="tanh"), "silu", "swiglu". SwiGLU takes x (..., 2H) and gives (..., H):
+    swiglu(x) = silu(x[..., :H]) * x[..., H:]        (first half: gate, through silu; second half: linear)
+and its gradient has 2H columns: d a = dy * b * silu'(a), d b = dy * silu(a). A bias always has the size
+of x's last dim (2H for swiglu) and is added before the activation.
+
+Shapes: x is (..., N_IN); leading dims are rows. `data` has act's shape (..., N) (N = N_IN, or H), and
+`data_t` is `data` with its last two dims swapped, contiguous (..., N, M): the layout an FP8 GEMM
+needs in backward, the transpose cache of a Float8Tensor. A custom op cannot return an Optional
+tensor, so without with_transpose `data_t` is an empty (0,) tensor of the FP8 dtype.
+scale_inv and amax are () float32; amax is max|act(x + bias)| (or max|dx|) over float32 values, NaN
+if one is NaN. dbias (N_IN,) = dx summed over rows in float32, returned in dy.dtype.
+
+Numerics: every value is computed in float32 registers and never rounded to x.dtype before it is
+quantized: the FP8 outputs are the satfinite RTNE cast of the float32 activation (or gradient) times
+a scale computed on the device from its amax, exactly as reference.scale_from_amax (common.py).
+For bf16/fp16 x that is one rounding fewer than act_fwd followed by a quantize, so the two can differ
+by one FP8 step where the bf16 rounding crosses an FP8 midpoint. Logistic terms use t = exp(-|u|) <= 1,
+so silu, gelu_tanh (x * sigmoid(2u), the same function as 0.5x(1 + tanh u)) and their derivatives have
+no overflow and no cancellation; the erf GELU is torch's formula, with torch's cancellation for x << 0.
+Divisions are IEEE (div_rn), as in torch; Triton's exp and erf may differ from torch's by an ulp or two
+(on the GPU exp is ex2.approx), so the *_ref twins agree with the kernels to a few float32 ulps, and
+bit for bit for identity and relu.
+
+Each current-scaling op is two launches of one kernel, no host sync: pass 1 computes act in registers
+and folds max|act| into an amax buffer (the backward also writes per-program column sums for dbias);
+pass 2 recomputes act, reads the amax, computes the scale, and writes FP8 (both layouts with
+with_transpose, through (64, 64) tiles and tl.trans so both stores are coalesced); its program 0 writes
+scale_inv = 1 / scale. Recomputing costs a second read of x (and dy) but never writes act in high
+precision.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    abs_bits,
+    atomic_amax,
+    check_hp_input,
+    check_scale,
+    check_scaling_args,
+    clamp_keep_nan,
+    next_pow2,
+    scale_from_amax,
+)
+from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
+from .reference import scale_from_amax as scale_from_amax_ref
+
+KINDS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "swiglu")
+
+# Constants of the formulas, written once for the kernels and the references (float32 when used).
+SQRT1_2 = 0.7071067811865476  # 1/sqrt(2): gelu's erf argument
+INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2 pi): gelu's pdf
+TANH_BETA = 0.7978845608028654  # sqrt(2/pi): gelu_tanh
+TANH_KAPPA = 0.044715
+TANH_KAPPA3 = 0.134145  # 3 * TANH_KAPPA
+
+# Tiles. Row-wise passes (high-precision output, amax, FP8 without transpose): (BLOCK_S, BLOCK_N) with
+# BLOCK_S * BLOCK_N <= 4096, looping over up to MAX_ITERS tiles down the rows (fewer atomics and dbias
+# partials). Transposing pass: square 64 x 64 tiles (64 B segments written both ways).
+ROW_BLOCK_N = 128
+ROW_ELEMS = 4096
+MAX_ITERS = 16
+T_BLOCK = 64
+NUM_WARPS = 4
+
+
+# ---- device math: kernel formulas (the *_ref functions below repeat them op for op) -----------------
+
+
+@triton.jit
+def _logistic(u):
+    """(s, 1 - s) for s = 1 / (1 + exp(-u)), each one IEEE division of exact-ish terms: t = exp(-|u|) <= 1."""
+    t = tl.exp(-tl.abs(u))
+    q = 1.0 + t
+    pos = u >= 0.0
+    s = tl.math.div_rn(tl.where(pos, 1.0, t), q)
+    c = tl.math.div_rn(tl.where(pos, t, 1.0), q)
+    return s, c
+
+
+@triton.jit
+def _silu(v):
+    # v * sigmoid(v) with a single rounding of the division: (v or v * t) / (1 + t)
+    t = tl.exp(-tl.abs(v))
+    return tl.math.div_rn(tl.where(v >= 0.0, v, v * t), 1.0 + t)
+
+
+@triton.jit
+def _dsilu(v):
+    # silu'(v) = s * (1 + v * (1 - s))
+    s, c = _logistic(v)
+    return s * (1.0 + v * c)
+
+
+@triton.jit
+def _act(v, KIND: tl.constexpr):
+    """act(v), elementwise, float32; KIND is not "swiglu" (that one takes two inputs)."""
+    if KIND == "relu":
+        y = tl.where(v < 0.0, 0.0, v)  # like torch.relu: -0.0 stays -0.0, NaN stays NaN
+    elif KIND == "gelu":
+        y = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif KIND == "gelu_tanh":
+        # 0.5 v (1 + tanh(u)) = v * sigmoid(2u), u = sqrt(2/pi) (v + 0.044715 v^3)
+        w = 2.0 * (0.7978845608028654 * (v + 0.044715 * v * v * v))
+        t = tl.exp(-tl.abs(w))
+        y = tl.math.div_rn(tl.where(w >= 0.0, v, v * t), 1.0 + t)
+    elif KIND == "silu":
+        y = _silu(v)
+    else:  # identity
+        y = v
+    return y
+
+
+@triton.jit
+def _dact(dy, v, KIND: tl.constexpr):
+    """dy * act'(v), elementwise, float32; KIND is not "swiglu"."""
+    if KIND == "relu":
+        dx = tl.where(v <= 0.0, 0.0, dy)  # torch's threshold_backward: NaN inputs pass dy
+    elif KIND == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * v * v) * 0.3989422804014327
+        dx = dy * (cdf + v * pdf)
+    elif KIND == "gelu_tanh":
+        w = 2.0 * (0.7978845608028654 * (v + 0.044715 * v * v * v))
+        s, c = _logistic(w)
+        dw = 2.0 * (0.7978845608028654 * (1.0 + 0.134145 * v * v))
+        dx = dy * (s + v * (s * c * dw))
+    elif KIND == "silu":
+        dx = dy * _dsilu(v)
+    else:  # identity
+        dx = dy
+    return dx
+
+
+@triton.jit
+def _fp8(v, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    return clamp_keep_nan(v * scale, FP8_MAX).to(dtype)
+
+
+# ---- kernels ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act_fwd_kernel(
+    x_ptr,  # (B, S, N_IN) hp, contiguous; N_IN = 2N for swiglu (a = x[..., :N], b = x[..., N:]), else N
+    bias_ptr,  # (N_IN,) hp (HAS_BIAS), else unused
+    y_ptr,  # (B, S, N): hp (MODE "hp") or fp8 (MODE "current", "delayed"); unused in MODE "amax"
+    y_t_ptr,  # (B, N, S) fp8 (WITH_T), else unused
+    scale_ptr,  # (1,) fp32: the given scale (MODE "delayed"), else unused
+    amax_ptr,  # () fp32, zeroed: receives max|act| ("amax", "delayed"); holds it ("current")
+    scale_inv_ptr,  # () fp32: 1 / scale ("current", "delayed")
+    S,
+    N,
+    tiles_s,
+    tiles_n,
+    margin_div,  # 2.0**margin ("current")
+    KIND: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,  # "hp": store act; "amax": only fold max|act|; "current" / "delayed": store FP8
+    WITH_T: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ITERS: tl.constexpr,  # row tiles per program
+):
+    # Flat grid: pid -> (batch b, row chunk of ITERS * BLOCK_S rows, column tile).
+    pid = tl.program_id(0)
+    b = (pid // (tiles_s * tiles_n)).to(tl.int64)
+    t = pid % (tiles_s * tiles_n)
+    pid_s = t // tiles_n
+    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if KIND == "swiglu":
+        n_in = 2 * N
+    else:
+        n_in = N
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if KIND == "swiglu":
+            bias_b = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if MODE == "current":
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+    elif MODE == "delayed":
+        scale = tl.load(scale_ptr)
+    amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
+
+    for i in range(ITERS):
+        rows = (pid_s * ITERS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        mask = (rows[:, None] < S) & col_ok[None, :]
+        row_start = (b * S + rows.to(tl.int64)) * n_in  # (BLOCK_S,) offsets of the rows in x
+        x_tile = x_ptr + row_start[:, None] + cols[None, :]
+        v = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v = v + bias_a[None, :]
+        if KIND == "swiglu":
+            g = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                g = g + bias_b[None, :]
+            y = _silu(v) * g
+        else:
+            y = _act(v, KIND)
+
+        out = (b * S + rows.to(tl.int64))[:, None] * N + cols[None, :]
+        if MODE == "hp":
+            tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if MODE == "current" or MODE == "delayed":
+            q = _fp8(y, scale, FP8_MAX, y_ptr.dtype.element_ty)
+            tl.store(y_ptr + out, q, mask=mask)
+            if WITH_T:
+                # (BLOCK_N, BLOCK_S): column c of the tile is row c of data_t, contiguous along S.
+                out_t = (b * N + cols.to(tl.int64))[:, None] * S + rows[None, :]
+                mask_t = col_ok[:, None] & (rows[None, :] < S)
+                tl.store(y_t_ptr + out_t, tl.trans(q), mask=mask_t)
+        if MODE == "amax" or MODE == "delayed":
+            # masked lanes hold act(bias), not 0: drop them before the max
+            amax_acc = tl.maximum(amax_acc, abs_bits(tl.where(mask, y, 0.0)))
+
+    if MODE == "amax" or MODE == "delayed":
+        atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
+    if MODE == "current" or MODE == "delayed":
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    dy_ptr,  # (B, S, N) hp, contiguous
+    x_ptr,  # (B, S, N_IN) hp, contiguous (unused for identity); N_IN = 2N for swiglu, else N
+    bias_ptr,  # (N_IN,) hp (HAS_BIAS), else unused
+    dx_ptr,  # (B, S, N_IN): x.dtype (MODE "hp") or fp8 (MODE "current"); unused in MODE "amax"
+    dx_t_ptr,  # (B, N_IN, S) fp8 (WITH_T), else unused
+    dbias_ptr,  # (B * tiles_s, N_IN) fp32: per-program column sums of dx (DBIAS), else unused
+    amax_ptr,  # () fp32, zeroed: receives max|dx| ("amax"); holds it ("current")
+    scale_inv_ptr,  # () fp32: 1 / scale ("current")
+    S,
+    N,
+    tiles_s,
+    tiles_n,
+    margin_div,  # 2.0**margin ("current")
+    KIND: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,  # "hp": store dx; "amax": fold max|dx| (and dbias partials); "current": store FP8
+    WITH_T: tl.constexpr,
+    DBIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // (tiles_s * tiles_n)).to(tl.int64)
+    t = pid % (tiles_s * tiles_n)
+    pid_s = t // tiles_n
+    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if KIND == "swiglu":
+        n_in = 2 * N
+    else:
+        n_in = N
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if KIND == "swiglu":
+            bias_b = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if MODE == "current":
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+    amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
+    dbias_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dbias_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    for i in range(ITERS):
+        rows = (pid_s * ITERS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        mask = (rows[:, None] < S) & col_ok[None, :]
+        row = b * S + rows.to(tl.int64)
+        g = tl.load(dy_ptr + row[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_tile = x_ptr + (row * n_in)[:, None] + cols[None, :]
+        if KIND == "identity":
+            v = g  # x is not read
+        else:
+            v = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                v = v + bias_a[None, :]
+        if KIND == "swiglu":
+            u = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                u = u + bias_b[None, :]
+            da = (g * u) * _dsilu(v)  # d a = dy * b * silu'(a)
+            db = g * _silu(v)  # d b = dy * silu(a)
+        else:
+            da = _dact(g, v, KIND)
+
+        out = row[:, None] * n_in + cols[None, :]
+        if MODE == "hp":
+            tl.store(dx_ptr + out, da.to(dx_ptr.dtype.element_ty), mask=mask)
+            if KIND == "swiglu":
+                tl.store(dx_ptr + out + N, db.to(dx_ptr.dtype.element_ty), mask=mask)
+        if MODE == "amax":
+            da = tl.where(mask, da, 0.0)
+            amax_acc = tl.maximum(amax_acc, abs_bits(da))
+            if DBIAS:
+                dbias_a += tl.sum(da, axis=0)
+            if KIND == "swiglu":
+                db = tl.where(mask, db, 0.0)
+                amax_acc = tl.maximum(amax_acc, abs_bits(db))
+                if DBIAS:
+                    dbias_b += tl.sum(db, axis=0)
+        if MODE == "current":
+            qa = _fp8(da, scale, FP8_MAX, dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + out, qa, mask=mask)
+            if KIND == "swiglu":
+                qb = _fp8(db, scale, FP8_MAX, dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + out + N, qb, mask=mask)
+            if WITH_T:
+                out_t = (b * n_in + cols.to(tl.int64))[:, None] * S + rows[None, :]
+                mask_t = col_ok[:, None] & (rows[None, :] < S)
+                tl.store(dx_t_ptr + out_t, tl.trans(qa), mask=mask_t)
+                if KIND == "swiglu":
+                    tl.store(dx_t_ptr + out_t + N * S, tl.trans(qb), mask=mask_t)
+
+    if MODE == "amax":
+        atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
+        if DBIAS:
+            part = dbias_ptr + (b * tiles_s + pid_s) * n_in + cols
+            tl.store(part, dbias_a, mask=col_ok)
+            if KIND == "swiglu":
+                tl.store(part + N, dbias_b, mask=col_ok)
+    if MODE == "current":
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+# ---- launchers --------------------------------------------------------------------------------------
+
+
+def _geometry(x: torch.Tensor, n_out: int, transpose: bool):
+    """(B, S): with a transpose the leading dims but the last two are a batch; else all rows are one."""
+    if transpose:
+        return math.prod(x.shape[:-2]), x.shape[-2]
+    return 1, math.prod(x.shape[:-1])
+
+
+def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool):
+    """Block sizes and the flat grid. iterate: a reduction pass, which loops over row tiles."""
+    if transpose:
+        block_s, block_n = T_BLOCK, T_BLOCK
+    else:
+        block_n = min(ROW_BLOCK_N, max(16, next_pow2(N)))
+        block_s = min(max(1, ROW_ELEMS // block_n), max(16, next_pow2(S)))
+    iters = min(MAX_ITERS, next_pow2(triton.cdiv(S, block_s))) if iterate else 1
+    tiles_s = max(1, triton.cdiv(S, block_s * iters))
+    tiles_n = max(1, triton.cdiv(N, block_n))
+    grid = (max(1, B * tiles_s * tiles_n),)  # >= 1 program: program 0 writes scale_inv
+    return dict(BLOCK_S=block_s, BLOCK_N=block_n, ITERS=iters), tiles_s, tiles_n, grid
+
+
+def _n_out(n_in: int, kind: str) -> int:
+    return n_in // 2 if kind == "swiglu" else n_in
+
+
+def _launch_fwd(x, kind, bias, y, y_t, scale, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False):
+    n = _n_out(x.shape[-1], kind)
+    B, S = _geometry(x, n, transpose)
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
+    _act_fwd_kernel[grid](
+        x,
+        bias if bias is not None else x,
+        y if y is not None else x,
+        y_t if y_t is not None else (y if y is not None else x),
+        scale if scale is not None else amax,
+        amax,
+        scale_inv,
+        S if x.numel() else 0,
+        n,
+        tiles_s,
+        tiles_n,
+        float(2.0**margin),
+        KIND=kind,
+        HAS_BIAS=bias is not None,
+        MODE=mode,
+        WITH_T=y_t is not None,
+        FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
+        POWER_OF_2=power_of_2,
+        num_warps=NUM_WARPS,
+        **meta,
+    )
+
+
+def _launch_bwd(dy, x, kind, bias, dx, dx_t, dbias_parts, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False):
+    n = dy.shape[-1]
+    B, S = _geometry(dy, n, transpose)
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
+    _act_bwd_kernel[grid](
+        dy,
+        x,
+        bias if bias is not None else dy,
+        dx if dx is not None else dy,
+        dx_t if dx_t is not None else dy,
+        dbias_parts if dbias_parts is not None else amax,
+        amax,
+        scale_inv,
+        S if dy.numel() else 0,
+        n,
+        tiles_s,
+        tiles_n,
+        float(2.0**margin),
+        KIND=kind,
+        HAS_BIAS=bias is not None,
+        MODE=mode,
+        WITH_T=dx_t is not None,
+        DBIAS=dbias_parts is not None,
+        FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
+        POWER_OF_2=power_of_2,
+        num_warps=NUM_WARPS,
+        **meta,
+    )
+    return B * tiles_s
+
+
+def _out_shape(x: torch.Tensor, kind: str):
+    return (*x.shape[:-1], _n_out(x.shape[-1], kind))
+
+
+def _t_shape(shape):
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
+def _contig(t):
+    return None if t is None else t.contiguous()
+
+
+def _act_fwd_triton(x, kind, bias=None, out_dtype=None):
+    """act(x + bias) in out_dtype (default x.dtype; float32 gives the kernel's registers unrounded)."""
+    x, bias = x.contiguous(), _contig(bias)
+    y = torch.empty(_out_shape(x, kind), dtype=out_dtype or x.dtype, device=x.device)
+    unused = torch.empty((), dtype=torch.float32, device=x.device)
+    _launch_fwd(x, kind, bias, y, None, None, unused, unused, mode="hp", transpose=False)
+    return y
+
+
+def _act_fp8_triton(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    x, bias = x.contiguous(), _contig(bias)
+    shape = _out_shape(x, kind)
+    data = torch.empty(shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    _launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False)
+    _launch_fwd(
+        x, kind, bias, data, data_t if with_transpose else None, None, amax, scale_inv,
+        mode="current", transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+    )  # fmt: skip
+    return data, data_t, scale_inv, amax
+
+
+def _act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_transpose=False):
+    x, bias = x.contiguous(), _contig(bias)
+    shape = _out_shape(x, kind)
+    data = torch.empty(shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    _launch_fwd(
+        x, kind, bias, data, data_t if with_transpose else None, scale.reshape(1).float(), amax, scale_inv,
+        mode="delayed", transpose=with_transpose, fp8_dtype=fp8_dtype,
+    )  # fmt: skip
+    return data, data_t, scale_inv, amax
+
+
+def _act_bwd_triton(dy, x, kind, bias=None, out_dtype=None):
+    dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
+    dx = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    unused = torch.empty((), dtype=torch.float32, device=x.device)
+    _launch_bwd(dy, x, kind, bias, dx, None, None, unused, unused, mode="hp", transpose=False)
+    return dx
+
+
+def _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+    dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
+    n_in = x.shape[-1]
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty(_t_shape(x.shape), dtype=fp8_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    # Pass 1 (row-wise tiles, no transpose): amax and per-program dbias partials, summed below.
+    _, tiles_s, _, _ = _tiles(*_geometry(dy, dy.shape[-1], False), dy.shape[-1], False, iterate=True)
+    parts = torch.empty((tiles_s, n_in), dtype=torch.float32, device=x.device)
+    _launch_bwd(dy, x, kind, bias, None, None, parts, amax, scale_inv, mode="amax", transpose=False)
+    _launch_bwd(
+        dy, x, kind, bias, data, data_t, None, amax, scale_inv,
+        mode="current", transpose=True, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+    )  # fmt: skip
+    dbias = parts.sum(0).to(dy.dtype)
+    return data, data_t, scale_inv, amax, dbias
+
+
+def _dbias_cast_transpose_triton(dy, fp8_dtype, margin=0, power_of_2=False):
+    return _dact_dbias_cast_transpose_triton(dy, dy, "identity", None, fp8_dtype, margin, power_of_2)
+
+
+# ---- input checks -----------------------------------------------------------------------------------
+
+
+def _check(op, x, kind, bias, *, dy=None, transpose=False):
+    check_hp_input(x, op)
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"{op}: unknown activation kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    if x.dim() < (2 if transpose else 1):
+        need = "at least 2 dims (..., M, N) to transpose" if transpose else "at least 1 dim"
+        raise ValueError(f"{op}: x must have {need}, got shape {tuple(x.shape)}")
+    n_in = x.shape[-1]
+    if kind == "swiglu" and n_in % 2:
+        raise ValueError(
+            f"{op}: swiglu takes x (..., 2H) = [gate | linear] and needs an even last dim, got shape {tuple(x.shape)}"
+        )
+    if bias is not None:
+        check_hp_input(bias, op, "bias")
+        if tuple(bias.shape) != (n_in,):
+            raise ValueError(
+                f"{op}: bias has shape {tuple(bias.shape)} but x has shape {tuple(x.shape)}; bias must be ({n_in},)"
+            )
+        if bias.device != x.device:
+            raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
+    if dy is not None:
+        check_hp_input(dy, op, "dy")
+        want = _out_shape(x, kind)
+        if tuple(dy.shape) != tuple(want):
+            raise ValueError(
+                f"{op}: dy has shape {tuple(dy.shape)} but x has shape {tuple(x.shape)}; "
+                f"for {kind} dy must be {tuple(want)}"
+            )
+        if dy.device != x.device:
+            raise ValueError(f"{op}: dy is on {dy.device} but x is on {x.device}")
+
+
+# ---- custom ops -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("float8::act_fwd", mutates_args=())
+def act_fwd(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(x + bias) in x.dtype; (..., N) -> (..., N), or (..., 2H) -> (..., H) for swiglu."""
+    _check("act_fwd", x, kind, bias)
+    if x.device.type == "cuda":
+        return _act_fwd_triton(x, kind, bias)
+    return act_fwd_ref(x, kind, bias)
+
+
+@act_fwd.register_fake
+def _(x, kind, bias=None):
+    _check("act_fwd", x, kind, bias)
+    return x.new_empty(_out_shape(x, kind))
+
+
+def _fp8_fake(x, kind, fp8_dtype, with_transpose):
+    shape = _out_shape(x, kind)
+    return (
+        x.new_empty(shape, dtype=fp8_dtype),
+        x.new_empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("float8::act_fp8", mutates_args=())
+def act_fp8(
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """act(x + bias) quantized with current per-tensor scaling: (data, data_t, scale_inv, amax).
+
+    data (..., N) fp8; data_t (..., N, M) fp8 if with_transpose, else an empty (0,) fp8 tensor;
+    scale_inv () fp32; amax () fp32 = max|act(x + bias)|.
+    """
+    _check("act_fp8", x, kind, bias, transpose=with_transpose)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "act_fp8")
+    if x.device.type == "cuda":
+        return _act_fp8_triton(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
+    return act_fp8_ref(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+@act_fp8.register_fake
+def _(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    _check("act_fp8", x, kind, bias, transpose=with_transpose)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "act_fp8")
+    return _fp8_fake(x, kind, fp8_dtype, with_transpose)
+
+
+@torch.library.custom_op("float8::act_fp8_scaled", mutates_args=())
+def act_fp8_scaled(
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """act(x + bias) cast with a given one-element fp32 scale: (data, data_t, scale_inv = 1/scale, amax)."""
+    _check("act_fp8_scaled", x, kind, bias, transpose=with_transpose)
+    check_scale(scale, x, "act_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    if x.device.type == "cuda":
+        return _act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_transpose)
+    return act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose)
+
+
+@act_fp8_scaled.register_fake
+def _(x, kind, bias, scale, fp8_dtype, with_transpose=False):
+    _check("act_fp8_scaled", x, kind, bias, transpose=with_transpose)
+    check_scale(scale, x, "act_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    return _fp8_fake(x, kind, fp8_dtype, with_transpose)
+
+
+@torch.library.custom_op("float8::act_bwd", mutates_args=())
+def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dx = dy * act'(x + bias) in x.dtype, x's shape (2H columns for swiglu)."""
+    _check("act_bwd", x, kind, bias, dy=dy)
+    if x.device.type == "cuda":
+        return _act_bwd_triton(dy, x, kind, bias)
+    return act_bwd_ref(dy, x, kind, bias)
+
+
+@act_bwd.register_fake
+def _(dy, x, kind, bias=None):
+    _check("act_bwd", x, kind, bias, dy=dy)
+    return x.new_empty(x.shape)
+
+
+def _dbias_fake(x, dy, fp8_dtype):
+    return (
+        x.new_empty(x.shape, dtype=fp8_dtype),
+        x.new_empty(_t_shape(x.shape), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((x.shape[-1],), dtype=dy.dtype),
+    )
+
+
+@torch.library.custom_op("float8::dact_dbias_cast_transpose", mutates_args=())
+def dact_dbias_cast_transpose(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused activation backward: dx = dy * act'(x + bias), quantized (current scaling), both layouts.
+
+    Returns (dx_data (..., M, N_IN) fp8, dx_data_t (..., N_IN, M) fp8, scale_inv () fp32,
+    amax () fp32 = max|dx|, dbias (N_IN,) in dy.dtype = float32 row sums of dx).
+    """
+    _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
+    if x.device.type == "cuda":
+        return _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin, power_of_2)
+    return dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, power_of_2)
+
+
+@dact_dbias_cast_transpose.register_fake
+def _(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+    _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
+    return _dbias_fake(x, dy, fp8_dtype)
+
+
+@torch.library.custom_op("float8::dbias_cast_transpose", mutates_args=())
+def dbias_cast_transpose(
+    dy: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bias's backward fused with the quantization of dy: (data, data_t, scale_inv, amax, dbias = dy row sums)."""
+    _check("dbias_cast_transpose", dy, "identity", None, transpose=True)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "dbias_cast_transpose")
+    if dy.device.type == "cuda":
+        return _dbias_cast_transpose_triton(dy, fp8_dtype, margin, power_of_2)
+    return dbias_cast_transpose_ref(dy, fp8_dtype, margin, power_of_2)
+
+
+@dbias_cast_transpose.register_fake
+def _(dy, fp8_dtype, margin=0, power_of_2=False):
+    _check("dbias_cast_transpose", dy, "identity", None, transpose=True)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "dbias_cast_transpose")
+    return _dbias_fake(dy, dy, fp8_dtype)
+
+
+# ---- references: pure torch, float32, the kernels' formulas op for op -------------------------------
+
+
+def _v_ref(x, bias):
+    v = x.float()
+    return v + bias.float() if bias is not None else v
+
+
+def _logistic_ref(u):
+    t = torch.exp(-u.abs())
+    q = 1.0 + t
+    pos = u >= 0.0
+    return torch.where(pos, 1.0, t) / q, torch.where(pos, t, 1.0) / q
+
+
+def _silu_ref(v):
+    t = torch.exp(-v.abs())
+    return torch.where(v >= 0.0, v, v * t) / (1.0 + t)
+
+
+def _dsilu_ref(v):
+    s, c = _logistic_ref(v)
+    return s * (1.0 + v * c)
+
+
+def act_ref_fp32(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(x + bias) in float32, unrounded: what the FP8 kernels quantize."""
+    v = _v_ref(x, bias)
+    if kind == "relu":
+        return torch.where(v < 0.0, 0.0, v)
+    if kind == "gelu":
+        return 0.5 * v * (1.0 + torch.erf(v * SQRT1_2))
+    if kind == "gelu_tanh":
+        w = 2.0 * (TANH_BETA * (v + TANH_KAPPA * v * v * v))
+        t = torch.exp(-w.abs())
+        return torch.where(w >= 0.0, v, v * t) / (1.0 + t)
+    if kind == "silu":
+        return _silu_ref(v)
+    if kind == "swiglu":
+        h = v.shape[-1] // 2
+        return _silu_ref(v[..., :h]) * v[..., h:]
+    return v.clone()  # identity: never an alias of x
+
+
+def dact_ref_fp32(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dy * act'(x + bias) in float32, unrounded: what the fused backward quantizes."""
+    g = dy.float()
+    if kind == "identity":
+        return g.clone()  # never an alias of dy
+    v = _v_ref(x, bias)
+    if kind == "relu":
+        return torch.where(v <= 0.0, 0.0, g)
+    if kind == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(v * SQRT1_2))
+        pdf = torch.exp(-0.5 * v * v) * INV_SQRT_2PI
+        return g * (cdf + v * pdf)
+    if kind == "gelu_tanh":
+        w = 2.0 * (TANH_BETA * (v + TANH_KAPPA * v * v * v))
+        s, c = _logistic_ref(w)
+        dw = 2.0 * (TANH_BETA * (1.0 + TANH_KAPPA3 * v * v))
+        return g * (s + v * (s * c * dw))
+    if kind == "silu":
+        return g * _dsilu_ref(v)
+    h = v.shape[-1] // 2  # swiglu
+    a, b = v[..., :h], v[..., h:]
+    return torch.cat([(g * b) * _dsilu_ref(a), g * _silu_ref(a)], dim=-1)
+
+
+def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return act_ref_fp32(x, kind, bias).to(x.dtype)
+
+
+def _quantize_ref(y, fp8_dtype, margin, power_of_2, with_transpose):
+    amax = amax_ref(y)
+    scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
+    data = cast_to_fp8_ref(y, scale, fp8_dtype)
+    data_t = data.transpose(-2, -1).contiguous() if with_transpose else data.new_empty((0,))
+    return data, data_t, scale.reciprocal(), amax
+
+
+def act_fp8_ref(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    return _quantize_ref(act_ref_fp32(x, kind, bias), fp8_dtype, margin, power_of_2, with_transpose)
+
+
+def act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose=False):
+    y = act_ref_fp32(x, kind, bias)
+    scale = scale.reshape(()).float()
+    data = cast_to_fp8_ref(y, scale, fp8_dtype)
+    data_t = data.transpose(-2, -1).contiguous() if with_transpose else data.new_empty((0,))
+    return data, data_t, scale.reciprocal(), amax_ref(y)
+
+
+def act_bwd_ref(dy, x, kind, bias=None):
+    return dact_ref_fp32(dy, x, kind, bias).to(x.dtype)
+
+
+def dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+    dx = dact_ref_fp32(dy, x, kind, bias)
+    data, data_t, scale_inv, amax = _quantize_ref(dx, fp8_dtype, margin, power_of_2, True)
+    dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype)
+    return data, data_t, scale_inv, amax, dbias
+
+
+def dbias_cast_transpose_ref(dy, fp8_dtype, margin=0, power_of_2=False):
+    return dact_dbias_cast_transpose_ref(dy, dy, "identity", None, fp8_dtype, margin, power_of_2)

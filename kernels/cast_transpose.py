@@ -1,0 +1,223 @@
+"""cast_transpose: the per-tensor FP8 cast writing both layouts in one pass over x.
+
+cast_transpose(x, scale, fp8_dtype) -> (data, data_t, scale_inv, amax)
+quantize_transpose_tensorwise(x, fp8_dtype, margin, power_of_2) -> (data, data_t, scale_inv, amax)
+
+x is (..., M, K): leading dims are a batch. data is (..., M, K) and data_t (..., K, M), both contiguous:
+the two layouts an FP8 GEMM needs in forward and backward. Each program casts one (BLOCK_M, BLOCK_K)
+tile and stores it twice, the second time through tl.trans, so both stores are row-wise coalesced.
+x may have any strides (a transposed weight is read in place). 4 bytes/element for bf16 input; the
+current-scaling version adds the amax pass of kernels/amax.py (6 bytes/element).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .amax import launch_amax
+from .common import (
+    abs_bits,
+    atomic_amax,
+    check_hp_input,
+    check_scale,
+    check_scaling_args,
+    clamp_keep_nan,
+    scale_from_amax,
+)
+from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max, scale_from_amax as scale_from_amax_ref
+
+# Per input element size. (64, 128) tiles: 256 B row segments read (bf16), 128 B / 64 B written. For
+# 16-bit inputs TRANS_INPUT transposes the input tile (ldmatrix.trans) rather than the FP8 one (byte-wise
+# shared-memory stores). Not measured yet: `python -m float8.bench.kernels --sweep` compares variants.
+CONFIGS = {
+    2: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=True),
+    4: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=False),
+}
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr,  # (B, M, K) hp, any strides
+    scale_ptr,  # (1,) fp32: the scale (CURRENT=False) ...
+    amax_ptr,  # () fp32: ... or the amax to take it from (CURRENT=True); else max|x| is folded in here
+    data_ptr,  # (B, M, K) fp8, contiguous
+    data_t_ptr,  # (B, K, M) fp8, contiguous
+    scale_inv_ptr,  # () fp32
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    tiles_m,
+    tiles_k,
+    margin_div,  # 2.0**margin (CURRENT only)
+    FP8_MAX: tl.constexpr,
+    CURRENT: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TRANS_INPUT: tl.constexpr,
+):
+    # One flat grid (no 65535 limit on the batch): pid -> (batch, tile row, tile column).
+    pid = tl.program_id(0)
+    b = pid // (tiles_m * tiles_k)
+    t = pid % (tiles_m * tiles_k)
+    rows = (t // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (t % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    b64 = b.to(tl.int64)
+
+    x_tile = x_ptr + b64 * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk
+    x_in = tl.load(x_tile, mask=mask, other=0.0)
+    x = x_in.to(tl.float32)
+    if CURRENT:
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+    else:
+        scale = tl.load(scale_ptr)
+    y = clamp_keep_nan(x * scale, FP8_MAX).to(data_ptr.dtype.element_ty)
+    if TRANS_INPUT:
+        # Transpose the input tile and cast it again: 16-bit shared-memory traffic instead of 8-bit.
+        y_t = clamp_keep_nan(tl.trans(x_in).to(tl.float32) * scale, FP8_MAX).to(data_ptr.dtype.element_ty)
+    else:
+        y_t = tl.trans(y)
+
+    mk = b64 * M * K
+    tl.store(data_ptr + mk + rows[:, None].to(tl.int64) * K + cols[None, :], y, mask=mask)
+    # (BLOCK_K, BLOCK_M): row c of the tile lands in row c of data_t, contiguous along M.
+    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+    tl.store(data_t_ptr + mk + cols[:, None].to(tl.int64) * M + rows[None, :], y_t, mask=mask_t)
+    if WITH_AMAX:
+        atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False, amax_out=None, config=None):
+    cfg = CONFIGS[x.element_size()] if config is None else config
+    *batch, M, K = x.shape
+    B = math.prod(batch)
+    x3 = x.reshape(B, M, K)  # a view when the batch dims merge, else a contiguous copy
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty((*batch, K, M), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    tiles_m = max(1, triton.cdiv(M, cfg["BLOCK_M"]))
+    tiles_k = max(1, triton.cdiv(K, cfg["BLOCK_K"]))
+    amax_arg = scale_or_amax if current else amax_out
+    _cast_transpose_kernel[(max(1, B * tiles_m * tiles_k),)](  # >= 1 program: program 0 writes scale_inv
+        x3,
+        scale_or_amax,
+        amax_arg if amax_arg is not None else scale_inv,  # unused when neither
+        data,
+        data_t,
+        scale_inv,
+        M if x.numel() else 0,  # empty x: one program, everything masked
+        K,
+        x3.stride(0),
+        x3.stride(1),
+        x3.stride(2),
+        tiles_m,
+        tiles_k,
+        float(2.0**margin),
+        FP8_MAX=fp8_max(fp8_dtype),
+        CURRENT=current,
+        POWER_OF_2=power_of_2,
+        WITH_AMAX=(not current) and amax_out is not None,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=cfg["BLOCK_K"],
+        TRANS_INPUT=cfg["TRANS_INPUT"],
+        num_warps=cfg["num_warps"],
+    )
+    return data, data_t, scale_inv
+
+
+def _cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, config=None):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    data, data_t, scale_inv = _launch(x, scale, fp8_dtype, current=False, amax_out=amax, config=config)
+    return data, data_t, scale_inv, amax
+
+
+def _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=False, config=None):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    # The amax pass wants a flat contiguous x; a strided x is read as is by the second pass.
+    launch_amax(x if x.is_contiguous() else x.contiguous(), amax)
+    data, data_t, scale_inv = _launch(
+        x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2, config=config
+    )
+    return data, data_t, scale_inv, amax
+
+
+def _check_2d(x, op):
+    check_hp_input(x, op)
+    if x.dim() < 2:
+        raise ValueError(f"{op}: x must have at least 2 dims (..., M, K) to transpose, got shape {tuple(x.shape)}")
+
+
+def _t_shape(x):
+    return (*x.shape[:-2], x.shape[-1], x.shape[-2])
+
+
+@torch.library.custom_op("float8::cast_transpose", mutates_args=())
+def cast_transpose(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data (..., M, K), data_t (..., K, M)) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|."""
+    _check_2d(x, "cast_transpose")
+    check_scale(scale, x, "cast_transpose")
+    check_fp8_dtype(fp8_dtype)
+    if x.device.type == "cuda":
+        return _cast_transpose_triton(x, scale, fp8_dtype)
+    return cast_transpose_ref(x, scale, fp8_dtype)
+
+
+@cast_transpose.register_fake
+def _(x, scale, fp8_dtype):
+    _check_2d(x, "cast_transpose")
+    check_scale(scale, x, "cast_transpose")
+    check_fp8_dtype(fp8_dtype)
+    return (
+        x.new_empty(x.shape, dtype=fp8_dtype),
+        x.new_empty(_t_shape(x), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("float8::quantize_transpose_tensorwise", mutates_args=())
+def quantize_transpose_tensorwise(
+    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current per-tensor scaling with both layouts: (data, data_t, scale_inv, amax)."""
+    _check_2d(x, "quantize_transpose_tensorwise")
+    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_transpose_tensorwise")
+    if x.device.type == "cuda":
+        return _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
+    return quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2)
+
+
+@quantize_transpose_tensorwise.register_fake
+def _(x, fp8_dtype, margin=0, power_of_2=False):
+    _check_2d(x, "quantize_transpose_tensorwise")
+    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_transpose_tensorwise")
+    return (
+        x.new_empty(x.shape, dtype=fp8_dtype),
+        x.new_empty(_t_shape(x), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    scale = scale.reshape(()).float()
+    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
+    return data, data.transpose(-2, -1).contiguous(), scale.reciprocal(), amax_ref(x)
+
+
+def quantize_transpose_tensorwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+    amax = amax_ref(x)
+    scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
+    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
+    return data, data.transpose(-2, -1).contiguous(), scale.reciprocal(), amax

@@ -1,0 +1,113 @@
+"""What every kernel here shares: input checks, the device-side scale rule, the saturating cast.
+
+The device helpers are the Triton spelling of `reference.py`; each says where it has to be careful to
+give the reference's bits (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
+
+MAX_MARGIN = 32  # the same bound as float8.recipe: scale / 2**margin stays a normal float32 for any amax
+
+
+# ---- device helpers ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def abs_bits(x):
+    """|x| as int32 bits: for values >= 0, int order == float order, and |NaN| sorts above +inf.
+
+    So an integer max (tl.max on the bits, tl.atomic_max on an int32 view of the output) is a
+    NaN-propagating float max. The float versions are not: tl.max/max.f32 return the non-NaN operand,
+    and Triton's float atomic_max routes val >= 0 / val < 0 to two integer atomics, and NaN is neither.
+    """
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def atomic_amax(amax_ptr, bits):
+    # amax_ptr: () fp32, zero-initialised (+0.0 has bits 0); bits: a scalar from abs_bits + tl.max.
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
+
+
+@triton.jit
+def clamp_keep_nan(v, FP8_MAX: tl.constexpr):
+    """Clamp to +-FP8_MAX, NaN stays NaN: with the RTNE cast after it, the satfinite cast of reference.py.
+
+    Hopper's cvt.rn.satfinite would saturate by itself; clamping here makes the result independent of the
+    backend (and of the interpreter). min/max drop NaN on NVIDIA, hence the where.
+    """
+    c = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    return tl.where(v != v, v, c)
+
+
+@triton.jit
+def scale_from_amax(amax, FP8_MAX: tl.constexpr, margin_div, POWER_OF_2: tl.constexpr):
+    """reference.scale_from_amax on the device, elementwise over an fp32 amax (scalar or block).
+
+    Bit-exact with the reference: `fp8_max / amax` in torch is `amax.reciprocal() * fp8_max` (Tensor.
+    __rtruediv__), so we round twice the same way; division is div.rn.f32 (IEEE), not the `/` of Triton,
+    which is div.full.f32 (2 ulp). margin_div = 2.0**margin, a power of two: dividing is exact.
+    POWER_OF_2 clears the mantissa bits, an exact round-down. The reference's exp2(floor(log2(s)))
+    agrees except where float32 log2 rounds up to an integer (s within ~1e-6 relative below 2**k, |k| >= 15)
+    and at s = FLT_MAX (log2 gives 128.0: the reference returns inf there); see tests/kernels.
+    """
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    scale = tl.math.div_rn(one, amax) * FP8_MAX
+    scale = tl.math.div_rn(scale, margin_div)
+    scale = tl.minimum(scale, 3.4028234663852886e38)  # inf (amax tiny) -> largest float32
+    if POWER_OF_2:
+        # A subnormal scale (huge amax with a margin) has no exponent bits to keep: lift it by 2**64 first.
+        tiny = scale < 1.1754943508222875e-38
+        lifted = tl.where(tiny, scale * 18446744073709551616.0, scale)
+        p = (lifted.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        scale = tl.where(tiny, p * 5.421010862427522e-20, p)
+    good = (amax > 0.0) & (amax < float("inf"))  # NaN fails both
+    return tl.where(good, scale, one)
+
+
+# ---- host helpers -----------------------------------------------------------------------------------
+
+
+def check_hp_input(x, op: str, name: str = "x") -> None:
+    """TypeError unless x is a float32/bfloat16/float16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype in FP8_DTYPES:
+        raise TypeError(
+            f"{op}: {name} is already FP8 ({x.dtype}); it takes a float32, bfloat16 or float16 tensor"
+        )
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_scale(scale, x: torch.Tensor, op: str) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: scale must be a float32 tensor with one element, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: scale must be float32, got {scale.dtype}")
+    if scale.numel() != 1:
+        raise ValueError(f"{op}: scale must hold one element, got shape {tuple(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(f"{op}: scale is on {scale.device} but x is on {x.device}")
+
+
+def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
+    check_fp8_dtype(fp8_dtype)
+    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(f"{op}: margin must be an int in [0, {MAX_MARGIN}], got {margin!r}")
+    if not isinstance(power_of_2, bool):
+        raise TypeError(f"{op}: power_of_2 must be a bool, got {type(power_of_2).__name__}")
+
+
+def margin_div(margin: int) -> float:
+    return float(2.0**margin)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))

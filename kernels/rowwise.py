@@ -1,0 +1,139 @@
+"""quantize_rowwise(x, fp8_dtype, margin, power_of_2) -> (data, scale_inv): one scale per row.
+
+A row is a slice along the last dim; scale_inv has shape x.shape[:-1] + (1,). Each program takes ROWS
+rows: it reduces their amaxes, computes their scales on the device (common.scale_from_amax), casts and
+writes scale_inv. A row that fits in BLOCK_K stays in registers (one read of x); a longer one is read
+twice (amax loop, then cast loop; the second read mostly hits L2).
+
+launch_rowwise is also the (1, C) block kernel of kernels/blockwise.py, on the (-1, C) view of x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import abs_bits, check_hp_input, check_scaling_args, clamp_keep_nan, next_pow2, scale_from_amax
+from .reference import cast_to_fp8_ref, fp8_max, scale_from_amax as scale_from_amax_ref
+
+MAX_SINGLE_K = 8192  # rows up to this long are cast from registers
+LOOP_BLOCK_K = 4096  # column block of the two-pass loop for longer rows
+TILE = 4096  # elements per program (ROWS * BLOCK_K) for short rows
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,  # (R, K) hp, unit column stride, row stride stride_xr
+    data_ptr,  # (R, K) fp8, contiguous
+    scale_inv_ptr,  # (R,) fp32
+    R,
+    K,
+    stride_xr,
+    margin_div,  # 2.0**margin
+    FP8_MAX: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr,  # K <= BLOCK_K: the whole row in registers
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < R
+    cols = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None] * stride_xr
+    d_rows = data_ptr + rows[:, None] * K
+    if SINGLE:
+        mask = row_mask[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)  # (ROWS,)
+        scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+        y = clamp_keep_nan(x * scale[:, None], FP8_MAX)
+        tl.store(d_rows + cols[None, :], y.to(data_ptr.dtype.element_ty), mask=mask)
+    else:
+        bits = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
+        for k in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & (cols[None, :] + k < K)
+            x = tl.load(x_rows + k + cols[None, :], mask=mask, other=0.0)
+            bits = tl.maximum(bits, abs_bits(x))
+        amax = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+        scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+        for k in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & (cols[None, :] + k < K)
+            x = tl.load(x_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = clamp_keep_nan(x * scale[:, None], FP8_MAX)
+            tl.store(d_rows + k + cols[None, :], y.to(data_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_inv_ptr + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=row_mask)
+
+
+def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+    """x2: (R, K). Returns data (R, K) fp8 and scale_inv (R,) fp32."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R, K = x2.shape
+    data = torch.empty((R, K), dtype=fp8_dtype, device=x2.device)
+    scale_inv = torch.empty((R,), dtype=torch.float32, device=x2.device)
+    if R == 0:
+        return data, scale_inv
+    single = K <= max_single_k
+    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
+    rows = max(1, TILE // block_k) if single else 1
+    _rowwise_kernel[(triton.cdiv(R, rows),)](
+        x2,
+        data,
+        scale_inv,
+        R,
+        K,
+        x2.stride(0),
+        float(2.0**margin),
+        FP8_MAX=fp8_max(fp8_dtype),
+        POWER_OF_2=power_of_2,
+        ROWS=rows,
+        BLOCK_K=block_k,
+        SINGLE=single,
+        num_warps=8 if rows * block_k >= 4096 else 4,
+    )
+    return data, scale_inv
+
+
+def _quantize_rowwise_triton(x: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (-1, K) fails for an empty x
+    data, scale_inv = launch_rowwise(x2, fp8_dtype, margin, power_of_2, max_single_k)
+    return data.view(x.shape), scale_inv.view(*x.shape[:-1], 1)
+
+
+def _check(x, fp8_dtype, margin, power_of_2):
+    check_hp_input(x, "quantize_rowwise")
+    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_rowwise")
+    if x.dim() < 1:
+        raise ValueError("quantize_rowwise: x must have at least 1 dim (rows run along the last), got a 0-d tensor")
+
+
+@torch.library.custom_op("float8::quantize_rowwise", mutates_args=())
+def quantize_rowwise(
+    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data (x.shape) fp8, scale_inv x.shape[:-1] + (1,) fp32): one scale per row of the last dim."""
+    _check(x, fp8_dtype, margin, power_of_2)
+    if x.device.type == "cuda":
+        return _quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
+    return quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2)
+
+
+@quantize_rowwise.register_fake
+def _(x, fp8_dtype, margin=0, power_of_2=False):
+    _check(x, fp8_dtype, margin, power_of_2)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def rowwise_amax_ref(x: torch.Tensor) -> torch.Tensor:
+    """max|x| along the last dim, keepdim, float32; NaN-propagating; 0 for empty rows."""
+    if x.shape[-1] == 0:
+        return torch.zeros((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    return x.float().abs().amax(dim=-1, keepdim=True)
+
+
+def quantize_rowwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+    scale = scale_from_amax_ref(rowwise_amax_ref(x), fp8_dtype, margin, power_of_2)
+    return cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype), scale.reciprocal()

@@ -1,0 +1,60 @@
+"""Attention over a packed QKV activation, in high precision through F.scaled_dot_product_attention
+(FlashAttention on Hopper for bf16/fp16): causal or no mask, grouped KV heads.
+
+Input (tokens, (heads + 2 * kv_heads) * head_dim), laid out [q | k | v]; output (tokens, heads * head_dim).
+The token dims (batch, sequence) come from the Sequential's input shape (..., batch, seq, features).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from float8.ops.base import BasicOp, OpContext, plain
+
+
+class Attention(BasicOp):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int = None, causal: bool = True):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.head_dim, self.num_kv_heads, self.causal = num_heads, head_dim, num_kv_heads, causal
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"
+
+    def _sdpa(self, qkv, lead):
+        if len(lead) < 2:
+            raise ValueError(f"Attention needs input (..., batch, seq, features), got token dims {tuple(lead)}")
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        expected = (h + 2 * hk) * d
+        if qkv.shape[-1] != expected:
+            raise ValueError(
+                f"Attention(heads={h}, kv_heads={hk}, head_dim={d}) needs {expected} features, got {qkv.shape[-1]}"
+            )
+        b, s = int(torch.tensor(lead[:-1]).prod()) if len(lead) > 1 else 1, lead[-1]
+        x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
+        q, k, v = x.split([h, hk, hk], dim=1)
+        if hk != h:
+            k = k.repeat_interleave(h // hk, dim=1)
+            v = v.repeat_interleave(h // hk, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return o.transpose(1, 2).reshape(b * s, h * d)
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        if not ctx.run.grad:
+            return self._sdpa(plain(x), tuple(ctx.run.lead))
+        # Grad mode is off inside the Sequential's autograd Function: record SDPA's own small graph on a
+        # detached leaf, and differentiate it in op_backward.
+        qkv = plain(x).detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._sdpa(qkv, tuple(ctx.run.lead))
+        ctx.saved = (qkv, out)
+        return out.detach()
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        qkv, out = ctx.saved
+        ctx.saved = None
+        (dqkv,) = torch.autograd.grad(out, qkv, plain(dy))
+        return dqkv, []

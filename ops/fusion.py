@@ -1,0 +1,105 @@
+"""Fusions are data: (pattern of op types -> fused unit), walked by one matcher, forward and backward apart.
+
+A unit covers one or more consecutive basic ops. It runs with the OpContext of each op it covers, so a
+fused forward can pair with an unfused backward and vice versa (tests run every combination against the
+unfused ops). Each fused unit has a guard, `can_fuse(ops)`.
+
+Forward:
+  Linear + Bias          bias added in the GEMM epilogue (cuBLASLt), no separate pass
+  Bias + Activation      one kernel: act(x + bias), written as FP8 when the next op wants FP8
+Backward:
+  Bias + Activation      one kernel: dact, dbias and the FP8 cast-transpose of the gradient
+Single ops fuse with their neighbours through requests (ops/base.py): a norm or activation writes FP8
+for the Linear after it; Bias and activation backwards write the FP8 gradient the Linear before wants.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from float8.ops.activations import Activation
+from float8.ops.base import BasicOp, OpContext
+from float8.ops.bias import Bias
+from float8.ops.linear import Linear
+
+
+class Unit:
+    """One basic op, run as it is."""
+
+    def __init__(self, ops: Sequence[BasicOp]):
+        self.ops = list(ops)
+
+    @staticmethod
+    def can_fuse(ops) -> bool:
+        return len(ops) == 1
+
+    def forward(self, ctxs: List[OpContext], x, out_request):
+        return self.ops[0].op_forward(ctxs[0], x, out_request)
+
+    def backward(self, ctxs: List[OpContext], dy, dx_request):
+        dx, grads = self.ops[0].op_backward(ctxs[0], dy, dx_request)
+        return dx, [grads]
+
+
+class LinearBiasForward(Unit):
+    @staticmethod
+    def can_fuse(ops) -> bool:
+        linear, bias = ops
+        return linear.bias is None or linear.bias is bias.bias
+
+    def forward(self, ctxs, x, out_request):
+        linear, bias = self.ops
+        return linear.op_forward(ctxs[0], x, None, bias=bias.bias)
+
+
+class BiasActivationForward(Unit):
+    @staticmethod
+    def can_fuse(ops) -> bool:
+        bias, act = ops
+        return True
+
+    def forward(self, ctxs, x, out_request):
+        bias, act = self.ops
+        from float8.ops.base import plain
+
+        x = plain(x)
+        if x.shape[-1] != bias.bias.shape[0]:
+            raise ValueError(f"Bias of shape {tuple(bias.bias.shape)} cannot add to input of shape {tuple(x.shape)}")
+        return act.activation_forward(ctxs[1], x, out_request, bias=bias.bias.to(x.dtype))
+
+
+class BiasActivationBackward(Unit):
+    @staticmethod
+    def can_fuse(ops) -> bool:
+        return True
+
+    def backward(self, ctxs, dy, dx_request):
+        bias, act = self.ops
+        dx, dbias = act.activation_backward(ctxs[1], dy, dx_request, want_dbias=True)
+        return dx, [[dbias.to(bias.bias.dtype)], []]
+
+
+FORWARD_FUSIONS = [
+    ((Linear, Bias), LinearBiasForward),
+    ((Bias, Activation), BiasActivationForward),
+]
+BACKWARD_FUSIONS = [
+    ((Bias, Activation), BiasActivationBackward),
+]
+
+
+def match(ops: Sequence[BasicOp], fusions, enabled: bool = True) -> List[tuple]:
+    """Split `ops` into units: [(first index, unit)], trying each pattern in order at each position."""
+    units, i = [], 0
+    while i < len(ops):
+        for pattern, unit_cls in fusions if enabled else ():
+            window = ops[i : i + len(pattern)]
+            if len(window) == len(pattern) and all(isinstance(o, t) for o, t in zip(window, pattern)):
+                if unit_cls.can_fuse(window):
+                    units.append((i, unit_cls(window)))
+                    i += len(pattern)
+                    break
+        else:
+            units.append((i, Unit(ops[i : i + 1])))
+            i += 1
+    return units

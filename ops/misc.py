@@ -1,0 +1,133 @@
+"""Small ops: Quantize, Identity, Reshape, Dropout, and the residual pair (branch out / add back)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from float8 import Float8Tensor
+from float8.ops.base import BasicOp, OpContext, plain
+
+
+class Quantize(BasicOp):
+    """Make the activation FP8 here (and its gradient FP8 on the way back, if `backward=True`).
+
+    With a Linear next, the cast uses what the Linear asks for (format, scaling, transpose); otherwise the
+    op's recipe decides (forward format, per-tensor current scaling). The backward passes the gradient
+    through unchanged in value; with backward=True it is quantized (and dequantized, unless the op before
+    wants FP8) so the gradient carries FP8 rounding like the forward activation.
+    """
+
+    def __init__(self, forward: bool = True, backward: bool = False, recipe=None):
+        super().__init__()
+        self.quantize_forward, self.quantize_backward = forward, backward
+        self.set_recipe(recipe)
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        if not self.quantize_forward or isinstance(x, Float8Tensor):
+            return x
+        if out_request is not None:
+            return out_request.quantize(x)
+        return Float8Tensor.quantize(x, self.recipe.format.forward_dtype)
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        if not self.quantize_backward or isinstance(dy, Float8Tensor):
+            return dy, []
+        if dx_request is not None:
+            return dx_request.quantize(dy), []
+        return Float8Tensor.quantize(dy, self.recipe.format.backward_dtype).dequantize(), []
+
+
+class Identity(BasicOp):
+    def op_forward(self, ctx, x, out_request=None):
+        return x
+
+    def op_backward(self, ctx, dy, dx_request=None):
+        return dy, []
+
+
+class Reshape(BasicOp):
+    """Reshape the activation (all of its dims, like torch.reshape); -1 infers one dim."""
+
+    def __init__(self, shape: Sequence[int]):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape}"
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        x = plain(x)
+        logical = tuple(ctx.run.lead) + (x.shape[-1],)
+        try:
+            y = x.reshape(logical).reshape(self.shape)
+        except RuntimeError as e:
+            raise ValueError(f"Reshape{self.shape} cannot reshape an activation of shape {logical}: {e}") from None
+        ctx.logical = logical
+        ctx.run.lead = tuple(y.shape[:-1])
+        return y.reshape(-1, y.shape[-1]) if y.dim() > 0 else y.reshape(1, 1)
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        dy = plain(dy)
+        return dy.reshape(-1, ctx.logical[-1]), []
+
+
+class Dropout(BasicOp):
+    def __init__(self, p: float = 0.1):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        x = plain(x)
+        if not self.training or self.p == 0:
+            ctx.mask = None
+            return x
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p
+        ctx.mask = keep
+        return x * keep.to(x.dtype) * (1.0 / (1 - self.p))
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        dy = plain(dy)
+        if ctx.mask is None:
+            return dy, []
+        mask, ctx.mask = ctx.mask, None
+        return dy * mask.to(dy.dtype) * (1.0 / (1 - self.p)), []
+
+
+class Residual(BasicOp):
+    """Branch out: remember the activation here; the matching AddResidual adds it back. Pairs nest."""
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        x = plain(x)
+        ctx.run.residuals.append(x)
+        return x
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        if not ctx.run.residual_grads:
+            raise RuntimeError("Residual without a matching AddResidual after it")
+        return plain(dy) + ctx.run.residual_grads.pop(), []
+
+
+class AddResidual(BasicOp):
+    """Add back the activation remembered by the matching Residual (the nearest one still open)."""
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        if not ctx.run.residuals:
+            raise ValueError("AddResidual needs a Residual op before it in the same Sequential")
+        r = ctx.run.residuals.pop()
+        x = plain(x)
+        if r.shape != x.shape:
+            raise ValueError(f"AddResidual: the branch has shape {tuple(x.shape)}, the residual {tuple(r.shape)}")
+        return x + r
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        dy = plain(dy)
+        ctx.run.residual_grads.append(dy)
+        return dy, []

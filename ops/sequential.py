@@ -1,0 +1,173 @@
+"""Sequential: ops run inside one autograd Function, so forward and backward fuse across ops.
+
+Activations travel as 2-D (tokens, features) tensors between ops; the token dims of the input are kept
+in the run state and restored on the output. A plain nn.Module inside a Sequential runs as it is, with
+ordinary autograd, and is a fusion boundary.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional
+
+import torch
+
+from float8 import Float8Tensor, Recipe
+from float8.ops.base import BasicOp, OpContext, RunState
+from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
+from float8.ops.linear import Linear
+
+
+class Float8PrecisionWarning(UserWarning):
+    """FP8 ops fed float32 activations: everything but the GEMMs then runs, and is stored, in float32."""
+
+
+def _check_precision(x: torch.Tensor, ops) -> None:
+    if x.dtype == torch.float32 and any(isinstance(o, Linear) for o in ops):
+        warnings.warn(
+            "float32 activations are reaching FP8 ops: only the GEMMs run in FP8; norms, activations, "
+            "attention and the saved tensors stay float32 (twice the memory traffic of bfloat16, and slower "
+            "than a plain bfloat16 model). Cast the model and inputs to bfloat16 (model.to(torch.bfloat16)) "
+            "or run under torch.autocast('cuda', torch.bfloat16); keep fp32 master weights in the optimizer "
+            "if you need them.",
+            Float8PrecisionWarning,
+            stacklevel=3,
+        )
+
+
+class _Runner:
+    """One forward and its backward over a list of basic ops."""
+
+    def __init__(self, ops: List[BasicOp], fuse: bool, grad: bool, lead, input_requires_grad: bool):
+        self.ops, self.fuse = ops, fuse
+        self.run = RunState(grad, lead)
+        self.ctxs = [OpContext(self.run, input_requires_grad if i == 0 else True) for i in range(len(ops))]
+
+    def forward(self, x):
+        ops, grad = self.ops, self.run.grad
+        units = match(ops, FORWARD_FUSIONS, self.fuse)
+        for k, (i, unit) in enumerate(units):
+            nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
+            request = nxt.input_request(grad) if nxt is not None else None
+            x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
+        return x
+
+    def backward(self, dy):
+        ops = self.ops
+        grads = [None] * len(ops)
+        for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
+            prev = ops[i - 1] if i > 0 else None
+            request = prev.grad_request() if prev is not None else None
+            dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
+            grads[i : i + len(unit.ops)] = unit_grads
+        flat = []
+        for op, op_grads in zip(ops, grads):
+            n = len(op.op_params())
+            flat.extend((list(op_grads or []) + [None] * n)[:n])
+        return dy, flat
+
+
+class _RunFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, runner, *params):
+        ctx.runner = runner
+        ctx.x_dtype = x.dtype
+        return runner.forward(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        runner, ctx.runner = ctx.runner, None
+        dx, grads = runner.backward(dy)
+        if isinstance(dx, Float8Tensor):
+            dx = dx.dequantize()
+        if not ctx.needs_input_grad[0]:
+            dx = None
+        elif dx is not None and dx.dtype != ctx.x_dtype:
+            dx = dx.to(ctx.x_dtype)
+        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])]
+        return (dx, None, *grads)
+
+
+def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+    """Run basic ops on x (..., features): one autograd node for all of them."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"ops take a tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
+    lead = tuple(x.shape[:-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    params = [p for op in ops for p in op.op_params()]
+    grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    runner = _Runner(ops, fuse, grad, lead, x.requires_grad)
+    if grad:
+        y = _RunFunction.apply(x2, runner, *params)
+    else:
+        y = runner.forward(x2)
+    return y.reshape(*runner.run.lead, y.shape[-1])
+
+
+class Sequential(torch.nn.Module):
+    """Ops in order, fused. Indexable and iterable like nn.Sequential; `recipe` applies to ops without one."""
+
+    def __init__(self, *ops: torch.nn.Module, recipe: Optional[Recipe] = None, fuse: bool = True):
+        super().__init__()
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a float8.Recipe, got {type(recipe).__name__}")
+        for i, op in enumerate(ops):
+            if not isinstance(op, torch.nn.Module):
+                raise TypeError(f"Sequential takes ops or nn.Modules; item {i} is a {type(op).__name__}")
+        self.ops = torch.nn.ModuleList(ops)
+        self.recipe, self.fuse = recipe, fuse
+        for op in ops:
+            if isinstance(op, BasicOp):
+                op.set_recipe(recipe)
+        _check_residual_pairs(ops)
+
+    def __getitem__(self, i):
+        return Sequential(*self.ops[i], recipe=self.recipe, fuse=self.fuse) if isinstance(i, slice) else self.ops[i]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    def _segments(self):
+        """Runs of basic ops (expanded: Linear with bias is Linear + Bias) between plain modules."""
+        segment = []
+        for op in self.ops:
+            if isinstance(op, BasicOp):
+                segment.extend(op.expand())
+            else:
+                if segment:
+                    yield segment
+                    segment = []
+                yield op
+        if segment:
+            yield segment
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for seg in self._segments():
+            if isinstance(seg, list):
+                _check_precision(x, seg)
+                x = run_ops(seg, x, self.fuse)
+            else:
+                x = seg(x)
+        return x
+
+
+def _check_residual_pairs(ops) -> None:
+    from float8.ops.misc import AddResidual, Residual
+
+    depth = 0
+    for i, op in enumerate(ops):
+        if not isinstance(op, BasicOp) and depth:
+            raise ValueError(
+                f"item {i} ({type(op).__name__}) is a plain module inside a Residual/AddResidual pair; "
+                "a residual cannot cross a fusion boundary: wrap the module's work in ops, or move the pair"
+            )
+        depth += isinstance(op, Residual) - isinstance(op, AddResidual)
+        if depth < 0:
+            raise ValueError(f"AddResidual at item {i} has no Residual before it")
+    if depth:
+        raise ValueError(f"{depth} Residual op(s) without a matching AddResidual")

@@ -1,0 +1,23 @@
+"""Test-wide setup: the Triton interpreter on CPU-only machines, and the `gpu` marker.
+
+Without CUDA, TRITON_INTERPRET=1 lets the Triton launchers run on CPU tensors (with numpy). Triton reads
+it when @triton.jit decorates, so it is set here, before any test module imports triton or float8.
+Tests marked @pytest.mark.gpu are skipped, saying why, where there is no CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (GPU tier: run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

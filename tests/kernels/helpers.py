@@ -1,0 +1,110 @@
+"""Inputs and comparisons shared by the kernel tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from float8.kernels.reference import HIGH_PRECISION_DTYPES
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+HP = HIGH_PRECISION_DTYPES
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton launchers on CPU tensors: needs TRITON_INTERPRET=1 (tests/conftest.py sets it "
+    "when there is no CUDA)",
+)
+
+
+# ---- comparisons ------------------------------------------------------------------------------------
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def assert_bits(ours: torch.Tensor, ref: torch.Tensor, what: str = "", nan_bits: bool = True) -> None:
+    """Same dtype, shape and bits. nan_bits=False: where ref is NaN, ours only has to be a NaN (any code).
+
+    The GPU's cvt.rn.satfinite may not keep a NaN's sign, torch's conversion does, and an amax's NaN payload
+    is whatever NaN the input had: NaN payloads are not part of the contract, NaN-ness is.
+    """
+    assert ours.dtype == ref.dtype, f"{what}: dtype {ours.dtype} != {ref.dtype}"
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    assert ours.is_contiguous(), f"{what}: output not contiguous"
+    a = ours.reshape(-1).view(_BITS[ours.element_size()])
+    b = ref.contiguous().reshape(-1).view(_BITS[ref.element_size()])
+    same = a == b
+    if not nan_bits:
+        same |= ref.reshape(-1).float().isnan() & ours.reshape(-1).float().isnan()
+    bad = (~same).nonzero().flatten()
+    if bad.numel():
+        i = bad[:5].tolist()
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {a.numel()} elements differ, first at flat {i}: "
+            f"ours {ours.reshape(-1)[i].float().tolist()} (bits {a[i].tolist()}) vs "
+            f"ref {ref.reshape(-1)[i].float().tolist()} (bits {b[i].tolist()})"
+        )
+
+
+def assert_outputs(ours, ref, names, nan_bits=True) -> None:
+    assert len(ours) == len(ref) == len(names)
+    for o, r, n in zip(ours, ref, names):
+        # An amax's NaN payload is the input's: compare NaN-ness there.
+        assert_bits(o, r, n, nan_bits=nan_bits and n != "amax")
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+
+
+def fp8_grid(fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float32: all 256 codes decoded, the midpoints between adjacent finite codes of the same sign, and
+    each midpoint nudged one float32 ulp down and up (RTNE must go to the even code at the midpoint, to
+    the nearer code off it). Also +-(max + half an ulp) etc. come out of the top midpoints."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+    finite = codes[torch.isfinite(codes)]
+    pos = torch.unique(finite[finite >= 0])  # sorted, one zero
+    mids = (pos[1:] + pos[:-1]) / 2  # exact in float32: FP8 has 2-3 mantissa bits
+    mids = torch.cat([mids, pos[-1:] * (1 + 2.0**-4)])  # beyond the largest: saturates
+    nudged = torch.cat([torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), float("inf")))])
+    grid = torch.cat([codes, mids, -mids, nudged, -nudged])
+    return grid
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """0, -0, the smallest subnormal and normal of `dtype`, +-inf, NaN, values around the FP8 maxima."""
+    fi = torch.finfo(dtype)
+    v = [0.0, -0.0, fi.smallest_normal, -fi.smallest_normal, fi.tiny / 2, float("inf"), float("-inf"),
+         float("nan"), 448.0, 449.0, 464.0, 465.0, 500.0, -500.0, 57344.0, 61440.0, 61441.0, -70000.0, 7.93]
+    t = torch.tensor(v, dtype=torch.float32)
+    if dtype != torch.float32:
+        t = torch.cat([t, torch.tensor([2.0**-149, 1e-30], dtype=torch.float32)])
+    sub = torch.tensor([fi.smallest_normal * 0.375], dtype=torch.float32)  # a subnormal of dtype
+    return torch.cat([t, sub]).to(dtype)
+
+
+def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=False, scale=3.0) -> torch.Tensor:
+    """Random normal * scale in `dtype`, `shape`, laid out as asked:
+    contiguous; transposed (a .transpose(-2, -1) view); offset (x[1:, 2:] of a bigger tensor);
+    strided (every other column)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+
+    def rnd(s):
+        t = torch.randn(s, generator=g) * scale
+        if specials and t.numel():
+            sv = special_values(dtype).float()
+            idx = torch.randperm(t.numel(), generator=g)[: min(len(sv), t.numel())]
+            t.view(-1)[idx] = sv[: len(idx)]
+        return t.to(dtype)
+
+    if layout == "contiguous" or len(shape) < 2:
+        return rnd(shape)
+    if layout == "transposed":
+        return rnd((*shape[:-2], shape[-1], shape[-2])).transpose(-2, -1)
+    if layout == "offset":
+        return rnd((*shape[:-2], shape[-2] + 1, shape[-1] + 2))[..., 1:, 2:]
+    if layout == "strided":
+        return rnd((*shape[:-1], 2 * shape[-1]))[..., ::2]
+    raise ValueError(layout)
