@@ -16,6 +16,7 @@ The output has the nominal dtype of the operands.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from float8 import dispatch
 from float8.tensor import Float8Tensor, _is_float8, requantize_into
@@ -60,7 +61,7 @@ def _gemm_scales(a: Float8Tensor, b: Float8Tensor):
     return sa.contiguous(), sb.contiguous(), True
 
 
-def _check_operands(a: Float8Tensor, b: Float8Tensor) -> None:
+def _check_operands(a: Float8Tensor, b: Float8Tensor, pad: bool) -> None:
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"FP8 mm needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.device != b.device:
@@ -68,7 +69,7 @@ def _check_operands(a: Float8Tensor, b: Float8Tensor) -> None:
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         raise ValueError(f"FP8 mm shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
-    if k % 16 or n % 16:
+    if (k % 16 or n % 16) and not pad:
         raise ValueError(
             f"FP8 GEMM needs K and N to be multiples of 16 (cuBLASLt), got (M, K) = {(m, k)} @ (K, N) = {(k2, n)}; "
             "pad the tensors, or dequantize for this product"
@@ -78,20 +79,48 @@ def _check_operands(a: Float8Tensor, b: Float8Tensor) -> None:
         raise ValueError("FP8 GEMM of two E5M2 operands is not supported by the tensor cores: make one E4M3")
 
 
-def fp8_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None):
-    """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback."""
-    _check_operands(a, b)
+def _pad_to_16(mat_a, mat_b, sb):
+    """Zero-pad K (both operands) and N (B, and its per-column scales) up to multiples of 16.
+
+    Zero bits are +0.0 in both FP8 formats, so padded K terms add nothing; padded N columns are sliced off
+    the output. Costs one copy of each padded operand: for the token dim of a wgrad GEMM (K = tokens) and
+    layer widths that are not multiples of 16.
+    """
+    k, n = mat_b.shape
+    pk, pn = -k % 16, -n % 16
+    if pk:
+        mat_a = F.pad(mat_a.view(torch.uint8), (0, pk)).view(mat_a.dtype)
+    bt = mat_b.t()  # (N, K) row-major
+    bt = F.pad(bt.contiguous().view(torch.uint8), (0, pk, 0, pn)).view(mat_b.dtype)
+    if pn and sb.dim() == 2:
+        sb = F.pad(sb, (0, pn), value=1.0)
+    return mat_a, bt.t(), sb, n
+
+
+def fp8_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None, pad: bool = False):
+    """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback.
+
+    pad=True zero-pads K and N to multiples of 16 instead of refusing them (ops use it: token counts
+    are arbitrary, and a wgrad GEMM's K is the token count).
+    """
+    _check_operands(a, b, pad)
     scales = _gemm_scales(a, b)
     if scales is None:
         return None
     out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
     sa, sb, rowwise = scales
     mat_a, mat_b = _row_major(a), _col_major(b)
-    cuda_rowwise = (
-        a.device.type == "cuda"
-        and out_dtype == torch.bfloat16
-        and a.fp8_dtype == b.fp8_dtype == torch.float8_e4m3fn
-    )
+    n_out = None
+    if mat_a.shape[1] % 16 or mat_b.shape[1] % 16:
+        mat_a, mat_b, sb, n_out = _pad_to_16(mat_a, mat_b, sb)
+        if n_out % 16:
+            bias = None if bias is None else F.pad(bias, (0, -n_out % 16))
+    out = _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, a.device, a.fp8_dtype, b.fp8_dtype)
+    return out if n_out is None or n_out == out.shape[1] else out[:, :n_out].contiguous()
+
+
+def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b):
+    cuda_rowwise = device.type == "cuda" and out_dtype == torch.bfloat16 and fp8_a == fp8_b == torch.float8_e4m3fn
     if not rowwise or cuda_rowwise:
         fused_bias = bias is not None and not rowwise and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype != torch.float32
         out = torch._scaled_mm(
@@ -102,7 +131,7 @@ def fp8_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None):
         return out
     # Per-row scales where _scaled_mm has no such mode: GEMM with unit scales in float32, then scale.
     # The same arithmetic as cuBLAS's (scales applied to the float32 accumulator), one extra pass.
-    one = torch.ones((), dtype=torch.float32, device=a.device)
+    one = torch.ones((), dtype=torch.float32, device=device)
     acc = torch._scaled_mm(mat_a, mat_b, scale_a=one, scale_b=one, out_dtype=torch.float32)
     out = acc * sa * sb
     if bias is not None:

@@ -106,14 +106,17 @@ class Float8Tensor(torch.Tensor):
         requires_grad: bool = False,
     ):
         _check_parts(data, scale_inv, nominal_dtype, transpose)
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            dtype=nominal_dtype,
-            device=data.device,
-            requires_grad=requires_grad,
-        )
+        # Under inference_mode, a view of a normal tensor must itself be a normal tensor (autograd shares
+        # the base's version counter with it); only a wrapper of inference data is an inference tensor.
+        with torch.inference_mode(torch.is_inference_mode_enabled() and data.is_inference()):
+            self = torch.Tensor._make_wrapper_subclass(
+                cls,
+                data.shape,
+                strides=data.stride(),
+                dtype=nominal_dtype,
+                device=data.device,
+                requires_grad=requires_grad,
+            )
         self._data = data
         self._scale_inv = scale_inv
         self._transpose = transpose

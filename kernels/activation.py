@@ -331,11 +331,12 @@ def _act_bwd_kernel(
                 qb = _fp8(db, scale, FP8_MAX, dx_ptr.dtype.element_ty)
                 tl.store(dx_ptr + out + N, qb, mask=mask)
             if WITH_T:
-                out_t = (b * n_in + cols.to(tl.int64))[:, None] * S + rows[None, :]
+                # rows cols (and, for swiglu, N + cols) of dx_t, contiguous along S
+                t_row = b * n_in + cols.to(tl.int64)
                 mask_t = col_ok[:, None] & (rows[None, :] < S)
-                tl.store(dx_t_ptr + out_t, tl.trans(qa), mask=mask_t)
+                tl.store(dx_t_ptr + t_row[:, None] * S + rows[None, :], tl.trans(qa), mask=mask_t)
                 if KIND == "swiglu":
-                    tl.store(dx_t_ptr + out_t + N * S, tl.trans(qb), mask=mask_t)
+                    tl.store(dx_t_ptr + (t_row + N)[:, None] * S + rows[None, :], tl.trans(qb), mask=mask_t)
 
     if MODE == "amax":
         atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))

@@ -137,15 +137,15 @@ def _looped_stats(
         m2 = tl.zeros((BLOCK_M,), tl.float32)
         for n0 in range(0, N, BLOCK_N):
             x, mask = _load_tile(x_ptr, rows, n0 + cols0, M, N, stride_xm)
-            n_a = n0.to(tl.float32)
-            n_b = tl.minimum(N - n0, BLOCK_N).to(tl.float32)
+            n_a = tl.cast(n0, tl.float32)
+            n_b = tl.cast(tl.minimum(N - n0, BLOCK_N), tl.float32)
             n_ab = n_a + n_b
             mean_b = tl.math.div_rn(tl.sum(x, axis=1), tl.full((BLOCK_M,), 1.0, tl.float32) * n_b)
             d = tl.where(mask, x - mean_b[:, None], 0.0)
             m2_b = tl.sum(d * d, axis=1)
             delta = mean_b - mean
-            mean = mean + delta * (n_b / n_ab)
-            m2 = m2 + m2_b + delta * delta * (n_a * n_b / n_ab)
+            mean = mean + delta * tl.math.div_rn(n_b, n_ab)
+            m2 = m2 + m2_b + delta * delta * tl.math.div_rn(n_a * n_b, n_ab)
         var = tl.math.div_rn(m2, tl.full((BLOCK_M,), 1.0, tl.float32) * n_f)
     return mean, var
 
@@ -179,3 +179,924 @@ def _norm_y(
     return y
 
 
+@triton.jit
+def _emit(
+    x,  # (BLOCK_M, BLOCK_N) fp32 tile of x
+    mask,  # (BLOCK_M, BLOCK_N) in bounds
+    rows,  # (BLOCK_M,)
+    cols,  # (BLOCK_N,)
+    x_ptr,  # (M, N) hp: only its element type, to round y to before the FP8 cast
+    w_ptr,  # (N,) hp
+    b_ptr,  # (N,) hp (HAS_BIAS)
+    out_ptr,  # (M, N) contiguous: y in x.dtype (MODE_Y) or FP8 data (MODE_FP8); unused for MODE_AMAX
+    out_t_ptr,  # (N, M) contiguous FP8 data_t (MODE_FP8 and WITH_T)
+    M,
+    N,
+    mean,  # (BLOCK_M,) fp32
+    rstd,  # (BLOCK_M,) fp32
+    scale,  # () fp32 (MODE_FP8)
+    FP8_MAX: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    WITH_T: tl.constexpr,
+):
+    """Write this tile's share of the output; return |y| as int32 bits (0 outside the tensor) for amax."""
+    y = _norm_y(x, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    if MODE == 0:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        bits = tl.zeros(y.shape, tl.int32)
+    else:
+        # y as the unfused op holds it (in x.dtype): the FP8 bits equal quantize(norm(x)) bit for bit.
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        bits = tl.where(mask, abs_bits(y), 0)
+        if MODE == 2:
+            q = clamp_keep_nan(y * scale, FP8_MAX).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs, q, mask=mask)
+            if WITH_T:
+                # (BLOCK_N, BLOCK_M): tile column c lands in row c of data_t, contiguous along M.
+                offs_t = cols[:, None].to(tl.int64) * M + rows[None, :]
+                mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+                tl.store(out_t_ptr + offs_t, tl.trans(q), mask=mask_t)
+    return bits
+
+
+# ---- kernels ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_rows_kernel(
+    x_ptr,  # (M, N) hp, row stride stride_xm, unit column stride
+    w_ptr,  # (N,) hp
+    b_ptr,  # (N,) hp (HAS_BIAS)
+    out_ptr,  # (M, N) contiguous: y in x.dtype (MODE_Y) or FP8 data (MODE_FP8); unused for MODE_AMAX
+    out_t_ptr,  # (N, M) contiguous FP8 data_t (MODE_FP8 and WITH_T)
+    mean_ptr,  # (M,) fp32 (not IS_RMS)
+    rstd_ptr,  # (M,) fp32
+    scale_ptr,  # (1,) fp32 given scale (MODE_FP8)
+    amax_ptr,  # () fp32, zeroed: receives max|y| (MODE_AMAX, MODE_FP8)
+    scale_inv_ptr,  # () fp32: 1 / scale (MODE_FP8)
+    M,
+    N,
+    n_f,  # float(N)
+    stride_xm,
+    eps,
+    FP8_MAX: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    WITH_T: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M rows per program: their stats, then y (written, amax'ed, or cast to FP8)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols0 = tl.arange(0, BLOCK_N)
+    if MODE == 2:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0
+    if ONE_CHUNK:
+        x, mask = _load_tile(x_ptr, rows, cols0, M, N, stride_xm)
+        mean, var = _tile_stats(x, mask, n_f, IS_RMS)
+    else:
+        mean, var = _looped_stats(x_ptr, rows, M, N, n_f, stride_xm, IS_RMS, BLOCK_M, BLOCK_N)
+    rstd = _rstd(var, eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=rows < M)
+
+    if ONE_CHUNK:
+        bits = _emit(
+            x, mask, rows, cols0, x_ptr, w_ptr, b_ptr, out_ptr, out_t_ptr, M, N, mean, rstd, scale,
+            FP8_MAX, IS_RMS, HAS_BIAS, MODE, WITH_T,
+        )  # fmt: skip
+    else:
+        bits = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + cols0
+            x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
+            tile_bits = _emit(
+                x, mask, rows, cols, x_ptr, w_ptr, b_ptr, out_ptr, out_t_ptr, M, N, mean, rstd, scale,
+                FP8_MAX, IS_RMS, HAS_BIAS, MODE, WITH_T,
+            )  # fmt: skip
+            bits = tl.maximum(bits, tile_bits)
+    if MODE != 0:
+        atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+    if MODE == 2:
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+@triton.jit
+def _norm_fp8_tiles_kernel(
+    x_ptr,  # (M, N) hp, row stride stride_xm, unit column stride
+    w_ptr,  # (N,) hp
+    b_ptr,  # (N,) hp (HAS_BIAS)
+    mean_ptr,  # (M,) fp32 (not IS_RMS), from _norm_rows_kernel
+    rstd_ptr,  # (M,) fp32, from _norm_rows_kernel
+    amax_ptr,  # () fp32: max|y|, from _norm_rows_kernel
+    data_ptr,  # (M, N) contiguous FP8
+    data_t_ptr,  # (N, M) contiguous FP8 (WITH_T)
+    scale_inv_ptr,  # () fp32
+    M,
+    N,
+    stride_xm,
+    tiles_n,
+    margin_div,  # 2.0**margin
+    FP8_MAX: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    WITH_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Current scaling, second launch: one (BLOCK_M, BLOCK_N) tile of y, recomputed and cast."""
+    pid = tl.program_id(0)
+    rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
+    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+    if IS_RMS:
+        mean = tl.zeros_like(rstd)
+    else:
+        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+    scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+    _emit(
+        x, mask, rows, cols, x_ptr, w_ptr, b_ptr, data_ptr, data_t_ptr, M, N, mean, rstd, scale,
+        FP8_MAX, IS_RMS, HAS_BIAS, 2, WITH_T,
+    )  # fmt: skip
+    tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+@triton.jit
+def _bwd_tile(
+    x_ptr,  # (M, N) hp
+    dy_ptr,  # (M, N) hp
+    w_ptr,  # (N,) hp
+    rows,  # (BLOCK_M,)
+    cols,  # (BLOCK_N,)
+    M,
+    N,
+    stride_xm,
+    stride_dym,
+    mean,  # (BLOCK_M,) fp32
+    rstd,  # (BLOCK_M,) fp32
+    IS_RMS: tl.constexpr,
+):
+    """(xhat, g = dy * w, dy) float32 tiles, 0 outside the tensor."""
+    x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
+    dy, _ = _load_tile(dy_ptr, rows, cols, M, N, stride_dym)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :]
+    return xhat, g, dy
+
+
+@triton.jit
+def _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS: tl.constexpr):
+    """dx = (g - xhat * c1) * rstd, LayerNorm: ((g - c2) - xhat * c1) * rstd."""
+    if IS_RMS:
+        return (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        return ((g - c2[:, None]) - xhat * c1[:, None]) * rstd[:, None]
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr,  # (M, N) hp, row stride stride_dym, unit column stride
+    x_ptr,  # (M, N) hp, row stride stride_xm, unit column stride
+    w_ptr,  # (N,) hp
+    mean_ptr,  # (M,) fp32 (not IS_RMS)
+    rstd_ptr,  # (M,) fp32
+    dx_ptr,  # (M, N) contiguous, x.dtype
+    dw_ptr,  # (G, N) fp32, zeroed: row g = program g's sum of dy * xhat over its rows
+    db_ptr,  # (G, N) fp32, zeroed: row g = program g's sum of dy (not IS_RMS)
+    M,
+    N,
+    n_f,  # float(N)
+    stride_xm,
+    stride_dym,
+    row_blocks,  # cdiv(M, BLOCK_M)
+    IS_RMS: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """G persistent programs; program g takes row blocks g, g + G, ...: dx, and its partial dw (db)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols0 = tl.arange(0, BLOCK_N)
+    part = pid.to(tl.int64) * N
+    if ONE_CHUNK:
+        dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+        db_acc = tl.zeros((BLOCK_N,), tl.float32)
+        for rb in range(pid, row_blocks, n_prog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+            if IS_RMS:
+                mean = tl.zeros_like(rstd)
+            else:
+                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+            xhat, g, dy = _bwd_tile(x_ptr, dy_ptr, w_ptr, rows, cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS)
+            c1 = tl.math.div_rn(tl.sum(g * xhat, axis=1), n_f)
+            c2 = tl.math.div_rn(tl.sum(g, axis=1), n_f)
+            dx = _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS)
+            mask = (rows[:, None] < M) & (cols0[None, :] < N)
+            tl.store(dx_ptr + rows[:, None].to(tl.int64) * N + cols0[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw_acc += tl.sum(dy * xhat, axis=0)
+            db_acc += tl.sum(dy, axis=0)
+        tl.store(dw_ptr + part + cols0, dw_acc, mask=cols0 < N)
+        if not IS_RMS:
+            tl.store(db_ptr + part + cols0, db_acc, mask=cols0 < N)
+    else:
+        for rb in range(pid, row_blocks, n_prog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+            if IS_RMS:
+                mean = tl.zeros_like(rstd)
+            else:
+                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                xhat, g, dy = _bwd_tile(
+                    x_ptr, dy_ptr, w_ptr, rows, n0 + cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
+                )
+                acc1 += g * xhat
+                acc2 += g
+            c1 = tl.math.div_rn(tl.sum(acc1, axis=1), n_f)
+            c2 = tl.math.div_rn(tl.sum(acc2, axis=1), n_f)
+            for n0 in range(0, N, BLOCK_N):
+                cols = n0 + cols0
+                xhat, g, dy = _bwd_tile(x_ptr, dy_ptr, w_ptr, rows, cols, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS)
+                dx = _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS)
+                mask = (rows[:, None] < M) & (cols[None, :] < N)
+                tl.store(dx_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                # This program's own row of the partial sums: no other program touches it.
+                dw = tl.load(dw_ptr + part + cols, mask=cols < N, other=0.0) + tl.sum(dy * xhat, axis=0)
+                tl.store(dw_ptr + part + cols, dw, mask=cols < N)
+                if not IS_RMS:
+                    db = tl.load(db_ptr + part + cols, mask=cols < N, other=0.0) + tl.sum(dy, axis=0)
+                    tl.store(db_ptr + part + cols, db, mask=cols < N)
+
+
+# ---- launchers --------------------------------------------------------------------------------------
+
+
+def _rows_config(N: int, with_t: bool = False, config: Optional[dict] = None) -> dict:
+    """Tile of a row kernel (also the backward's): the whole row up to MAX_ONE_CHUNK, else CHUNK-wide steps."""
+    if config is not None:
+        cfg = dict(config)
+    elif with_t:
+        cfg = dict(T_ROWS, BLOCK_N=min(T_ROWS["BLOCK_N"], next_pow2(N)))
+    else:
+        block_n = next_pow2(N) if N <= MAX_ONE_CHUNK else CHUNK
+        block_m = max(1, min(64, ROWS_TILE // block_n))
+        tile = block_m * block_n
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if tile <= 2048 else 8 if tile <= 4096 else 16)
+    cfg["ONE_CHUNK"] = N <= cfg["BLOCK_N"]
+    return cfg
+
+
+def _tiles_config(N: int, with_t: bool, config: Optional[dict] = None) -> dict:
+    if config is not None:
+        return dict(config)
+    if with_t:
+        return dict(TILES_T)
+    block_n = min(TILES["BLOCK_N"], next_pow2(N))
+    return dict(TILES, BLOCK_N=block_n, BLOCK_M=max(TILES["BLOCK_M"], min(64, ROWS_TILE // block_n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _rows_2d(t: torch.Tensor, N: int) -> torch.Tensor:
+    """(M, N) view of t (a copy only when the rows cannot be addressed with one stride)."""
+    t2 = t.reshape(-1, N)
+    if t2.stride(-1) != 1 and t2.shape[-1] > 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, out_t, scale, amax, scale_inv, with_t, config):
+    """Run _norm_rows_kernel over x2 (M, N); returns (mean or None, rstd)."""
+    M, N = x2.shape
+    dev = x2.device
+    rstd = torch.empty((M,), dtype=torch.float32, device=dev)
+    mean = None if is_rms else torch.empty((M,), dtype=torch.float32, device=dev)
+    if M == 0:
+        return mean, rstd
+    cfg = _rows_config(N, with_t, config)
+    dummy = rstd
+    _norm_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        out if out is not None else dummy,
+        out_t if out_t is not None else dummy,
+        mean if mean is not None else dummy,
+        rstd,
+        scale if scale is not None else dummy,
+        amax if amax is not None else dummy,
+        scale_inv if scale_inv is not None else dummy,
+        M,
+        N,
+        float(N),
+        x2.stride(0),
+        float(eps),
+        FP8_MAX=fp8_max(out.dtype) if mode == MODE_FP8 else 0.0,
+        IS_RMS=is_rms,
+        HAS_BIAS=bias is not None,
+        MODE=mode,
+        WITH_T=with_t,
+        ONE_CHUNK=cfg["ONE_CHUNK"],
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+        enable_fp_fusion=False,  # no FMA contraction: the references' rounding, step by step
+    )
+    return mean, rstd
+
+
+def _fwd_triton(x, weight, bias, eps, is_rms, config=None):
+    N = x.shape[-1]
+    x2 = _rows_2d(x, N)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean, rstd = _launch_rows(
+        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, MODE_Y,
+        y, None, None, None, None, False, config,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _fp8_outputs(x, fp8_dtype, with_transpose):
+    N = x.shape[-1]
+    M = x.numel() // N
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty((N, M) if with_transpose else (0,), dtype=fp8_dtype, device=x.device)
+    return data, data_t
+
+
+def _fp8_current_triton(x, weight, bias, eps, is_rms, fp8_dtype, margin, power_of_2, with_transpose, config=None):
+    N = x.shape[-1]
+    x2 = _rows_2d(x, N)
+    M = x2.shape[0]
+    w = weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_AMAX, None, None, None, amax, None, False, config)
+    if M == 0:  # no program to write it: amax 0 -> scale 1
+        return data, data_t, torch.ones((), dtype=torch.float32, device=x.device), amax, mean, rstd
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    cfg = _tiles_config(N, with_transpose, config)
+    tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
+    _norm_fp8_tiles_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * tiles_n,)](
+        x2,
+        w,
+        b if b is not None else w,
+        mean if mean is not None else rstd,
+        rstd,
+        amax,
+        data,
+        data_t if with_transpose else data,
+        scale_inv,
+        M,
+        N,
+        x2.stride(0),
+        tiles_n,
+        margin_div(margin),
+        FP8_MAX=fp8_max(fp8_dtype),
+        IS_RMS=is_rms,
+        HAS_BIAS=b is not None,
+        POWER_OF_2=power_of_2,
+        WITH_T=with_transpose,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+        enable_fp_fusion=False,
+    )
+    return data, data_t, scale_inv, amax, mean, rstd
+
+
+def _fp8_scaled_triton(x, weight, bias, eps, is_rms, scale, fp8_dtype, with_transpose, config=None):
+    N = x.shape[-1]
+    x2 = _rows_2d(x, N)
+    data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = scale.reshape(1).float()
+    if x2.shape[0] == 0:
+        scale_inv = scale.reshape(()).reciprocal()
+    else:
+        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    mean, rstd = _launch_rows(
+        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, MODE_FP8,
+        data, data_t if with_transpose else None, scale, amax, scale_inv, with_transpose, config,
+    )  # fmt: skip
+    return data, data_t, scale_inv, amax, mean, rstd
+
+
+def _bwd_triton(dy, x, weight, mean, rstd, is_rms, config=None):
+    N = x.shape[-1]
+    x2 = _rows_2d(x, N)
+    dy2 = _rows_2d(dy, N)
+    M = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cfg = _rows_config(N, False, config)
+    row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    if "GRID" in cfg:
+        grid = cfg["GRID"]
+    elif x.device.type == "cuda":
+        grid = 2 * _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    else:
+        grid = 4
+    grid = max(1, min(grid, row_blocks))
+    dw_part = torch.zeros((grid, N), dtype=torch.float32, device=x.device)
+    db_part = None if is_rms else torch.zeros((grid, N), dtype=torch.float32, device=x.device)
+    if M:
+        _norm_bwd_kernel[(grid,)](
+            dy2,
+            x2,
+            weight.contiguous(),
+            mean.contiguous() if mean is not None else rstd,
+            rstd.contiguous(),
+            dx,
+            dw_part,
+            db_part if db_part is not None else dw_part,
+            M,
+            N,
+            float(N),
+            x2.stride(0),
+            dy2.stride(0),
+            row_blocks,
+            IS_RMS=is_rms,
+            ONE_CHUNK=cfg["ONE_CHUNK"],
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"],
+            enable_fp_fusion=False,
+        )
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = None if is_rms else db_part.sum(0).to(weight.dtype)
+    return dx, dw, db
+
+
+# Launchers by name (tests call these directly, also on CPU tensors under TRITON_INTERPRET=1).
+
+
+def _rmsnorm_fwd_triton(x, weight, eps, config=None):
+    y, _, rstd = _fwd_triton(x, weight, None, eps, True, config)
+    return y, rstd
+
+
+def _layernorm_fwd_triton(x, weight, bias, eps, config=None):
+    return _fwd_triton(x, weight, bias, eps, False, config)
+
+
+def _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None):
+    data, data_t, scale_inv, amax, _, rstd = _fp8_current_triton(
+        x, weight, None, eps, True, fp8_dtype, margin, power_of_2, with_transpose, config
+    )
+    return data, data_t, scale_inv, amax, rstd
+
+
+def _layernorm_fp8_triton(
+    x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None
+):
+    return _fp8_current_triton(x, weight, bias, eps, False, fp8_dtype, margin, power_of_2, with_transpose, config)
+
+
+def _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose=False, config=None):
+    data, data_t, scale_inv, amax, _, rstd = _fp8_scaled_triton(
+        x, weight, None, eps, True, scale, fp8_dtype, with_transpose, config
+    )
+    return data, data_t, scale_inv, amax, rstd
+
+
+def _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False, config=None):
+    return _fp8_scaled_triton(x, weight, bias, eps, False, scale, fp8_dtype, with_transpose, config)
+
+
+def _rmsnorm_bwd_triton(dy, x, weight, rstd, config=None):
+    dx, dw, _ = _bwd_triton(dy, x, weight, None, rstd, True, config)
+    return dx, dw
+
+
+def _layernorm_bwd_triton(dy, x, weight, mean, rstd, config=None):
+    return _bwd_triton(dy, x, weight, mean, rstd, False, config)
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+
+
+def _check_vec(v, name, N, x, op):
+    check_hp_input(v, op, name)
+    if v.dim() != 1 or v.shape[0] != N:
+        raise ValueError(
+            f"{op}: {name} must have shape ({N},), the last dim of x {tuple(x.shape)}; got {tuple(v.shape)}"
+        )
+    if v.device != x.device:
+        raise ValueError(f"{op}: {name} is on {v.device} but x is on {x.device}")
+
+
+def _check_fwd(op, x, weight, bias, eps) -> None:
+    check_hp_input(x, op)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: x must have a non-empty last dim to normalise over, got shape {tuple(x.shape)}")
+    N = x.shape[-1]
+    _check_vec(weight, "weight", N, x, op)
+    if bias is not None:
+        _check_vec(bias, "bias", N, x, op)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0.0 <= eps < math.inf):
+        raise ValueError(f"{op}: eps must be a finite float >= 0, got {eps!r}")
+
+
+def _check_stat(t, name, M, x, op):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != (M,):
+        raise ValueError(f"{op}: {name} must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+
+
+def _check_bwd(op, dy, x, weight, mean, rstd) -> None:
+    _check_fwd(op, x, weight, None, 0.0)
+    check_hp_input(dy, op, "dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"{op}: dy must have the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if dy.device != x.device:
+        raise ValueError(f"{op}: dy is on {dy.device} but x is on {x.device}")
+    M = x.numel() // x.shape[-1]
+    if mean is not None:
+        _check_stat(mean, "mean", M, x, op)
+    _check_stat(rstd, "rstd", M, x, op)
+
+
+def _check_transpose_flag(with_transpose, op):
+    if not isinstance(with_transpose, bool):
+        raise TypeError(f"{op}: with_transpose must be a bool, got {type(with_transpose).__name__}")
+
+
+def _rows(x) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _fake_fp8(x, fp8_dtype, with_transpose):
+    N = x.shape[-1]
+    data = x.new_empty(x.shape, dtype=fp8_dtype)
+    data_t = x.new_empty((N, _rows(x)) if with_transpose else (0,), dtype=fp8_dtype)
+    f32 = x.new_empty((), dtype=torch.float32)
+    return data, data_t, f32, x.new_empty((), dtype=torch.float32)
+
+
+# ---- public ops -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("float8::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y (x.shape, x.dtype), rstd (M,) fp32): y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps)."""
+    _check_fwd("rmsnorm_fwd", x, weight, None, eps)
+    if x.device.type == "cuda":
+        return _rmsnorm_fwd_triton(x, weight, eps)
+    return rmsnorm_fwd_ref(x, weight, eps)
+
+
+@rmsnorm_fwd.register_fake
+def _(x, weight, eps):
+    _check_fwd("rmsnorm_fwd", x, weight, None, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((_rows(x),), dtype=torch.float32)
+
+
+@torch.library.custom_op("float8::layernorm_fwd", mutates_args=())
+def layernorm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (x.shape, x.dtype), mean (M,) fp32, rstd (M,) fp32): y = (x - mean) * rstd * weight + bias."""
+    _check_fwd("layernorm_fwd", x, weight, bias, eps)
+    if x.device.type == "cuda":
+        return _layernorm_fwd_triton(x, weight, bias, eps)
+    return layernorm_fwd_ref(x, weight, bias, eps)
+
+
+@layernorm_fwd.register_fake
+def _(x, weight, bias, eps):
+    _check_fwd("layernorm_fwd", x, weight, bias, eps)
+    M = _rows(x)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((M,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("float8::rmsnorm_fp8", mutates_args=())
+def rmsnorm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm straight to FP8, current per-tensor scaling.
+
+    (data (x.shape) fp8, data_t (N, M) fp8 or (0,) without with_transpose, scale_inv () fp32,
+    amax () fp32 = max|y|, rstd (M,) fp32).
+    """
+    _check_fwd("rmsnorm_fp8", x, weight, None, eps)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "rmsnorm_fp8")
+    _check_transpose_flag(with_transpose, "rmsnorm_fp8")
+    if x.device.type == "cuda":
+        return _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
+    return rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+@rmsnorm_fp8.register_fake
+def _(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    _check_fwd("rmsnorm_fp8", x, weight, None, eps)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "rmsnorm_fp8")
+    _check_transpose_flag(with_transpose, "rmsnorm_fp8")
+    return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
+
+
+@torch.library.custom_op("float8::layernorm_fp8", mutates_args=())
+def layernorm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm straight to FP8, current per-tensor scaling.
+
+    (data, data_t (N, M) or (0,), scale_inv () fp32, amax () fp32 = max|y|, mean (M,) fp32, rstd (M,) fp32).
+    """
+    _check_fwd("layernorm_fp8", x, weight, bias, eps)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "layernorm_fp8")
+    _check_transpose_flag(with_transpose, "layernorm_fp8")
+    if x.device.type == "cuda":
+        return _layernorm_fp8_triton(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
+    return layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+@layernorm_fp8.register_fake
+def _(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    _check_fwd("layernorm_fp8", x, weight, bias, eps)
+    check_scaling_args(fp8_dtype, margin, power_of_2, "layernorm_fp8")
+    _check_transpose_flag(with_transpose, "layernorm_fp8")
+    M = _rows(x)
+    return (
+        *_fake_fp8(x, fp8_dtype, with_transpose),
+        x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((M,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("float8::rmsnorm_fp8_scaled", mutates_args=())
+def rmsnorm_fp8_scaled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm straight to FP8 with a given scale (delayed scaling), one launch.
+
+    (data, data_t (N, M) or (0,), scale_inv () fp32 = 1/scale, amax () fp32 = max|y| for the history, rstd).
+    """
+    _check_fwd("rmsnorm_fp8_scaled", x, weight, None, eps)
+    check_scale(scale, x, "rmsnorm_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    _check_transpose_flag(with_transpose, "rmsnorm_fp8_scaled")
+    if x.device.type == "cuda":
+        return _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose)
+    return rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose)
+
+
+@rmsnorm_fp8_scaled.register_fake
+def _(x, weight, eps, scale, fp8_dtype, with_transpose=False):
+    _check_fwd("rmsnorm_fp8_scaled", x, weight, None, eps)
+    check_scale(scale, x, "rmsnorm_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    _check_transpose_flag(with_transpose, "rmsnorm_fp8_scaled")
+    return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
+
+
+@torch.library.custom_op("float8::layernorm_fp8_scaled", mutates_args=())
+def layernorm_fp8_scaled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm straight to FP8 with a given scale: (data, data_t, scale_inv, amax, mean, rstd)."""
+    _check_fwd("layernorm_fp8_scaled", x, weight, bias, eps)
+    check_scale(scale, x, "layernorm_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    _check_transpose_flag(with_transpose, "layernorm_fp8_scaled")
+    if x.device.type == "cuda":
+        return _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
+    return layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
+
+
+@layernorm_fp8_scaled.register_fake
+def _(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
+    _check_fwd("layernorm_fp8_scaled", x, weight, bias, eps)
+    check_scale(scale, x, "layernorm_fp8_scaled")
+    check_fp8_dtype(fp8_dtype)
+    _check_transpose_flag(with_transpose, "layernorm_fp8_scaled")
+    M = _rows(x)
+    return (
+        *_fake_fp8(x, fp8_dtype, with_transpose),
+        x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((M,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("float8::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (x.shape, x.dtype), dweight (N,) weight.dtype) for y = x * rstd * weight."""
+    _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
+    if x.device.type == "cuda":
+        return _rmsnorm_bwd_triton(dy, x, weight, rstd)
+    return rmsnorm_bwd_ref(dy, x, weight, rstd)
+
+
+@rmsnorm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+@torch.library.custom_op("float8::layernorm_bwd", mutates_args=())
+def layernorm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) for y = (x - mean) * rstd * w + b."""
+    _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
+    if x.device.type == "cuda":
+        return _layernorm_bwd_triton(dy, x, weight, mean, rstd)
+    return layernorm_bwd_ref(dy, x, weight, mean, rstd)
+
+
+@layernorm_bwd.register_fake
+def _(dy, x, weight, mean, rstd):
+    _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        torch.empty_like(weight),
+    )
+
+
+# ---- references: the same float32 formulas in plain PyTorch ----------------------------------------
+
+
+def _div_n(s: torch.Tensor, N: int) -> torch.Tensor:
+    # A tensor divisor, not a Python scalar: CUDA divides by a scalar as a multiply by its reciprocal.
+    return s / torch.full_like(s, N)
+
+
+def norm_stats_ref(x: torch.Tensor, eps: float, is_rms: bool):
+    """(mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32) of x viewed as (M, N)."""
+    N = x.shape[-1]
+    xf = x.reshape(-1, N).float()
+    if is_rms:
+        mean = None
+        var = _div_n((xf * xf).sum(-1), N)
+    else:
+        mean = _div_n(xf.sum(-1), N)
+        d = xf - mean[:, None]
+        var = _div_n((d * d).sum(-1), N)
+    rstd = torch.reciprocal(sqrt_rn(var + eps))
+    return mean, rstd
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (the kernels' sqrt_rn, CUDA's sqrtf).
+
+    torch.sqrt on CPU is a vectorised approximation, 1 ulp off for ~20% of float32 inputs (and its float64
+    sqrt for ~1%), so: a float64 sqrt rounded to float32 (within an ulp), then fixed by comparing v with the
+    squares of the midpoints to its neighbours, which float64 holds exactly (25-bit midpoints).
+    """
+    v = v.float()
+    s = torch.sqrt(v.double()).float()
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    down = torch.nextafter(s, torch.zeros_like(s))
+    hi = (s.double() + up.double()) / 2
+    lo = (s.double() + down.double()) / 2
+    vd = v.double()
+    s = torch.where(hi * hi < vd, up, s)
+    return torch.where(lo * lo > vd, down, s)
+
+
+def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
+    """y in float32, shape (M, N), from given stats (mean None: RMSNorm), rounded step by step like the kernels."""
+    N = x.shape[-1]
+    xf = x.reshape(-1, N).float()
+    if mean is None:
+        y = (xf * rstd[:, None]) * weight.float()[None, :]
+    else:
+        y = (xf - mean[:, None]) * (rstd[:, None] * weight.float()[None, :])
+    if bias is not None:
+        y = y + bias.float()[None, :]
+    return y
+
+
+def quantize_y_ref(y_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, with_transpose: bool):
+    """(data, data_t or (0,), scale_inv, amax) of y (any shape, rows = all but the last dim) at `scale`."""
+    N = y_hp.shape[-1]
+    scale = scale.reshape(()).float()
+    data = cast_to_fp8_ref(y_hp, scale, fp8_dtype)
+    if with_transpose:
+        data_t = data.reshape(-1, N).t().contiguous()
+    else:
+        data_t = torch.empty((0,), dtype=fp8_dtype, device=y_hp.device)
+    return data, data_t, scale.reciprocal(), amax_ref(y_hp)
+
+
+def rmsnorm_fwd_ref(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    _, rstd = norm_stats_ref(x, eps, True)
+    return norm_apply_ref(x, weight, None, None, rstd).to(x.dtype).reshape(x.shape), rstd
+
+
+def layernorm_fwd_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float):
+    mean, rstd = norm_stats_ref(x, eps, False)
+    return norm_apply_ref(x, weight, bias, mean, rstd).to(x.dtype).reshape(x.shape), mean, rstd
+
+
+def quantize_y_current_ref(y_hp, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    """quantize_y_ref at the current scale: scale_from_amax(max|y|)."""
+    scale = scale_from_amax_ref(amax_ref(y_hp), fp8_dtype, margin, power_of_2)
+    return quantize_y_ref(y_hp, scale, fp8_dtype, with_transpose)
+
+
+def rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    y, rstd = rmsnorm_fwd_ref(x, weight, eps)
+    return (*quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_transpose), rstd)
+
+
+def layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+    y, mean, rstd = layernorm_fwd_ref(x, weight, bias, eps)
+    return (*quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_transpose), mean, rstd)
+
+
+def rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose=False):
+    y, rstd = rmsnorm_fwd_ref(x, weight, eps)
+    return (*quantize_y_ref(y, scale, fp8_dtype, with_transpose), rstd)
+
+
+def layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
+    y, mean, rstd = layernorm_fwd_ref(x, weight, bias, eps)
+    return (*quantize_y_ref(y, scale, fp8_dtype, with_transpose), mean, rstd)
+
+
+def norm_bwd_ref(dy, x, weight, mean, rstd):
+    """(dx (x.shape, x.dtype), dweight, dbias or None (weight.dtype)) from given stats (mean None: RMSNorm)."""
+    N = x.shape[-1]
+    xf = x.reshape(-1, N).float()
+    dyf = dy.reshape(-1, N).float()
+    r = rstd[:, None]
+    g = dyf * weight.float()[None, :]
+    if mean is None:
+        xhat = xf * r
+        c1 = _div_n((g * xhat).sum(-1), N)
+        dx = (g - xhat * c1[:, None]) * r
+        db = None
+    else:
+        xhat = (xf - mean[:, None]) * r
+        c1 = _div_n((g * xhat).sum(-1), N)
+        c2 = _div_n(g.sum(-1), N)
+        dx = ((g - c2[:, None]) - xhat * c1[:, None]) * r
+        db = dyf.sum(0).to(weight.dtype)
+    dw = (dyf * xhat).sum(0).to(weight.dtype)
+    return dx.to(x.dtype).reshape(x.shape), dw, db
+
+
+def rmsnorm_bwd_ref(dy, x, weight, rstd):
+    dx, dw, _ = norm_bwd_ref(dy, x, weight, None, rstd)
+    return dx, dw
+
+
+def layernorm_bwd_ref(dy, x, weight, mean, rstd):
+    return norm_bwd_ref(dy, x, weight, mean, rstd)

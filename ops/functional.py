@@ -47,11 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     op._parameters["weight"] = weight
     op._parameters["bias"] = None
     op.set_recipe(_stateless(recipe))
-    ops = [op] if bias is None else [op, _bound(Bias.__new__(Bias), bias=bias)]
-    if bias is not None:
-        BasicOp.__init__(ops[1])
-        ops[1]._parameters["bias"] = bias
-        ops[1].set_recipe(op.recipe)
+    ops = [op] if bias is None else [op, Bias.sharing(bias, op)]
     return run_ops(ops, x)
 
 

@@ -126,12 +126,12 @@ class Linear(BasicOp):
             ctx.saved = (x8, w8 if need_dgrad else None, "block")
         elif per_tensor(scaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor._quantize(x2, fp8, scaling=scaling, with_transpose=need_wgrad)
-            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype)
+            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype, pad=True)
             ctx.saved = (x8 if need_wgrad else None, wd, "tensor")
         else:
             xh = plain(x2)
             x8 = Float8Tensor.quantize(xh, fp8, scaling=scaling)
-            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype)
+            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype, pad=True)
             xt8 = Float8Tensor.quantize(xh.t(), fp8, scaling=scaling).t() if need_wgrad else None
             ctx.saved = (xt8, wd, "row")
         ctx.x_dtype, ctx.lead, ctx.need_wgrad, ctx.need_dgrad = out_dtype, lead, need_wgrad, need_dgrad
@@ -153,16 +153,16 @@ class Linear(BasicOp):
         elif kind == "tensor":
             dy8 = dy2 if isinstance(dy2, Float8Tensor) else Float8Tensor._quantize(dy2, fp8, scaling=scaling, with_transpose=ctx.need_wgrad)
             if ctx.need_dgrad:
-                dx = fp8_mm(dy8, wd, out_dtype=ctx.x_dtype)
+                dx = fp8_mm(dy8, wd, out_dtype=ctx.x_dtype, pad=True)
             if ctx.need_wgrad:
-                dw = fp8_mm(dy8.t(), x8, out_dtype=self.weight.dtype)
+                dw = fp8_mm(dy8.t(), x8, out_dtype=self.weight.dtype, pad=True)
         else:
             dyh = plain(dy2)
             if ctx.need_dgrad:
-                dx = fp8_mm(Float8Tensor.quantize(dyh, fp8, scaling=scaling), wd, out_dtype=ctx.x_dtype)
+                dx = fp8_mm(Float8Tensor.quantize(dyh, fp8, scaling=scaling), wd, out_dtype=ctx.x_dtype, pad=True)
             if ctx.need_wgrad:
                 dyt8 = Float8Tensor.quantize(dyh.t(), fp8, scaling=scaling)
-                dw = fp8_mm(dyt8, x8, out_dtype=self.weight.dtype)
+                dw = fp8_mm(dyt8, x8, out_dtype=self.weight.dtype, pad=True)
         if dx is not None:
             dx = dx.reshape(*ctx.lead, self.in_features)
         return dx, [dw if not isinstance(self.weight, Float8Tensor) else None]

@@ -31,7 +31,7 @@ def _check_precision(x: torch.Tensor, ops) -> None:
             "or run under torch.autocast('cuda', torch.bfloat16); keep fp32 master weights in the optimizer "
             "if you need them.",
             Float8PrecisionWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -48,7 +48,8 @@ class _Runner:
         units = match(ops, FORWARD_FUSIONS, self.fuse)
         for k, (i, unit) in enumerate(units):
             nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
-            request = nxt.input_request(grad) if nxt is not None else None
+            # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
+            request = nxt.input_request(grad) if nxt is not None and self.fuse else None
             x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
         return x
 
@@ -57,7 +58,7 @@ class _Runner:
         grads = [None] * len(ops)
         for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
             prev = ops[i - 1] if i > 0 else None
-            request = prev.grad_request() if prev is not None else None
+            request = prev.grad_request() if prev is not None and self.fuse else None
             dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
             grads[i : i + len(unit.ops)] = unit_grads
         flat = []
@@ -94,6 +95,7 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Ten
         raise TypeError(f"ops take a tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
+    _check_precision(x, ops)
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
     params = [p for op in ops for p in op.op_params()]
@@ -149,7 +151,6 @@ class Sequential(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for seg in self._segments():
             if isinstance(seg, list):
-                _check_precision(x, seg)
                 x = run_ops(seg, x, self.fuse)
             else:
                 x = seg(x)

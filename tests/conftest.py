@@ -14,6 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # Here, not in pyproject's filterwarnings: pytest imports the categories named there before it loads any
+    # conftest, which would import float8 (and decorate its kernels) before TRITON_INTERPRET is set above.
+    config.addinivalue_line("filterwarnings", "error::float8.tensor.Float8FallbackWarning")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

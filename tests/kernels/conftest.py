@@ -14,6 +14,8 @@ conversion goes to the original. Test-side only: the library never patches Trito
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,17 @@ except ImportError:  # pragma: no cover - no triton: the kernel tests skip thems
     tl = _interp = None
 
 ORIGINAL_CONVERT_FLOAT = None if _interp is None else _interp._convert_float
+
+if _interp is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    from float8.kernels.cast import _cast_kernel
+
+    if not isinstance(_cast_kernel, _interp.InterpretedFunction):
+        raise RuntimeError(
+            "float8.kernels was imported before tests/conftest.py set TRITON_INTERPRET=1: its Triton kernels "
+            "were built for a GPU and cannot run on CPU tensors. The usual cause is a filterwarnings entry in "
+            "pyproject.toml naming a float8 class (pytest imports those before any conftest); tests/conftest.py "
+            "registers that filter in pytest_configure instead."
+        )
 
 if tl is not None:
     _TORCH_OF = {

@@ -84,7 +84,7 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([t, sub]).to(dtype)
 
 
-def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=False, scale=3.0) -> torch.Tensor:
+def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=False, scale=3.0, device="cpu"):
     """Random normal * scale in `dtype`, `shape`, laid out as asked:
     contiguous; transposed (a .transpose(-2, -1) view); offset (x[1:, 2:] of a bigger tensor);
     strided (every other column)."""
@@ -97,7 +97,7 @@ def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=Fa
             sv = special_values(dtype).float()
             idx = torch.randperm(t.numel(), generator=g)[: min(len(sv), t.numel())]
             t.view(-1)[idx] = sv[: len(idx)]
-        return t.to(dtype)
+        return t.to(dtype).to(device)  # the view below is taken on the device
 
     if layout == "contiguous" or len(shape) < 2:
         return rnd(shape)
@@ -108,3 +108,59 @@ def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=Fa
     if layout == "strided":
         return rnd((*shape[:-1], 2 * shape[-1]))[..., ::2]
     raise ValueError(layout)
+
+
+# ---- the device-side scale rule, alone --------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from float8.kernels.common import scale_from_amax as _device_scale_from_amax  # noqa: E402
+from float8.kernels.reference import fp8_max  # noqa: E402
+
+
+@triton.jit
+def _scale_kernel(
+    amax_ptr,  # (N,) fp32
+    scale_ptr,  # (N,) fp32
+    n,
+    margin_div,
+    FP8_MAX: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(amax_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(scale_ptr + offs, _device_scale_from_amax(a, FP8_MAX, margin_div, POWER_OF_2), mask=offs < n)
+
+
+def device_scale(amax: torch.Tensor, fp8_dtype, margin=0, power_of_2=False) -> torch.Tensor:
+    """common.scale_from_amax (what every kernel computes) applied to a float32 vector of amaxes."""
+    amax = amax.float().contiguous()
+    out = torch.empty_like(amax)
+    block = 1024
+    _scale_kernel[(triton.cdiv(amax.numel(), block),)](
+        amax, out, amax.numel(), float(2.0**margin), FP8_MAX=fp8_max(fp8_dtype), POWER_OF_2=power_of_2, BLOCK=block
+    )
+    return out
+
+
+def exact_pow2_floor(s: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= s (s >= 0, finite), computed independently of the kernels' bit trick."""
+    _, e = torch.frexp(s)  # s = m * 2**e, m in [0.5, 1)
+    return torch.where(s == 0, s, torch.ldexp(torch.ones_like(s), e - 1))
+
+
+def amax_samples(device="cpu", n=4000, seed=0) -> torch.Tensor:
+    """float32 amaxes: log-uniform over the whole float32 range, plus every edge the scale rule has."""
+    g = torch.Generator().manual_seed(seed)
+    logs = torch.rand(n, generator=g, dtype=torch.float64) * 277 - 149  # 2**-149 .. 2**128
+    rnd = torch.exp2(logs).float()
+    rnd = rnd[torch.isfinite(rnd) & (rnd > 0)]
+    f32 = torch.finfo(torch.float32)
+    edges = [0.0, -0.0, 2.0**-149, 1e-45, 1e-40, f32.tiny, 1e-37, 448 / f32.max, 1e-36, 2.0**-126, 1.0, 448.0,
+             57344.0, 448.0 * (1 + 2**-23), 3.0, 1e30, f32.max, float("inf"), float("nan"), -1.0]
+    # amaxes whose scale lands on, or one ulp either side of, a power of two
+    p = torch.exp2(torch.arange(-20, 21, dtype=torch.float32))
+    near = torch.cat([448.0 / p, torch.nextafter(448.0 / p, torch.zeros(())), torch.nextafter(448.0 / p, torch.full((), 1e38))])
+    return torch.cat([rnd, torch.tensor(edges), near]).to(device)

@@ -1,0 +1,489 @@
+"""kernels/norm.py: RMSNorm / LayerNorm forward, backward and forward-to-FP8, against the references.
+
+What is compared how:
+- The per-row stats (mean, rstd) are row sums, and the kernels sum in another order than torch: they
+  agree with the references to a few float32 ulps (STATS_RTOL), and bit for bit where every partial sum
+  is exact (test_exact_inputs_everything_bit_exact).
+- Everything after the stats runs the same float32 operations in the same order (no FMA contraction),
+  so given the kernel's own stats, y, the FP8 data and data_t, scale_inv and amax equal the references
+  bit for bit (norm_apply_ref + quantize_y_ref / quantize_y_current_ref).
+- Backward (dx, dweight, dbias) sums rows and columns in another order: close to the reference, and
+  within 1e-5 (relative to the largest element) of a float64 autograd computation for float32 inputs.
+The Triton launchers run on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py), with the
+interpreter's float conversions made hardware-faithful by tests/kernels/conftest.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import float8.kernels.norm as nm
+from float8.kernels.cast_transpose import _cast_transpose_triton, _quantize_transpose_tensorwise_triton
+
+from .helpers import FP8, assert_bits, needs_interpreter
+
+EPS = 1e-5
+STATS_RTOL = 1e-6  # ~8 float32 ulps: another summation order of at most a few hundred terms
+# Chunked rows, rows masked off at the end, several programs per kernel, several row blocks per program.
+SMALL = dict(BLOCK_M=4, BLOCK_N=16, num_warps=1, GRID=2)
+SMALL2 = dict(BLOCK_M=8, BLOCK_N=32, num_warps=2, GRID=1)  # one backward program for all row blocks
+F32, BF16 = torch.float32, torch.bfloat16
+SHAPES = [(1, 16), (7, 33), (17, 128), (4, 3, 64)]
+CASES = [  # (shape, dtype, config)
+    ((1, 16), F32, None),
+    ((7, 33), BF16, None),
+    ((17, 128), F32, None),
+    ((4, 3, 64), BF16, None),
+    ((7, 33), F32, SMALL),
+    ((4, 3, 64), BF16, SMALL2),
+]
+CASE_IDS = [f"{'x'.join(map(str, s))}-{str(d)[6:]}{'-small' if c else ''}" for s, d, c in CASES]
+FP8_SCALING = [(torch.float8_e4m3fn, 0, False), (torch.float8_e5m2, 2, True)]  # (fp8_dtype, margin, power_of_2)
+KINDS = ["rms", "ln"]
+FP8_NAMES = ("data", "data_t", "scale_inv", "amax")
+
+
+def inputs(shape, dtype, kind, seed=0, with_bias=True):
+    g = torch.Generator().manual_seed(seed)
+    N = shape[-1]
+    x = (torch.randn(shape, generator=g) * 2.0 + 0.7).to(dtype)
+    w = (1.0 + 0.5 * torch.randn(N, generator=g)).to(dtype)
+    b = (0.3 * torch.randn(N, generator=g)).to(dtype) if kind == "ln" and with_bias else None
+    return x, w, b
+
+
+def exact_inputs(shape, dtype, kind, seed=0):
+    """x = a / 4, small integers a with each row summing to a multiple of N (N a power of two): every
+    partial sum of x, x^2 and (x - mean)^2 is exact in float32, in any order."""
+    g = torch.Generator().manual_seed(seed)
+    N = shape[-1]
+    a = torch.randint(-8, 9, shape, generator=g).reshape(-1, N)
+    r = a.sum(-1).remainder(N)
+    for i in range(a.shape[0]):
+        idx = torch.randperm(N, generator=g)[: int(r[i])]
+        a[i, idx] -= 1
+    x = (a.float() / 4).reshape(shape).to(dtype)
+    _, w, b = inputs(shape, dtype, kind, seed)
+    return x, w, b
+
+
+# ---- thin dispatch over rms / ln ---------------------------------------------------------------------
+
+
+def fwd_triton(kind, x, w, b, config=None):
+    if kind == "rms":
+        y, rstd = nm._rmsnorm_fwd_triton(x, w, EPS, config)
+        return y, None, rstd
+    return nm._layernorm_fwd_triton(x, w, b, EPS, config)
+
+
+def fwd_ref(kind, x, w, b):
+    if kind == "rms":
+        y, rstd = nm.rmsnorm_fwd_ref(x, w, EPS)
+        return y, None, rstd
+    return nm.layernorm_fwd_ref(x, w, b, EPS)
+
+
+def fp8_triton(kind, x, w, b, fp8_dtype, margin, power_of_2, with_t, config=None):
+    """(data, data_t, scale_inv, amax), mean or None, rstd."""
+    if kind == "rms":
+        *out, rstd = nm._rmsnorm_fp8_triton(x, w, EPS, fp8_dtype, margin, power_of_2, with_t, config)
+        return out, None, rstd
+    *out, mean, rstd = nm._layernorm_fp8_triton(x, w, b, EPS, fp8_dtype, margin, power_of_2, with_t, config)
+    return out, mean, rstd
+
+
+def fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t, config=None):
+    if kind == "rms":
+        *out, rstd = nm._rmsnorm_fp8_scaled_triton(x, w, EPS, scale, fp8_dtype, with_t, config)
+        return out, None, rstd
+    *out, mean, rstd = nm._layernorm_fp8_scaled_triton(x, w, b, EPS, scale, fp8_dtype, with_t, config)
+    return out, mean, rstd
+
+
+def bwd_triton(kind, dy, x, w, mean, rstd, config=None):
+    if kind == "rms":
+        return (*nm._rmsnorm_bwd_triton(dy, x, w, rstd, config), None)
+    return nm._layernorm_bwd_triton(dy, x, w, mean, rstd, config)
+
+
+def assert_fwd_bits(kind, got, want):
+    """(y, mean or None, rstd) twice, bit for bit."""
+    names = ("y", "rstd") if kind == "rms" else ("y", "mean", "rstd")
+    assert_outputs([t for t in got if t is not None], [t for t in want if t is not None], names)
+
+
+def y_from_stats(x, w, b, mean, rstd):
+    """The reference's y (x.dtype, x.shape) from the kernel's own stats."""
+    return nm.norm_apply_ref(x, w, b, mean, rstd).to(x.dtype).reshape(x.shape)
+
+
+def assert_stats_close(mean, rstd, ref_mean, ref_rstd, rtol=STATS_RTOL):
+    torch.testing.assert_close(rstd, ref_rstd, rtol=rtol, atol=0)
+    if ref_mean is None:
+        assert mean is None
+    else:
+        # The mean can be ~0 where x's values cancel: relative to the row's scale, not to itself.
+        torch.testing.assert_close(mean, ref_mean, rtol=rtol, atol=rtol / ref_rstd.min().item())
+
+
+def max_rel_err(ours, ref) -> float:
+    """max |ours - ref| / max |ref|: the error relative to the tensor's scale."""
+    ref = ref.double()
+    return ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+
+
+def hp_rtol(dtype) -> float:
+    # One rounding of the output apart: where the float32 results differ by an ulp, the rounded ones may
+    # land on neighbouring bf16/fp16 values (relative to the largest element: at most one ulp of it).
+    return {torch.float32: 1e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+
+
+# ---- the Triton launchers under the interpreter, against the references ------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype, config", [*CASES, ((7, 33), torch.float16, None)], ids=[*CASE_IDS, "7x33-float16"])
+def test_forward(kind, dtype, shape, config):
+    x, w, b = inputs(shape, dtype, kind)
+    y, mean, rstd = fwd_triton(kind, x, w, b, config)
+    y_ref, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
+    assert_stats_close(mean, rstd, mean_ref, rstd_ref)
+    assert_bits(y, y_from_stats(x, w, b, mean, rstd), "y from the kernel's stats")
+    assert max_rel_err(y, y_ref) <= hp_rtol(dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fp8_dtype, margin, power_of_2", FP8_SCALING, ids=["e4m3", "e5m2-m2-p2"])
+@pytest.mark.parametrize("with_t", [False, True], ids=["", "T"])
+@pytest.mark.parametrize("shape, dtype, config", CASES, ids=CASE_IDS)
+def test_fp8_current_scaling(kind, dtype, fp8_dtype, with_t, margin, power_of_2, shape, config):
+    x, w, b = inputs(shape, dtype, kind)
+    out, mean, rstd = fp8_triton(kind, x, w, b, fp8_dtype, margin, power_of_2, with_t, config)
+    _, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
+    assert_stats_close(mean, rstd, mean_ref, rstd_ref)
+    y = y_from_stats(x, w, b, mean, rstd)
+    assert_outputs(out, nm.quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_t))
+    # Fused == unfused: the same stats as the high-precision forward (same row kernel, same tile).
+    _, mean_fwd, rstd_fwd = fwd_triton(kind, x, w, b, config)
+    assert_bits(rstd, rstd_fwd, "rstd vs the forward's")
+    if mean is not None:
+        assert_bits(mean, mean_fwd, "mean vs the forward's")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("with_t", [False, True], ids=["", "T"])
+@pytest.mark.parametrize("shape, dtype, config", CASES, ids=CASE_IDS)
+def test_fp8_given_scale(kind, dtype, fp8_dtype, with_t, shape, config):
+    x, w, b = inputs(shape, dtype, kind)
+    y_ref, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
+    # Saturates the top half of |y|, and is not a power of two: the products round.
+    scale = (nm.fp8_max(fp8_dtype) / (0.5 * y_ref.float().abs().max()) * 1.37).reshape(1)
+    out, mean, rstd = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t, config)
+    assert_stats_close(mean, rstd, mean_ref, rstd_ref)
+    y = y_from_stats(x, w, b, mean, rstd)
+    assert_outputs(out, nm.quantize_y_ref(y, scale, fp8_dtype, with_t))
+    assert out[0].float().abs().max() == nm.fp8_max(fp8_dtype)  # saturation was exercised
+
+
+def assert_outputs(ours, ref, names=FP8_NAMES, nan_bits=True):
+    assert len(ours) == len(ref) == len(names)
+    for o, r, n in zip(ours, ref, names):
+        assert_bits(o, r, n, nan_bits=nan_bits and n != "amax")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype", [((1, 16), F32), ((17, 128), BF16), ((4, 3, 64), F32), ((5, 256), BF16)], ids=str)
+def test_exact_inputs_everything_bit_exact(kind, dtype, shape):
+    """Where every partial sum is exact, the stats match too: all outputs == the full references' bits."""
+    x, w, b = exact_inputs(shape, dtype, kind)
+    assert_fwd_bits(kind, fwd_triton(kind, x, w, b), fwd_ref(kind, x, w, b))
+    fp8_dtype = FP8[shape[0] % 2]
+    scale = torch.tensor(7.3)
+    if kind == "rms":
+        got = nm._rmsnorm_fp8_triton(x, w, EPS, fp8_dtype, 1, False, True)
+        ref = nm.rmsnorm_fp8_ref(x, w, EPS, fp8_dtype, 1, False, True)
+        got_s = nm._rmsnorm_fp8_scaled_triton(x, w, EPS, scale, fp8_dtype, True)
+        ref_s = nm.rmsnorm_fp8_scaled_ref(x, w, EPS, scale, fp8_dtype, True)
+        names = (*FP8_NAMES, "rstd")
+    else:
+        got = nm._layernorm_fp8_triton(x, w, b, EPS, fp8_dtype, 1, False, True)
+        ref = nm.layernorm_fp8_ref(x, w, b, EPS, fp8_dtype, 1, False, True)
+        got_s = nm._layernorm_fp8_scaled_triton(x, w, b, EPS, scale, fp8_dtype, True)
+        ref_s = nm.layernorm_fp8_scaled_ref(x, w, b, EPS, scale, fp8_dtype, True)
+        names = (*FP8_NAMES, "mean", "rstd")
+    assert_outputs(got, ref, names)
+    assert_outputs(got_s, ref_s, names)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype, config", CASES, ids=CASE_IDS)
+def test_backward(kind, dtype, shape, config):
+    x, w, b = inputs(shape, dtype, kind)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    _, mean, rstd = fwd_ref(kind, x, w, b)
+    dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd, config)
+    ref = nm.norm_bwd_ref(dy, x, w, mean, rstd)
+    for name, ours, r in zip(("dx", "dweight", "dbias"), (dx, dw, db), ref):
+        if r is None:
+            assert ours is None
+            continue
+        assert ours.dtype == r.dtype and ours.shape == r.shape and ours.is_contiguous(), name
+        assert max_rel_err(ours, r) <= hp_rtol(dtype), name
+
+
+# ---- against float64 autograd -----------------------------------------------------------------------
+
+
+def float64_norm(kind, x, w, b):
+    x, w = x.double(), w.double()
+    if kind == "rms":
+        y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + EPS) * w
+    else:
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(var + EPS) * w + b.double()
+    return y
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, config", [((7, 33), None), ((17, 128), None), ((7, 33), SMALL)], ids=str)
+def test_against_float64_autograd(kind, shape, config):
+    x, w, b = inputs(shape, torch.float32, kind)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    y64 = float64_norm(kind, x64, w64, b64)
+    grads = torch.autograd.grad(y64, [t for t in (x64, w64, b64) if t is not None], dy.double())
+
+    y, mean, rstd = fwd_triton(kind, x, w, b, config)
+    dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd, config)
+    for name, ours, ref in zip(("y", "dx", "dweight", "dbias"), (y, dx, dw, db), (y64, *grads)):
+        assert max_rel_err(ours, ref) < 1e-5, name
+
+
+# ---- fused == unfused with the other kernels --------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_equals_norm_then_quantize_kernels(kind, fp8_dtype):
+    """norm -> FP8 in one op gives the bits of the high-precision norm followed by kernels/cast_transpose."""
+    x, w, b = inputs((17, 128), torch.bfloat16, kind)
+    y, _, _ = fwd_triton(kind, x, w, b)
+    out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, 1, True, True)
+    assert_outputs(out, _quantize_transpose_tensorwise_triton(y, fp8_dtype, 1, True))
+    scale = torch.tensor([0.37])
+    out, _, _ = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, True)
+    assert_outputs(out, _cast_transpose_triton(y, scale, fp8_dtype))
+
+
+# ---- edge cases -------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_row(kind):
+    """A NaN poisons its own row only; amax is NaN, so the current scale is 1 (reference.scale_from_amax)."""
+    x, w, b = inputs((7, 33), torch.float32, kind)
+    x[3, 5] = float("nan")
+    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, 0, False, True, SMALL)
+    assert rstd[3].isnan() and not rstd[torch.arange(7) != 3].isnan().any()
+    assert out[3].isnan() and out[2].item() == 1.0
+    assert out[0][3].float().isnan().all() and not out[0][[0, 1, 2, 4, 5, 6]].float().isnan().any()
+    y = y_from_stats(x, w, b, mean, rstd)
+    assert_outputs(out, nm.quantize_y_current_ref(y, torch.float8_e4m3fn, 0, False, True), nan_bits=False)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_rows(kind):
+    """x a column slice (row stride 2N) and a transposed view (copied): same as the contiguous x."""
+    x, w, b = inputs((7, 66), torch.bfloat16, kind)
+    xs = x[:, :33]
+    for view in (xs, x[:, :33].t().contiguous().t()):
+        assert not view.is_contiguous()
+        got, want = fwd_triton(kind, view, w[:33], None if b is None else b[:33]), fwd_triton(
+            kind, view.contiguous(), w[:33], None if b is None else b[:33]
+        )
+        for o, r in zip(got, want):
+            if r is not None:
+                assert_bits(o, r, "non-contiguous")
+    dy = torch.randn(7, 66).to(torch.bfloat16)[:, 1:34]
+    _, mean, rstd = fwd_ref(kind, xs, w[:33], None if b is None else b[:33])
+    got = bwd_triton(kind, dy, xs, w[:33], mean, rstd)
+    want = bwd_triton(kind, dy.contiguous(), xs.contiguous(), w[:33], mean, rstd)
+    for o, r in zip(got, want):
+        if r is not None:
+            assert_bits(o, r, "non-contiguous backward")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_rows(kind):
+    x, w, b = inputs((0, 16), torch.bfloat16, kind)
+    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, 0, False, True)
+    assert out[0].shape == (0, 16) and out[1].shape == (16, 0) and rstd.shape == (0,)
+    assert out[2].item() == 1.0 and out[3].item() == 0.0
+    out, _, _ = fp8_scaled_triton(kind, x, w, b, torch.tensor([4.0]), torch.float8_e5m2, False)
+    assert out[1].shape == (0,) and out[2].item() == 0.25 and out[3].item() == 0.0
+    dx, dw, db = bwd_triton(kind, x, x, w, mean, rstd)
+    assert dx.shape == (0, 16) and not dw.any() and dw.dtype == w.dtype
+
+
+# ---- the public ops (CPU: the references) -----------------------------------------------------------
+
+
+def op_cases():
+    x, w, b = inputs((4, 3, 32), torch.bfloat16, "ln")
+    x32 = x.float()
+    _, mean, rstd = nm.layernorm_fwd_ref(x, w, b, EPS)
+    e4, e5 = FP8
+    s = torch.tensor([2.5])
+    return [
+        ("rmsnorm_fwd", (x, w, EPS), nm.rmsnorm_fwd_ref),
+        ("layernorm_fwd", (x, w, b, EPS), nm.layernorm_fwd_ref),
+        ("layernorm_fwd", (x32, w, None, EPS), nm.layernorm_fwd_ref),
+        ("rmsnorm_fp8", (x, w, EPS, e4, 1, True, True), nm.rmsnorm_fp8_ref),
+        ("layernorm_fp8", (x, w, b, EPS, e5, 0, False, False), nm.layernorm_fp8_ref),
+        ("rmsnorm_fp8_scaled", (x32, w, EPS, s, e4, False), nm.rmsnorm_fp8_scaled_ref),
+        ("layernorm_fp8_scaled", (x, w, b, EPS, s.reshape(()), e5, True), nm.layernorm_fp8_scaled_ref),
+        ("rmsnorm_bwd", (x, x32, w, rstd), nm.rmsnorm_bwd_ref),
+        ("layernorm_bwd", (x, x, w, mean, rstd), nm.layernorm_bwd_ref),
+    ]
+
+
+OP_CASES = op_cases()
+OP_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(OP_CASES)]
+
+
+@pytest.mark.parametrize("name, args, ref", OP_CASES, ids=OP_IDS)
+def test_public_op_on_cpu_is_the_reference(name, args, ref):
+    got = getattr(torch.ops.float8, name)(*args)
+    want = ref(*args)
+    assert len(got) == len(want)
+    for i, (o, r) in enumerate(zip(got, want)):
+        assert_bits(o, r, f"{name} output {i}")
+
+
+@pytest.mark.parametrize("name, args, ref", OP_CASES, ids=OP_IDS)
+def test_opcheck(name, args, ref):
+    torch.library.opcheck(getattr(nm, name), args)
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 5, 48, dtype=torch.bfloat16)
+        w = torch.empty(48, dtype=torch.bfloat16)
+        out = nm.layernorm_fp8(x, w, w, EPS, torch.float8_e4m3fn, 0, False, True)
+        assert [tuple(t.shape) for t in out] == [(2, 5, 48), (48, 10), (), (), (10,), (10,)]
+        assert out[0].dtype == out[1].dtype == torch.float8_e4m3fn
+        out = nm.rmsnorm_fp8_scaled(x, w, EPS, torch.empty(1), torch.float8_e5m2, False)
+        assert [tuple(t.shape) for t in out] == [(2, 5, 48), (0,), (), (), (10,)]
+        dx, dw = nm.rmsnorm_bwd(x, x, w.float(), torch.empty(10))
+        assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+
+def test_weight_shape_mismatch_names_both_shapes():
+    x, w, b = inputs((4, 3, 32), torch.bfloat16, "ln")
+    for call in (
+        lambda: nm.rmsnorm_fwd(x, w[:31], EPS),
+        lambda: nm.layernorm_fp8(x, w[:31], b, EPS, torch.float8_e4m3fn),
+        lambda: nm.rmsnorm_fp8_scaled(x, w.reshape(2, 16), EPS, torch.ones(1), torch.float8_e4m3fn),
+    ):
+        with pytest.raises(ValueError, match=r"\(4, 3, 32\)") as e:
+            call()
+        assert "(31,)" in str(e.value) or "(2, 16)" in str(e.value)
+    with pytest.raises(ValueError, match=r"bias.*\(4, 3, 32\).*\(7,\)"):
+        nm.layernorm_fwd(x, w, b[:7], EPS)
+
+
+def test_bad_input_types():
+    x, w, b = inputs((4, 32), torch.float32, "ln")
+    _, mean, rstd = nm.layernorm_fwd_ref(x, w, b, EPS)
+    with pytest.raises(TypeError, match="int32"):
+        nm.rmsnorm_fwd(x.to(torch.int32), w, EPS)
+    with pytest.raises(TypeError, match="weight"):
+        nm.layernorm_fwd(x, w.to(torch.int64), b, EPS)
+    with pytest.raises(TypeError, match="FP8"):
+        nm.rmsnorm_fp8(x.to(torch.float8_e4m3fn), w, EPS, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        nm.rmsnorm_fp8(x, w, EPS, torch.bfloat16)
+    with pytest.raises(ValueError, match="margin"):
+        nm.layernorm_fp8(x, w, b, EPS, torch.float8_e4m3fn, -1)
+    with pytest.raises(TypeError, match="scale"):
+        nm.rmsnorm_fp8_scaled(x, w, EPS, torch.ones(1, dtype=torch.float64), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="eps"):
+        nm.rmsnorm_fwd(x, w, -1.0)
+    with pytest.raises(ValueError, match="dy"):
+        nm.layernorm_bwd(x[:2], x, w, mean, rstd)
+    with pytest.raises(ValueError, match=r"rstd.*\(4,\).*\(3,\)"):
+        nm.rmsnorm_bwd(x, x, w, rstd[:3])
+    with pytest.raises(TypeError, match="mean"):
+        nm.layernorm_bwd(x, x, w, mean.double(), rstd)
+    with pytest.raises(ValueError, match="last dim"):
+        nm.rmsnorm_fwd(torch.empty(3, 0), torch.empty(0), EPS)
+
+
+# ---- GPU tier ---------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    ((16384, 4096), torch.bfloat16),
+    ((3, 5, 1000), torch.bfloat16),
+    ((257, 16384), torch.bfloat16),  # rows longer than MAX_ONE_CHUNK: the chunked loops
+    ((33, 8192), torch.float32),
+    ((129, 96), torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype", GPU_SHAPES, ids=str)
+def test_gpu_against_references(kind, shape, dtype):
+    torch.manual_seed(0)
+    x, w, b = (t.cuda() if t is not None else None for t in inputs(shape, dtype, kind))
+    y_ref, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
+    # Longer rows, other summation trees: a looser (still tight) bound on the stats.
+    rtol = 1e-5
+    y, mean, rstd = fwd_triton(kind, x, w, b)
+    assert_stats_close(mean, rstd, mean_ref, rstd_ref, rtol)
+    assert_bits(y, y_from_stats(x, w, b, mean, rstd), "y from the kernel's stats")
+    assert max_rel_err(y, y_ref) <= hp_rtol(dtype)
+
+    for fp8_dtype, margin, p2, with_t in [(FP8[0], 0, False, True), (FP8[1], 1, True, False)]:
+        out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, margin, p2, with_t)
+        assert_fwd_bits(kind, (y, m8, r8), (y, mean, rstd))  # the forward's stats: fused == unfused
+        assert_outputs(out, nm.quantize_y_current_ref(y, fp8_dtype, margin, p2, with_t))
+        scale = torch.tensor([0.9 * nm.fp8_max(fp8_dtype)], device="cuda") / y_ref.float().abs().max()
+        out, m8, r8 = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t)
+        assert_stats_close(m8, r8, mean_ref, rstd_ref, rtol)
+        assert_outputs(out, nm.quantize_y_ref(y_from_stats(x, w, b, m8, r8), scale, fp8_dtype, with_t))
+
+    dy = torch.randn(shape, device="cuda").to(dtype)
+    dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd)
+    for name, ours, r in zip(("dx", "dweight", "dbias"), (dx, dw, db), nm.norm_bwd_ref(dy, x, w, mean, rstd)):
+        if r is not None:
+            # dweight sums 16384 rows in float32 in another order: 1e-5 of the largest element.
+            assert max_rel_err(ours, r) <= max(hp_rtol(dtype), 1e-5), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_exact_inputs_bit_exact(kind):
+    x, w, b = (t.cuda() if t is not None else None for t in exact_inputs((1024, 4096), torch.bfloat16, kind))
+    assert_fwd_bits(kind, fwd_triton(kind, x, w, b), fwd_ref(kind, x, w, b))

@@ -1,0 +1,169 @@
+"""The public custom ops on CPU tensors: same as the references, well-formed for torch.library and
+torch.compile, and clear errors for bad input."""
+
+import pytest
+import torch
+
+import float8.kernels as K
+
+from .helpers import FP8, assert_outputs, make_x
+
+E4M3, E5M2 = FP8
+S = torch.tensor(0.37)
+
+
+def _cases(specials):
+    x = make_x((4, 256), torch.bfloat16, specials=specials)
+    x3 = make_x((2, 3, 128), torch.float16)
+    data, scale_inv = K.quantize_blockwise_ref(make_x((256, 128), torch.float32), 128, 128, E4M3)
+    return [
+        ("amax", K.amax, K.amax_ref, (x,), ["amax"]),
+        ("cast", K.cast, K.cast_ref, (x, S, E4M3), ["data", "scale_inv", "amax"]),
+        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x3, E5M2, 1, True),
+         ["data", "scale_inv", "amax"]),
+        ("cast_transpose", K.cast_transpose, K.cast_transpose_ref, (x3, S, E5M2), ["data", "data_t", "scale_inv", "amax"]),
+        ("quantize_transpose_tensorwise", K.quantize_transpose_tensorwise, K.quantize_transpose_tensorwise_ref,
+         (x, E4M3, 0, False), ["data", "data_t", "scale_inv", "amax"]),
+        ("quantize_rowwise", K.quantize_rowwise, K.quantize_rowwise_ref, (x3, E4M3, 0, False), ["data", "scale_inv"]),
+        ("quantize_blockwise", K.quantize_blockwise, K.quantize_blockwise_ref, (x3, 1, 128, E4M3, 2, False),
+         ["data", "scale_inv"]),
+        ("quantize_blockwise", K.quantize_blockwise, K.quantize_blockwise_ref, (make_x((256, 128)), 128, 128, E5M2, 0, True),
+         ["data", "scale_inv"]),
+        ("dequantize", K.dequantize, K.dequantize_ref, (data, scale_inv, torch.bfloat16), ["out"]),
+    ]
+
+
+CASES = _cases(specials=True)
+FINITE_CASES = _cases(specials=False)  # opcheck compares outputs with assert_close, where NaN != NaN
+IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_op_on_cpu_is_the_reference(case):
+    name, op, ref, args, outs = case
+    got, want = op(*args), ref(*args)
+    if len(outs) == 1:
+        got, want = [got], [want]
+    assert_outputs(list(got), list(want), outs)
+    assert getattr(torch.ops.float8, name).default is not None  # registered under float8::
+
+
+@pytest.mark.parametrize("case", FINITE_CASES, ids=IDS)
+def test_opcheck(case):
+    name, _, _, args, _ = case
+    tests = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    if any(isinstance(a, torch.Tensor) and a.dtype in FP8 for a in args):
+        # test_schema compares inputs before/after with ops that have no FP8 CPU kernel ("mul_cpu_reduced_float").
+        tests.remove("test_schema")
+    torch.library.opcheck(getattr(torch.ops.float8, name).default, args, test_utils=tests)
+
+
+def test_torch_compile_fullgraph_aot_eager():
+    def f(x):
+        data, scale_inv, _ = K.quantize_tensorwise(x, E4M3, 0, False)
+        d_row, s_row = K.quantize_rowwise(x, E5M2)
+        d_t, t_t, s_t, _ = K.cast_transpose(x, torch.reciprocal(scale_inv), E4M3)
+        d_b, s_b = K.quantize_blockwise(x, 1, 128, E4M3)
+        return (K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_row, s_row, torch.float32)
+                + K.dequantize(t_t, s_t, torch.float32).t() + K.dequantize(d_b, s_b, torch.float32))
+
+    x = make_x((64, 256), torch.float32)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), f(x))
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+X = torch.randn(4, 256)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: K.amax(x),
+        lambda x: K.cast(x, torch.tensor(1.0), E4M3),
+        lambda x: K.quantize_tensorwise(x, E4M3),
+        lambda x: K.cast_transpose(x, torch.tensor(1.0), E4M3),
+        lambda x: K.quantize_transpose_tensorwise(x, E4M3),
+        lambda x: K.quantize_rowwise(x, E4M3),
+        lambda x: K.quantize_blockwise(x, 1, 128, E4M3),
+    ],
+    ids=["amax", "cast", "quantize_tensorwise", "cast_transpose", "quantize_transpose", "rowwise", "blockwise"],
+)
+def test_bad_input_dtype(call):
+    with pytest.raises(TypeError, match=r"must be float32, bfloat16 or float16, got torch.int32"):
+        call(torch.ones(4, 256, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"already FP8 \(torch.float8_e4m3fn\)"):
+        call(X.to(E4M3))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda d: K.cast(X, torch.tensor(1.0), d),
+        lambda d: K.quantize_tensorwise(X, d),
+        lambda d: K.cast_transpose(X, torch.tensor(1.0), d),
+        lambda d: K.quantize_transpose_tensorwise(X, d),
+        lambda d: K.quantize_rowwise(X, d),
+        lambda d: K.quantize_blockwise(X, 1, 128, d),
+    ],
+)
+@pytest.mark.parametrize("bad", [torch.bfloat16, torch.int8, torch.float8_e4m3fnuz])
+def test_bad_fp8_dtype(call, bad):
+    with pytest.raises(TypeError, match=r"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got"):
+        call(bad)
+
+
+def test_bad_scale():
+    with pytest.raises(TypeError, match=r"scale must be float32, got torch.float64"):
+        K.cast(X, torch.tensor(1.0, dtype=torch.float64), E4M3)
+    with pytest.raises(ValueError, match=r"scale must hold one element, got shape \(2,\)"):
+        K.cast_transpose(X, torch.ones(2), E4M3)
+
+
+@pytest.mark.parametrize("margin", [-1, 33])
+def test_bad_margin(margin):
+    with pytest.raises(ValueError, match=r"margin must be an int in \[0, 32\], got " + str(margin)):
+        K.quantize_rowwise(X, E4M3, margin)
+    with pytest.raises(RuntimeError, match=r"Expected a value of type 'int' for argument 'margin'"):
+        K.quantize_tensorwise(X, E4M3, 1.5)  # the op schema's own check
+
+
+@pytest.mark.parametrize(
+    "shape,block,match",
+    [
+        ((4, 200), (1, 128), r"block \(1, 128\) does not tile shape \(4, 200\): 200 columns % 128 != 0"),
+        ((200, 128), (128, 128), r"block \(128, 128\) does not tile shape \(200, 128\): 200 rows % 128 != 0"),
+        ((2, 128, 128), (128, 128), r"block \(128, 128\) with more than one row needs a 2-D tensor, got shape \(2, 128, 128\)"),
+        ((96, 96), (3, 32), r"unsupported block \(3, 32\) for shape \(96, 96\)"),
+        ((256, 256), (256, 256), r"unsupported block \(256, 256\) for shape \(256, 256\)"),
+        ((4, 128), (0, 128), r"block must be two positive ints, got \(0, 128\)"),
+        ((), (1, 128), r"0-d tensor has no blocks"),
+    ],
+)
+def test_bad_block(shape, block, match):
+    with pytest.raises(ValueError, match=match):
+        K.quantize_blockwise(torch.zeros(shape), *block, E4M3)
+
+
+def test_bad_transpose_and_rowwise_rank():
+    with pytest.raises(ValueError, match=r"at least 2 dims .* got shape \(5,\)"):
+        K.cast_transpose(torch.ones(5), torch.tensor(1.0), E4M3)
+    with pytest.raises(ValueError, match=r"at least 2 dims"):
+        K.quantize_transpose_tensorwise(torch.ones(5), E4M3)
+    with pytest.raises(ValueError, match=r"0-d tensor"):
+        K.quantize_rowwise(torch.tensor(1.0), E4M3)
+
+
+def test_bad_dequantize():
+    data = torch.zeros(4, 256).to(E4M3)
+    with pytest.raises(TypeError, match=r"data must be torch.float8_e4m3fn or torch.float8_e5m2, got torch.float32"):
+        K.dequantize(torch.zeros(4, 256), torch.tensor(1.0), torch.float32)
+    with pytest.raises(TypeError, match=r"scale_inv must be float32, got torch.float16"):
+        K.dequantize(data, torch.tensor(1.0, dtype=torch.float16), torch.float32)
+    with pytest.raises(TypeError, match=r"dtype must be float32, bfloat16 or float16, got torch.float8_e5m2"):
+        K.dequantize(data, torch.tensor(1.0), E5M2)
+    with pytest.raises(ValueError, match=r"scale_inv of shape \(3, 1\) does not block data of shape \(4, 256\)"):
+        K.dequantize(data, torch.ones(3, 1), torch.float32)
+    with pytest.raises(ValueError, match=r"scale_inv of shape \(4,\) does not block data"):
+        K.dequantize(data, torch.ones(4), torch.float32)

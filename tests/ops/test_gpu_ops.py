@@ -1,0 +1,85 @@
+"""GPU tier of the ops: fused blocks on CUDA against unfused and against float64, and a compiled step."""
+
+import copy
+
+import pytest
+import torch
+
+import float8.ops as ops
+from tests.tolerances import SQNR_DB, sqnr_db
+
+pytestmark = pytest.mark.gpu
+
+
+def mlp(d=1024, f=2048):
+    return ops.Sequential(ops.RMSNorm(d), ops.Linear(d, 2 * f, bias=False), ops.SwiGLU(), ops.Linear(f, d, bias=False))
+
+
+def layer_norm_mlp(d=1024, f=4096):
+    return ops.Sequential(ops.LayerNorm(d), ops.Linear(d, f), ops.GELU(), ops.Linear(f, d))
+
+
+def run(model, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy)
+    return [y, x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [mlp, layer_norm_mlp], ids=["rms_swiglu", "ln_gelu_bias"])
+def test_fused_block_on_cuda_against_unfused_and_fp64(make):
+    torch.manual_seed(0)
+    model = make().cuda().to(torch.bfloat16)
+    unfused = copy.deepcopy(model)
+    unfused.fuse = False
+    x = torch.randn(4, 1000, model[0].weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x) * 0.1
+    fused_out, unfused_out = run(model, x, dy), run(unfused, x, dy)
+    for a, b in zip(fused_out, unfused_out):
+        assert sqnr_db(b, a) >= 25, "fused and unfused FP8 paths agree to FP8 rounding"
+    # Against float64 high precision of the same weights: the SQNR table.
+    ref = copy.deepcopy(model).double()
+    ref_outs = []
+    xd = x.double().requires_grad_(True)
+    with torch.no_grad():
+        pass
+    y = _hp_forward(ref, xd)
+    y.backward(dy.double())
+    assert sqnr_db(y, fused_out[0]) >= SQNR_DB["linear"]
+    assert sqnr_db(xd.grad, fused_out[1]) >= SQNR_DB["grad"]
+
+
+def _hp_forward(seq, x):
+    import torch.nn.functional as F
+
+    for op in seq:
+        if isinstance(op, ops.RMSNorm):
+            x = F.rms_norm(x, (x.shape[-1],), op.weight, op.eps)
+        elif isinstance(op, ops.LayerNorm):
+            x = F.layer_norm(x, (x.shape[-1],), op.weight, op.bias, op.eps)
+        elif isinstance(op, ops.Linear):
+            x = F.linear(x, op.weight, op.bias)
+        elif isinstance(op, ops.SwiGLU):
+            a, b = x.chunk(2, -1)
+            x = F.silu(a) * b
+        elif isinstance(op, ops.GELU):
+            x = F.gelu(x)
+    return x
+
+
+def test_transformer_layer_on_cuda_trains():
+    from tests.ops.test_training import transformer_layer
+
+    torch.manual_seed(0)
+    model = transformer_layer().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    x = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    target = torch.randn_like(x, dtype=torch.float32) * 0.1
+    losses = []
+    for _ in range(50):
+        loss = torch.nn.functional.mse_loss(model(x).float(), target + x.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

@@ -1,0 +1,97 @@
+"""Sequential as a container, its errors, the precision guard, and plain modules as fusion boundaries."""
+
+import pytest
+import torch
+
+import float8.ops as ops
+from float8 import Float8Tensor, Recipe
+from float8.recipe import DelayedScalingState
+
+
+def test_indexing_iteration_and_to():
+    seq = ops.Sequential(ops.RMSNorm(32), ops.Linear(32, 16), ops.GELU())
+    assert len(seq) == 3 and isinstance(seq[1], ops.Linear)
+    assert [type(o) for o in seq] == [ops.RMSNorm, ops.Linear, ops.GELU]
+    assert isinstance(seq[1:], ops.Sequential) and len(seq[1:]) == 2
+    seq = seq.to(torch.bfloat16)
+    assert seq[1].weight.dtype == torch.bfloat16
+    y = seq(torch.randn(4, 32, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (4, 16)
+
+
+def test_recipe_reaches_ops_without_one():
+    own = Recipe.rowwise()
+    seq = ops.Sequential(ops.Linear(32, 32, recipe=own), ops.Linear(32, 32), recipe=Recipe.delayed())
+    assert seq[0].recipe is own and seq[1].recipe == Recipe.delayed()
+    with pytest.warns(ops.Float8PrecisionWarning):
+        seq(torch.randn(4, 32)).sum().backward()
+    states = [m for m in seq[1].modules() if isinstance(m, DelayedScalingState)]
+    assert len(states) == 3 and all(s.amax_history[0] > 0 for s in states)  # input, weight, grad
+    with pytest.raises(TypeError, match="float8.Recipe"):
+        ops.Sequential(ops.Linear(4, 4), recipe="tensorwise")
+
+
+def test_plain_module_is_a_fusion_boundary():
+    seq = ops.Sequential(ops.Linear(32, 32), torch.nn.LayerNorm(32), ops.Linear(32, 16))
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    seq.to(torch.bfloat16)
+    seq(x).sum().backward()
+    assert x.grad is not None and seq[1].weight.grad is not None and seq[0].weight.grad is not None
+
+
+def test_construction_errors():
+    with pytest.raises(TypeError, match="item 1 is a int"):
+        ops.Sequential(ops.Identity(), 3)
+    with pytest.raises(ValueError, match="AddResidual at item 0"):
+        ops.Sequential(ops.AddResidual())
+    with pytest.raises(ValueError, match="without a matching AddResidual"):
+        ops.Sequential(ops.Residual(), ops.Identity())
+    with pytest.raises(ValueError, match="fusion boundary"):
+        ops.Sequential(ops.Residual(), torch.nn.ReLU(), ops.AddResidual())
+
+
+def test_shape_errors_name_the_shapes():
+    seq = ops.Sequential(ops.RMSNorm(32), ops.Linear(32, 16)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"RMSNorm\(32\).*\(4, 24\)"):
+        seq(torch.randn(4, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="swiglu|SwiGLU|even|odd"):
+        ops.SwiGLU()(torch.randn(4, 7, dtype=torch.bfloat16))
+
+
+def test_precision_guard_warns_about_float32_activations():
+    seq = ops.Sequential(ops.Linear(32, 16))
+    with pytest.warns(ops.Float8PrecisionWarning, match="bfloat16"):
+        seq(torch.randn(4, 32))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ops.Float8PrecisionWarning)
+        seq.to(torch.bfloat16)(torch.randn(4, 32, dtype=torch.bfloat16))
+
+
+def test_no_grad_forward_keeps_nothing_and_makes_no_transpose():
+    seq = ops.Sequential(ops.RMSNorm(32), ops.Linear(32, 16, bias=False)).to(torch.bfloat16)
+    with torch.no_grad():
+        y = seq(torch.randn(4, 32, dtype=torch.bfloat16))
+    assert y.grad_fn is None
+    assert seq[1].__dict__["_w8_cache"][1].transpose_cache is None
+
+
+def test_gradient_accumulation_over_micro_batches():
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.Linear(32, 32, bias=False)).to(torch.bfloat16)
+    xs = [torch.randn(8, 32, dtype=torch.bfloat16) for _ in range(2)]
+    for x in xs:
+        seq(x).float().sum().backward()
+    acc = seq[0].weight.grad.clone()
+    seq.zero_grad()
+    for x in xs[::-1]:
+        seq(x).float().sum().backward()
+    assert torch.allclose(acc.float(), seq[0].weight.grad.float(), rtol=1e-2)
+
+
+def test_float8_output_from_a_final_quantize():
+    seq = ops.Sequential(ops.Linear(32, 32), ops.Quantize())
+    with torch.no_grad():
+        out = seq(torch.randn(4, 32, dtype=torch.float32))
+    assert isinstance(out, Float8Tensor)
