@@ -352,7 +352,7 @@ def _act_bwd_kernel(
 # ---- launchers --------------------------------------------------------------------------------------
 
 
-def _geometry(x: torch.Tensor, n_out: int, transpose: bool):
+def _geometry(x: torch.Tensor, transpose: bool):
     """(B, S): with a transpose the leading dims but the last two are a batch; else all rows are one."""
     if transpose:
         return math.prod(x.shape[:-2]), x.shape[-2]
@@ -377,9 +377,11 @@ def _n_out(n_in: int, kind: str) -> int:
     return n_in // 2 if kind == "swiglu" else n_in
 
 
-def _launch_fwd(x, kind, bias, y, y_t, scale, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False):
+def _launch_fwd(
+    x, kind, bias, y, y_t, scale, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False
+):
     n = _n_out(x.shape[-1], kind)
-    B, S = _geometry(x, n, transpose)
+    B, S = _geometry(x, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
     _act_fwd_kernel[grid](
         x,
@@ -405,9 +407,12 @@ def _launch_fwd(x, kind, bias, y, y_t, scale, amax, scale_inv, *, mode, transpos
     )
 
 
-def _launch_bwd(dy, x, kind, bias, dx, dx_t, dbias_parts, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False):
+def _launch_bwd(
+    dy, x, kind, bias, dx, dx_t, dbias_parts, amax, scale_inv, *,
+    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False,
+):  # fmt: skip
     n = dy.shape[-1]
-    B, S = _geometry(dy, n, transpose)
+    B, S = _geometry(dy, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
     _act_bwd_kernel[grid](
         dy,
@@ -502,7 +507,7 @@ def _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin=0, po
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     # Pass 1 (row-wise tiles, no transpose): amax and per-program dbias partials, summed below.
-    _, tiles_s, _, _ = _tiles(*_geometry(dy, dy.shape[-1], False), dy.shape[-1], False, iterate=True)
+    _, tiles_s, _, _ = _tiles(*_geometry(dy, False), dy.shape[-1], False, iterate=True)
     parts = torch.empty((tiles_s, n_in), dtype=torch.float32, device=x.device)
     _launch_bwd(dy, x, kind, bias, None, None, parts, amax, scale_inv, mode="amax", transpose=False)
     _launch_bwd(
@@ -784,7 +789,7 @@ def _quantize_ref(y, fp8_dtype, margin, power_of_2, with_transpose):
     amax = amax_ref(y)
     scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
     data = cast_to_fp8_ref(y, scale, fp8_dtype)
-    data_t = data.transpose(-2, -1).contiguous() if with_transpose else data.new_empty((0,))
+    data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else data.new_empty((0,))
     return data, data_t, scale.reciprocal(), amax
 
 
@@ -796,7 +801,7 @@ def act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose=False):
     y = act_ref_fp32(x, kind, bias)
     scale = scale.reshape(()).float()
     data = cast_to_fp8_ref(y, scale, fp8_dtype)
-    data_t = data.transpose(-2, -1).contiguous() if with_transpose else data.new_empty((0,))
+    data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else data.new_empty((0,))
     return data, data_t, scale.reciprocal(), amax_ref(y)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, check_hp_input
+from .common import abs_bits, atomic_amax, check_hp_input, use_triton
 from .reference import amax_ref as _amax_ref
 
 BLOCK = 8192  # elements per program: 16 B accesses, few atomics (one per program)
@@ -47,7 +47,7 @@ def _amax_triton(x: torch.Tensor) -> torch.Tensor:
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a () float32 tensor; NaN if any NaN, 0 if x is empty."""
     check_hp_input(x, "amax")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _amax_triton(x)
     return amax_ref(x)
 

@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, check_hp_input, check_scaling_args, clamp_keep_nan, scale_from_amax
+from .common import (
+    abs_bits,
+    check_hp_input,
+    check_scaling_args,
+    clamp_keep_nan,
+    margin_div,
+    scale_from_amax,
+    use_triton,
+)
 from .reference import cast_to_fp8_ref, expand_blocks, fp8_max, scale_from_amax as scale_from_amax_ref
 from .rowwise import launch_rowwise
 
@@ -44,7 +52,7 @@ def _block2d_kernel(
     rows = (pid // blocks_k).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (pid % blocks_k) * BLOCK_C + tl.arange(0, BLOCK_C)
     # No masks: the launcher checked that the blocks tile x exactly.
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :].to(tl.int64) * stride_xk).to(tl.float32)
     amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
     scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
     y = clamp_keep_nan(x * scale, FP8_MAX)
@@ -71,7 +79,7 @@ def _quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, p
             x.stride(0),
             x.stride(1),
             K // block_cols,
-            float(2.0**margin),
+            margin_div(margin),
             FP8_MAX=fp8_max(fp8_dtype),
             POWER_OF_2=power_of_2,
             BLOCK_R=block_rows,
@@ -131,7 +139,7 @@ def quantize_blockwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data (x.shape) fp8, scale_inv fp32 with one value per block: x.shape[:-1] + (K // C,) or (M // R, K // C))."""
     _check(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
     return quantize_blockwise_ref(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
 

@@ -14,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, check_hp_input, check_scale, clamp_keep_nan, scale_from_amax
+from .common import (
+    abs_bits,
+    atomic_amax,
+    check_hp_input,
+    check_scale,
+    clamp_keep_nan,
+    margin_div,
+    scale_from_amax,
+    use_triton,
+)
 from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
 
 BLOCK = 4096  # elements per program; 8 warps -> 16 per thread: 2x16 B loads (bf16), one 16 B store
@@ -73,7 +82,7 @@ def launch_cast(
         data,
         scale_inv,
         n,
-        float(2.0**margin),
+        margin_div(margin),
         FP8_MAX=fp8_max(fp8_dtype),
         CURRENT=current,
         POWER_OF_2=power_of_2,
@@ -102,7 +111,7 @@ def cast(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data (x.shape) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|) for a one-element fp32 scale."""
     _check(x, scale, fp8_dtype)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _cast_triton(x, scale, fp8_dtype)
     return cast_ref(x, scale, fp8_dtype)
 
@@ -110,8 +119,8 @@ def cast(
 @cast.register_fake
 def _(x, scale, fp8_dtype):
     _check(x, scale, fp8_dtype)
-    scalar = x.new_empty((), dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=fp8_dtype), scalar, x.new_empty((), dtype=torch.float32)
+    scalar = dict(dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((), **scalar), x.new_empty((), **scalar)
 
 
 def cast_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):

@@ -26,7 +26,9 @@ from .common import (
     check_scale,
     check_scaling_args,
     clamp_keep_nan,
+    margin_div,
     scale_from_amax,
+    use_triton,
 )
 from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max, scale_from_amax as scale_from_amax_ref
 
@@ -72,7 +74,7 @@ def _cast_transpose_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     b64 = b.to(tl.int64)
 
-    x_tile = x_ptr + b64 * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk
+    x_tile = x_ptr + b64 * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :].to(tl.int64) * stride_xk
     x_in = tl.load(x_tile, mask=mask, other=0.0)
     x = x_in.to(tl.float32)
     if CURRENT:
@@ -121,7 +123,7 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
         x3.stride(2),
         tiles_m,
         tiles_k,
-        float(2.0**margin),
+        margin_div(margin),
         FP8_MAX=fp8_max(fp8_dtype),
         CURRENT=current,
         POWER_OF_2=power_of_2,
@@ -142,8 +144,15 @@ def _cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
 
 def _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=False, config=None):
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    # The amax pass wants a flat contiguous x; a strided x is read as is by the second pass.
-    launch_amax(x if x.is_contiguous() else x.contiguous(), amax)
+    # The amax pass reads a flat contiguous x, in any order: a transposed view (a weight's .t()) is read
+    # through its contiguous transpose, other strided views are copied. The cast pass reads x as it is.
+    if x.is_contiguous():
+        flat = x
+    elif x.transpose(-2, -1).is_contiguous():
+        flat = x.transpose(-2, -1)
+    else:
+        flat = x.contiguous()
+    launch_amax(flat, amax)
     data, data_t, scale_inv = _launch(
         x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2, config=config
     )
@@ -168,7 +177,7 @@ def cast_transpose(
     _check_2d(x, "cast_transpose")
     check_scale(scale, x, "cast_transpose")
     check_fp8_dtype(fp8_dtype)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _cast_transpose_triton(x, scale, fp8_dtype)
     return cast_transpose_ref(x, scale, fp8_dtype)
 
@@ -193,7 +202,7 @@ def quantize_transpose_tensorwise(
     """Current per-tensor scaling with both layouts: (data, data_t, scale_inv, amax)."""
     _check_2d(x, "quantize_transpose_tensorwise")
     check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_transpose_tensorwise")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
     return quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2)
 
@@ -213,11 +222,13 @@ def _(x, fp8_dtype, margin=0, power_of_2=False):
 def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
     scale = scale.reshape(()).float()
     data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
-    return data, data.transpose(-2, -1).contiguous(), scale.reciprocal(), amax_ref(x)
+    return data, data.transpose(-2, -1).clone(memory_format=torch.contiguous_format), scale.reciprocal(), amax_ref(x)
 
 
-def quantize_transpose_tensorwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+def quantize_transpose_tensorwise_ref(
+    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
+):
     amax = amax_ref(x)
     scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
     data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
-    return data, data.transpose(-2, -1).contiguous(), scale.reciprocal(), amax
+    return data, data.transpose(-2, -1).clone(memory_format=torch.contiguous_format), scale.reciprocal(), amax

@@ -6,13 +6,15 @@ give the reference's bits (DESIGN.md section 3).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
 
-MAX_MARGIN = 32  # the same bound as float8.recipe: scale / 2**margin stays a normal float32 for any amax
+MAX_MARGIN = 32  # the same bound as float8.recipe
 
 
 # ---- device helpers ---------------------------------------------------------------------------------
@@ -52,8 +54,9 @@ def scale_from_amax(amax, FP8_MAX: tl.constexpr, margin_div, POWER_OF_2: tl.cons
 
     Bit-exact with the reference: `fp8_max / amax` in torch is `amax.reciprocal() * fp8_max` (Tensor.
     __rtruediv__), so we round twice the same way; division is div.rn.f32 (IEEE), not the `/` of Triton,
-    which is div.full.f32 (2 ulp). margin_div = 2.0**margin, a power of two: dividing is exact.
-    POWER_OF_2 clears the mantissa bits, an exact round-down. The reference's exp2(floor(log2(s)))
+    which is div.full.f32 (2 ulp). margin_div = 2.0**margin: the same correctly rounded division as the
+    reference's. The clamp comes after the margin, as in the reference. POWER_OF_2 clears the mantissa bits,
+    an exact round-down. The reference's exp2(floor(log2(s)))
     agrees except where float32 log2 rounds up to an integer (s within ~1e-6 relative below 2**k, |k| >= 15)
     and at s = FLT_MAX (log2 gives 128.0: the reference returns inf there); see tests/kernels.
     """
@@ -107,6 +110,16 @@ def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
 
 def margin_div(margin: int) -> float:
     return float(2.0**margin)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(device_index) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Run the Triton kernel for x? On CUDA GPUs with FP8 conversions (sm_89+); elsewhere the reference."""
+    return x.device.type == "cuda" and _fp8_capable(x.device.index)
 
 
 def next_pow2(n: int) -> int:

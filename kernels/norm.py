@@ -2,10 +2,12 @@
 
 rmsnorm_fwd(x, weight, eps) -> (y, rstd)
 layernorm_fwd(x, weight, bias, eps) -> (y, mean, rstd)
-rmsnorm_fp8(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose) -> (data, data_t, scale_inv, amax, rstd)
+rmsnorm_fp8(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
+    -> (data, data_t, scale_inv, amax, rstd)
 layernorm_fp8(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
     -> (data, data_t, scale_inv, amax, mean, rstd)
-rmsnorm_fp8_scaled(x, weight, eps, scale, fp8_dtype, with_transpose) -> (data, data_t, scale_inv, amax, rstd)
+rmsnorm_fp8_scaled(x, weight, eps, scale, fp8_dtype, with_transpose)
+    -> (data, data_t, scale_inv, amax, rstd)
 layernorm_fp8_scaled(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
     -> (data, data_t, scale_inv, amax, mean, rstd)
 rmsnorm_bwd(dy, x, weight, rstd) -> (dx, dweight)
@@ -30,8 +32,12 @@ is never written:
   of y (stats written, y not); the tile kernel recomputes y from x and the stats, derives the scale from
   the amax on the device (common.scale_from_amax), casts, writes data and data_t; program 0 writes
   scale_inv. x is read twice (the second time mostly from L2 for a row kernel, from HBM for large x).
-- delayed scaling (`*_fp8_scaled`, scale given), one launch: the row kernel casts as it goes and folds
-  amax(y) into the amax output (for the history). scale_inv = 1 / scale.
+- delayed scaling (`*_fp8_scaled`, scale given), without a transpose: one launch of the row kernel,
+  which casts as it goes and folds amax(y) into the amax output (for the history). With a transpose it
+  takes the two launches above, the tile kernel reading the given scale: a row kernel writing data_t
+  coalesced would need >= 32 rows per program, whose second pass over x misses L2 for long rows anyway
+  (x read twice from HBM either way), at about twice the registers (ptxas: 126-254 per thread vs 64-145);
+  and this way the stats are the forward's, bit for bit. scale_inv = 1 / scale.
 data is x.shape, data_t is (N, M) contiguous (the rows flattened: what the weight-gradient GEMM reads),
 both written from the same 2-D tile, the second time through tl.trans. custom_op cannot return an
 Optional[Tensor], so without with_transpose data_t is an empty (0,) tensor of the FP8 dtype.
@@ -39,7 +45,11 @@ Optional[Tensor], so without with_transpose data_t is an empty (0,) tensor of th
 Row kernels hold a (BLOCK_M, BLOCK_N) tile: the whole row when N <= 8192 (ONE_CHUNK: x read once from
 HBM), else they loop over N in 4096-wide chunks, twice (stats, then y): the second pass re-reads the row
 from L2 (one 16384-wide bf16 row is 32 KiB). LayerNorm's chunked statistics merge per-chunk (mean, M2)
-pairs (Chan et al.), so the variance never comes from sum(x^2) - sum(x)^2.
+pairs (Chan et al.), so the variance never comes from sum(x^2) - sum(x)^2. The tile kernel writing a
+transpose takes (64, 64) tiles: 64-byte segments of data and data_t. The backward runs ~2 programs per SM, each over many row blocks, holding whole rows up to
+N = 4096 (two passes over 2-row, 2048-wide chunks beyond); each program sums its rows' dy * xhat (and dy)
+into its own float32 row of a (programs, N) buffer, which torch then sums (no atomics, deterministic).
+Register use of every default tile was checked with ptxas for sm_90 (see the table above the configs).
 """
 
 from __future__ import annotations
@@ -66,13 +76,15 @@ from .common import (
 from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
 from .reference import scale_from_amax as scale_from_amax_ref
 
-# Tile shapes. Row kernels: one tile of at most 8192 elements per step, >= 16 rows for small N.
-MAX_ONE_CHUNK = 8192  # N up to this: the whole row stays in registers
-CHUNK = 4096  # beyond it: loop over N in chunks of this many columns
+# Tile shapes (registers per thread on sm_90, from ptxas, in brackets; none spill). Row kernels: a tile of
+# at most 8192 elements, >= 4096 while rows are short (<= 64 rows).
+MAX_ONE_CHUNK = 8192  # N up to this: the whole row stays in registers (65-90)
+CHUNK = 4096  # beyond it: loop over N in chunks of this many columns (80-98)
 ROWS_TILE = 4096  # BLOCK_M * BLOCK_N of a row kernel when the row is short
-T_ROWS = dict(BLOCK_M=32, BLOCK_N=128, num_warps=4)  # row kernel writing a transpose: 32 B segments of data_t
-TILES = dict(BLOCK_M=16, BLOCK_N=256, num_warps=4)  # current scaling, second launch, no transpose
-TILES_T = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8)  # ... with transpose (as kernels/cast_transpose.py)
+TILES = dict(BLOCK_M=16, BLOCK_N=256, num_warps=8)  # current scaling, second launch, no transpose (64-83)
+TILES_T = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8)  # ... with transpose: 64 B segments both ways (120-145)
+BWD_ONE_CHUNK = 4096  # backward: whole rows up to this (89-95 at 16 warps; 8192 would spill)
+BWD_CHUNKED = dict(BLOCK_M=2, BLOCK_N=2048, num_warps=8)  # beyond (86-115): 2 rows share a partial-dw update
 
 MODE_Y = 0  # row kernel: write y in x.dtype
 MODE_AMAX = 1  # row kernel: fold amax(y) into amax_ptr, write nothing else (current scaling, first launch)
@@ -203,9 +215,8 @@ def _emit(
 ):
     """Write this tile's share of the output; return |y| as int32 bits (0 outside the tensor) for amax."""
     y = _norm_y(x, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     if MODE == 0:
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_rows(out_ptr, y, rows, cols, M, N)
         bits = tl.zeros(y.shape, tl.int32)
     else:
         # y as the unfused op holds it (in x.dtype): the FP8 bits equal quantize(norm(x)) bit for bit.
@@ -213,7 +224,7 @@ def _emit(
         bits = tl.where(mask, abs_bits(y), 0)
         if MODE == 2:
             q = clamp_keep_nan(y * scale, FP8_MAX).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + offs, q, mask=mask)
+            _store_rows(out_ptr, q, rows, cols, M, N)
             if WITH_T:
                 # (BLOCK_N, BLOCK_M): tile column c lands in row c of data_t, contiguous along M.
                 offs_t = cols[:, None].to(tl.int64) * M + rows[None, :]
@@ -231,7 +242,6 @@ def _norm_rows_kernel(
     w_ptr,  # (N,) hp
     b_ptr,  # (N,) hp (HAS_BIAS)
     out_ptr,  # (M, N) contiguous: y in x.dtype (MODE_Y) or FP8 data (MODE_FP8); unused for MODE_AMAX
-    out_t_ptr,  # (N, M) contiguous FP8 data_t (MODE_FP8 and WITH_T)
     mean_ptr,  # (M,) fp32 (not IS_RMS)
     rstd_ptr,  # (M,) fp32
     scale_ptr,  # (1,) fp32 given scale (MODE_FP8)
@@ -246,7 +256,6 @@ def _norm_rows_kernel(
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
-    WITH_T: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -270,22 +279,23 @@ def _norm_rows_kernel(
         tl.store(mean_ptr + rows, mean, mask=rows < M)
 
     if ONE_CHUNK:
-        bits = _emit(
-            x, mask, rows, cols0, x_ptr, w_ptr, b_ptr, out_ptr, out_t_ptr, M, N, mean, rstd, scale,
-            FP8_MAX, IS_RMS, HAS_BIAS, MODE, WITH_T,
+        tile_bits = _emit(
+            x, mask, rows, cols0, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, M, N, mean, rstd, scale,
+            FP8_MAX, IS_RMS, HAS_BIAS, MODE, False,
         )  # fmt: skip
+        bits = tl.max(tile_bits, axis=1)  # (BLOCK_M,): max|y| per row, as int32 bits
     else:
-        bits = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+        bits = tl.zeros((BLOCK_M,), tl.int32)
         for n0 in range(0, N, BLOCK_N):
             cols = n0 + cols0
             x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
             tile_bits = _emit(
-                x, mask, rows, cols, x_ptr, w_ptr, b_ptr, out_ptr, out_t_ptr, M, N, mean, rstd, scale,
-                FP8_MAX, IS_RMS, HAS_BIAS, MODE, WITH_T,
+                x, mask, rows, cols, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, M, N, mean, rstd, scale,
+                FP8_MAX, IS_RMS, HAS_BIAS, MODE, False,
             )  # fmt: skip
-            bits = tl.maximum(bits, tile_bits)
+            bits = tl.maximum(bits, tl.max(tile_bits, axis=1))
     if MODE != 0:
-        atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+        atomic_amax(amax_ptr, tl.max(bits, axis=0))
     if MODE == 2:
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
 
@@ -297,7 +307,8 @@ def _norm_fp8_tiles_kernel(
     b_ptr,  # (N,) hp (HAS_BIAS)
     mean_ptr,  # (M,) fp32 (not IS_RMS), from _norm_rows_kernel
     rstd_ptr,  # (M,) fp32, from _norm_rows_kernel
-    amax_ptr,  # () fp32: max|y|, from _norm_rows_kernel
+    amax_ptr,  # () fp32: max|y|, from _norm_rows_kernel (CURRENT)
+    scale_ptr,  # (1,) fp32: the given scale (not CURRENT)
     data_ptr,  # (M, N) contiguous FP8
     data_t_ptr,  # (N, M) contiguous FP8 (WITH_T)
     scale_inv_ptr,  # () fp32
@@ -305,31 +316,61 @@ def _norm_fp8_tiles_kernel(
     N,
     stride_xm,
     tiles_n,
-    margin_div,  # 2.0**margin
+    margin_div,  # 2.0**margin (CURRENT)
     FP8_MAX: tl.constexpr,
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    CURRENT: tl.constexpr,
     POWER_OF_2: tl.constexpr,
     WITH_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Current scaling, second launch: one (BLOCK_M, BLOCK_N) tile of y, recomputed and cast."""
+    """Second launch: one (BLOCK_M, BLOCK_N) tile of y, recomputed from x and the stats, and cast."""
     pid = tl.program_id(0)
     rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
-    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-    if IS_RMS:
-        mean = tl.zeros_like(rstd)
+    mean, rstd = _load_stats(mean_ptr, rstd_ptr, rows, M, IS_RMS)
+    if CURRENT:
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
     else:
-        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-    scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = tl.load(scale_ptr)
     _emit(
         x, mask, rows, cols, x_ptr, w_ptr, b_ptr, data_ptr, data_t_ptr, M, N, mean, rstd, scale,
         FP8_MAX, IS_RMS, HAS_BIAS, 2, WITH_T,
     )  # fmt: skip
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+
+
+@triton.jit
+def _load_stats(
+    mean_ptr,  # (M,) fp32 (not IS_RMS)
+    rstd_ptr,  # (M,) fp32
+    rows,  # (BLOCK_M,)
+    M,
+    IS_RMS: tl.constexpr,
+):
+    """(mean, rstd) of these rows, 0 past the end; mean is 0 for RMSNorm."""
+    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+    if IS_RMS:
+        mean = tl.zeros_like(rstd)
+    else:
+        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+    return mean, rstd
+
+
+@triton.jit
+def _store_rows(
+    out_ptr,  # (M, N) contiguous
+    v,  # (BLOCK_M, BLOCK_N)
+    rows,  # (BLOCK_M,)
+    cols,  # (BLOCK_N,)
+    M,
+    N,
+):
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -399,17 +440,13 @@ def _norm_bwd_kernel(
         db_acc = tl.zeros((BLOCK_N,), tl.float32)
         for rb in range(pid, row_blocks, n_prog):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-            if IS_RMS:
-                mean = tl.zeros_like(rstd)
-            else:
-                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-            xhat, g, dy = _bwd_tile(x_ptr, dy_ptr, w_ptr, rows, cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS)
+            mean, rstd = _load_stats(mean_ptr, rstd_ptr, rows, M, IS_RMS)
+            xhat, g, dy = _bwd_tile(
+                x_ptr, dy_ptr, w_ptr, rows, cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
+            )
             c1 = tl.math.div_rn(tl.sum(g * xhat, axis=1), n_f)
             c2 = tl.math.div_rn(tl.sum(g, axis=1), n_f)
-            dx = _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS)
-            mask = (rows[:, None] < M) & (cols0[None, :] < N)
-            tl.store(dx_ptr + rows[:, None].to(tl.int64) * N + cols0[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            _store_rows(dx_ptr, _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), rows, cols0, M, N)
             dw_acc += tl.sum(dy * xhat, axis=0)
             db_acc += tl.sum(dy, axis=0)
         tl.store(dw_ptr + part + cols0, dw_acc, mask=cols0 < N)
@@ -418,11 +455,7 @@ def _norm_bwd_kernel(
     else:
         for rb in range(pid, row_blocks, n_prog):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-            if IS_RMS:
-                mean = tl.zeros_like(rstd)
-            else:
-                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+            mean, rstd = _load_stats(mean_ptr, rstd_ptr, rows, M, IS_RMS)
             acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for n0 in range(0, N, BLOCK_N):
@@ -435,10 +468,10 @@ def _norm_bwd_kernel(
             c2 = tl.math.div_rn(tl.sum(acc2, axis=1), n_f)
             for n0 in range(0, N, BLOCK_N):
                 cols = n0 + cols0
-                xhat, g, dy = _bwd_tile(x_ptr, dy_ptr, w_ptr, rows, cols, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS)
-                dx = _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS)
-                mask = (rows[:, None] < M) & (cols[None, :] < N)
-                tl.store(dx_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                xhat, g, dy = _bwd_tile(
+                    x_ptr, dy_ptr, w_ptr, rows, cols, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
+                )
+                _store_rows(dx_ptr, _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), rows, cols, M, N)
                 # This program's own row of the partial sums: no other program touches it.
                 dw = tl.load(dw_ptr + part + cols, mask=cols < N, other=0.0) + tl.sum(dy * xhat, axis=0)
                 tl.store(dw_ptr + part + cols, dw, mask=cols < N)
@@ -450,12 +483,10 @@ def _norm_bwd_kernel(
 # ---- launchers --------------------------------------------------------------------------------------
 
 
-def _rows_config(N: int, with_t: bool = False, config: Optional[dict] = None) -> dict:
+def _rows_config(N: int, config: Optional[dict] = None) -> dict:
     """Tile of a row kernel (also the backward's): the whole row up to MAX_ONE_CHUNK, else CHUNK-wide steps."""
     if config is not None:
         cfg = dict(config)
-    elif with_t:
-        cfg = dict(T_ROWS, BLOCK_N=min(T_ROWS["BLOCK_N"], next_pow2(N)))
     else:
         block_n = next_pow2(N) if N <= MAX_ONE_CHUNK else CHUNK
         block_m = max(1, min(64, ROWS_TILE // block_n))
@@ -474,6 +505,20 @@ def _tiles_config(N: int, with_t: bool, config: Optional[dict] = None) -> dict:
     return dict(TILES, BLOCK_N=block_n, BLOCK_M=max(TILES["BLOCK_M"], min(64, ROWS_TILE // block_n)))
 
 
+def _bwd_config(N: int, config: Optional[dict] = None) -> dict:
+    if config is not None:
+        cfg = dict(config)
+    elif N <= BWD_ONE_CHUNK:
+        block_n = next_pow2(N)
+        block_m = max(1, min(64, ROWS_TILE // block_n))
+        tile = block_m * block_n
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if tile <= 1024 else 8 if tile <= 2048 else 16)
+    else:
+        cfg = dict(BWD_CHUNKED)
+    cfg["ONE_CHUNK"] = N <= cfg["BLOCK_N"]
+    return cfg
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -487,7 +532,7 @@ def _rows_2d(t: torch.Tensor, N: int) -> torch.Tensor:
     return t2
 
 
-def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, out_t, scale, amax, scale_inv, with_t, config):
+def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, scale, amax, scale_inv, config):
     """Run _norm_rows_kernel over x2 (M, N); returns (mean or None, rstd)."""
     M, N = x2.shape
     dev = x2.device
@@ -495,14 +540,13 @@ def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, out_t, scale, amax, s
     mean = None if is_rms else torch.empty((M,), dtype=torch.float32, device=dev)
     if M == 0:
         return mean, rstd
-    cfg = _rows_config(N, with_t, config)
+    cfg = _rows_config(N, config)
     dummy = rstd
     _norm_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
         x2,
         weight,
         bias if bias is not None else weight,
         out if out is not None else dummy,
-        out_t if out_t is not None else dummy,
         mean if mean is not None else dummy,
         rstd,
         scale if scale is not None else dummy,
@@ -517,7 +561,6 @@ def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, out_t, scale, amax, s
         IS_RMS=is_rms,
         HAS_BIAS=bias is not None,
         MODE=mode,
-        WITH_T=with_t,
         ONE_CHUNK=cfg["ONE_CHUNK"],
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
@@ -533,7 +576,7 @@ def _fwd_triton(x, weight, bias, eps, is_rms, config=None):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean, rstd = _launch_rows(
         x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, MODE_Y,
-        y, None, None, None, None, False, config,
+        y, None, None, None, config,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -546,19 +589,16 @@ def _fp8_outputs(x, fp8_dtype, with_transpose):
     return data, data_t
 
 
-def _fp8_current_triton(x, weight, bias, eps, is_rms, fp8_dtype, margin, power_of_2, with_transpose, config=None):
-    N = x.shape[-1]
-    x2 = _rows_2d(x, N)
-    M = x2.shape[0]
-    w = weight.contiguous()
-    b = None if bias is None else bias.contiguous()
-    data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_AMAX, None, None, None, amax, None, False, config)
-    if M == 0:  # no program to write it: amax 0 -> scale 1
-        return data, data_t, torch.ones((), dtype=torch.float32, device=x.device), amax, mean, rstd
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    cfg = _tiles_config(N, with_transpose, config)
+def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margin, power_of_2, config):
+    """Run _norm_fp8_tiles_kernel: cast y at scale_from_amax(amax) (scale None) or at `scale`.
+    Returns scale_inv."""
+    M, N = x2.shape
+    if M == 0:  # no program to write it
+        if scale is None:
+            return torch.ones((), dtype=torch.float32, device=x2.device)  # amax 0 -> scale 1
+        return scale.reshape(()).reciprocal()
+    scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
+    cfg = _tiles_config(N, with_t, config)
     tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
     _norm_fp8_tiles_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * tiles_n,)](
         x2,
@@ -567,41 +607,52 @@ def _fp8_current_triton(x, weight, bias, eps, is_rms, fp8_dtype, margin, power_o
         mean if mean is not None else rstd,
         rstd,
         amax,
+        scale if scale is not None else amax,
         data,
-        data_t if with_transpose else data,
+        data_t if with_t else data,
         scale_inv,
         M,
         N,
         x2.stride(0),
         tiles_n,
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
-        IS_RMS=is_rms,
+        FP8_MAX=fp8_max(data.dtype),
+        IS_RMS=mean is None,
         HAS_BIAS=b is not None,
+        CURRENT=scale is None,
         POWER_OF_2=power_of_2,
-        WITH_T=with_transpose,
+        WITH_T=with_t,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
-    return data, data_t, scale_inv, amax, mean, rstd
+    return scale_inv
 
 
-def _fp8_scaled_triton(x, weight, bias, eps, is_rms, scale, fp8_dtype, with_transpose, config=None):
+def _fp8_triton(x, weight, bias, eps, is_rms, fp8_dtype, scale, margin, power_of_2, with_transpose, config=None):
+    """Current scaling (scale None) or a given scale; (data, data_t, scale_inv, amax, mean, rstd)."""
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
+    w = weight.contiguous()
+    b = None if bias is None else bias.contiguous()
     data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale = scale.reshape(1).float()
-    if x2.shape[0] == 0:
-        scale_inv = scale.reshape(()).reciprocal()
-    else:
-        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    mean, rstd = _launch_rows(
-        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, MODE_FP8,
-        data, data_t if with_transpose else None, scale, amax, scale_inv, with_transpose, config,
-    )  # fmt: skip
+    if scale is not None:
+        scale = scale.reshape(1).float()
+    if scale is not None and not with_transpose:
+        # One launch: stats, then y cast as it goes, amax(y) folded in for the history.
+        scale_inv = scale.reshape(()).reciprocal() if x2.shape[0] == 0 else torch.empty_like(amax)
+        mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_FP8, data, scale, amax, scale_inv, config)
+        return data, data_t, scale_inv, amax, mean, rstd
+    # Stats and amax(y) first; then y again, tile by tile, cast and written in both layouts. The
+    # transposing case takes this route for a given scale too: a row kernel writing data_t would want
+    # >= 32 rows per program, whose second pass over x misses L2 for long rows anyway (so x is read twice
+    # from HBM either way), at twice the registers; and here the stats are the forward's, bit for bit.
+    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_AMAX, None, None, amax, None, config)
+    scale_inv = _launch_tiles(
+        x2, w, b, mean, rstd, amax, scale, data, data_t, with_transpose, margin, power_of_2, config
+    )
     return data, data_t, scale_inv, amax, mean, rstd
 
 
@@ -611,7 +662,7 @@ def _bwd_triton(dy, x, weight, mean, rstd, is_rms, config=None):
     dy2 = _rows_2d(dy, N)
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = _rows_config(N, False, config)
+    cfg = _bwd_config(N, config)
     row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
     if "GRID" in cfg:
         grid = cfg["GRID"]
@@ -663,8 +714,8 @@ def _layernorm_fwd_triton(x, weight, bias, eps, config=None):
 
 
 def _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None):
-    data, data_t, scale_inv, amax, _, rstd = _fp8_current_triton(
-        x, weight, None, eps, True, fp8_dtype, margin, power_of_2, with_transpose, config
+    data, data_t, scale_inv, amax, _, rstd = _fp8_triton(
+        x, weight, None, eps, True, fp8_dtype, None, margin, power_of_2, with_transpose, config
     )
     return data, data_t, scale_inv, amax, rstd
 
@@ -672,18 +723,18 @@ def _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, w
 def _layernorm_fp8_triton(
     x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None
 ):
-    return _fp8_current_triton(x, weight, bias, eps, False, fp8_dtype, margin, power_of_2, with_transpose, config)
+    return _fp8_triton(x, weight, bias, eps, False, fp8_dtype, None, margin, power_of_2, with_transpose, config)
 
 
 def _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose=False, config=None):
-    data, data_t, scale_inv, amax, _, rstd = _fp8_scaled_triton(
-        x, weight, None, eps, True, scale, fp8_dtype, with_transpose, config
+    data, data_t, scale_inv, amax, _, rstd = _fp8_triton(
+        x, weight, None, eps, True, fp8_dtype, scale, 0, False, with_transpose, config
     )
     return data, data_t, scale_inv, amax, rstd
 
 
 def _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False, config=None):
-    return _fp8_scaled_triton(x, weight, bias, eps, False, scale, fp8_dtype, with_transpose, config)
+    return _fp8_triton(x, weight, bias, eps, False, fp8_dtype, scale, 0, False, with_transpose, config)
 
 
 def _rmsnorm_bwd_triton(dy, x, weight, rstd, config=None):
@@ -724,7 +775,9 @@ def _check_stat(t, name, M, x, op):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
         raise TypeError(f"{op}: {name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if tuple(t.shape) != (M,):
-        raise ValueError(f"{op}: {name} must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}")
+        raise ValueError(
+            f"{op}: {name} must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}"
+        )
     if t.device != x.device:
         raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
 
@@ -774,7 +827,8 @@ def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torc
 @rmsnorm_fwd.register_fake
 def _(x, weight, eps):
     _check_fwd("rmsnorm_fwd", x, weight, None, eps)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((_rows(x),), dtype=torch.float32)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, x.new_empty((_rows(x),), dtype=torch.float32)
 
 
 @torch.library.custom_op("float8::layernorm_fwd", mutates_args=())
@@ -1017,7 +1071,7 @@ def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
     if mean is None:
         y = (xf * rstd[:, None]) * weight.float()[None, :]
     else:
-        y = (xf - mean[:, None]) * (rstd[:, None] * weight.float()[None, :])
+        y = ((xf - mean[:, None]) * rstd[:, None]) * weight.float()[None, :]
     if bias is not None:
         y = y + bias.float()[None, :]
     return y
@@ -1029,7 +1083,7 @@ def quantize_y_ref(y_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     scale = scale.reshape(()).float()
     data = cast_to_fp8_ref(y_hp, scale, fp8_dtype)
     if with_transpose:
-        data_t = data.reshape(-1, N).t().contiguous()
+        data_t = data.reshape(-1, N).t().clone(memory_format=torch.contiguous_format)
     else:
         data_t = torch.empty((0,), dtype=fp8_dtype, device=y_hp.device)
     return data, data_t, scale.reciprocal(), amax_ref(y_hp)

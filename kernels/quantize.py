@@ -12,7 +12,7 @@ import torch
 
 from .amax import launch_amax
 from .cast import launch_cast
-from .common import check_hp_input, check_scaling_args
+from .common import check_hp_input, check_scaling_args, use_triton
 from .reference import amax_ref, cast_to_fp8_ref, scale_from_amax
 
 
@@ -35,7 +35,7 @@ def quantize_tensorwise(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data (x.shape) fp8, scale_inv () fp32, amax () fp32) with scale = scale_from_amax(max|x|)."""
     _check(x, fp8_dtype, margin, power_of_2)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _quantize_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
     return quantize_tensorwise_ref(x, fp8_dtype, margin, power_of_2)
 

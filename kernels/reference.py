@@ -53,7 +53,7 @@ def scale_from_amax(
         # Round down to a power of two, exactly (clear the mantissa): s = m * 2**e with m in [0.5, 1).
         # Multiplying by it is exact, so the only rounding left is the cast.
         _, exponent = torch.frexp(scale)
-        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+        scale = torch.where(scale > 0, torch.ldexp(torch.ones_like(scale), exponent - 1), scale)
     good = torch.isfinite(amax) & (amax > 0)
     return torch.where(good, scale, torch.ones_like(scale))
 

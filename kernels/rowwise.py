@@ -16,7 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, check_hp_input, check_scaling_args, clamp_keep_nan, next_pow2, scale_from_amax
+from .common import (
+    abs_bits,
+    check_hp_input,
+    check_scaling_args,
+    clamp_keep_nan,
+    margin_div,
+    next_pow2,
+    scale_from_amax,
+    use_triton,
+)
 from .reference import cast_to_fp8_ref, fp8_max, scale_from_amax as scale_from_amax_ref
 
 MAX_SINGLE_K = 8192  # rows up to this long are cast from registers
@@ -86,7 +95,7 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
         R,
         K,
         x2.stride(0),
-        float(2.0**margin),
+        margin_div(margin),
         FP8_MAX=fp8_max(fp8_dtype),
         POWER_OF_2=power_of_2,
         ROWS=rows,
@@ -116,7 +125,7 @@ def quantize_rowwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data (x.shape) fp8, scale_inv x.shape[:-1] + (1,) fp32): one scale per row of the last dim."""
     _check(x, fp8_dtype, margin, power_of_2)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
     return quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2)
 

@@ -27,9 +27,8 @@ def _check_precision(x: torch.Tensor, ops) -> None:
         warnings.warn(
             "float32 activations are reaching FP8 ops: only the GEMMs run in FP8; norms, activations, "
             "attention and the saved tensors stay float32 (twice the memory traffic of bfloat16, and slower "
-            "than a plain bfloat16 model). Cast the model and inputs to bfloat16 (model.to(torch.bfloat16)) "
-            "or run under torch.autocast('cuda', torch.bfloat16); keep fp32 master weights in the optimizer "
-            "if you need them.",
+            "than a plain bfloat16 model). Feed bfloat16 activations: cast the inputs (and the model, "
+            "model.to(torch.bfloat16), unless you keep float32 master weights on purpose).",
             Float8PrecisionWarning,
             stacklevel=4,
         )

@@ -1,8 +1,8 @@
 """Test-wide setup: the Triton interpreter on CPU-only machines, and the `gpu` marker.
 
 Without CUDA, TRITON_INTERPRET=1 lets the Triton launchers run on CPU tensors (with numpy). Triton reads
-it when @triton.jit decorates, so it is set here, before any test module imports triton or float8.
-Tests marked @pytest.mark.gpu are skipped, saying why, where there is no CUDA.
+it when @triton.jit decorates (its own tl.* helpers included), so it is set here, before test modules
+import triton or float8. Tests marked @pytest.mark.gpu are skipped, saying why, where there is no CUDA.
 """
 
 import os
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     # Here, not in pyproject's filterwarnings: pytest imports the categories named there before it loads any
-    # conftest, which would import float8 (and decorate its kernels) before TRITON_INTERPRET is set above.
+    # conftest, which would import float8 (and triton) before TRITON_INTERPRET is set above.
     config.addinivalue_line("filterwarnings", "error::float8.tensor.Float8FallbackWarning")
 
 

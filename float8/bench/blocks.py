@@ -122,13 +122,10 @@ def main(argv=None):
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
     }
-    records = []
-    d, f, tokens = (512, 1024, 1024) if args.quick else (4096, 14336, args.tokens)
-    res, sqnr = bench_mlp(tokens, d, f)
-    records.append(
-        {
-            "case": "mlp_block",
-            "shape": [tokens, d, f],
+    def record(case, shape, res, **extra):
+        return {
+            "case": case,
+            "shape": list(shape),
             "ours_ms": res["ours"][0],
             "bf16_ms": res["bf16"][0],
             "bf16_compiled_ms": res["bf16_compiled"][0],
@@ -136,27 +133,17 @@ def main(argv=None):
             "peak_mem_ours": res["ours"][1],
             "peak_mem_bf16": res["bf16"][1],
             "peak_mem_bf16_compiled": res["bf16_compiled"][1],
-            "output_sqnr_db_vs_bf16": sqnr,
+            **extra,
             **meta,
         }
-    )
-    shapes = [(1024, 512, 512)] if args.quick else [(1024, 4096, 4096), (2048, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]
-    for m, k, n in shapes:
-        res = bench_linear(m, k, n)
-        records.append(
-            {
-                "case": "linear_fwd_bwd",
-                "shape": [m, k, n],
-                "ours_ms": res["ours"][0],
-                "bf16_ms": res["bf16"][0],
-                "bf16_compiled_ms": res["bf16_compiled"][0],
-                "torchao_ms": None,
-                "peak_mem_ours": res["ours"][1],
-                "peak_mem_bf16": res["bf16"][1],
-                "peak_mem_bf16_compiled": res["bf16_compiled"][1],
-                **meta,
-            }
-        )
+
+    d, f, tokens = (512, 1024, 1024) if args.quick else (4096, 14336, args.tokens)
+    res, sqnr = bench_mlp(tokens, d, f)
+    records = [record("mlp_block", (tokens, d, f), res, output_sqnr_db_vs_bf16=sqnr)]
+    quick = [(1024, 512, 512)]
+    full = [(1024, 4096, 4096), (2048, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]
+    for shape in quick if args.quick else full:
+        records.append(record("linear_fwd_bwd", shape, bench_linear(*shape)))
     os.makedirs(args.out, exist_ok=True)
     slug = _slug(name)
     with open(os.path.join(args.out, f"blocks_{slug}.json"), "w") as fh:

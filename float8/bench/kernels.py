@@ -193,7 +193,8 @@ def run_sweep(x, scale, bench, numel, copy_gbps):
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, TRANS_INPUT=True),
     ]:
         t = bench(lambda: _ct._cast_transpose_triton(x, scale, E4M3, config=cfg))
-        out.append({"kernel": "cast + transpose", "config": cfg, "ms": t, "frac_of_copy": 4 * numel / t / 1e6 / copy_gbps})
+        frac = 4 * numel / t / 1e6 / copy_gbps
+        out.append({"kernel": "cast + transpose", "config": cfg, "ms": t, "frac_of_copy": frac})
     saved = (_cast.BLOCK, _cast.NUM_WARPS)
     try:
         for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]:

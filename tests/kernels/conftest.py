@@ -33,10 +33,10 @@ if _interp is not None and os.environ.get("TRITON_INTERPRET") == "1":
 
     if not isinstance(_cast_kernel, _interp.InterpretedFunction):
         raise RuntimeError(
-            "float8.kernels was imported before tests/conftest.py set TRITON_INTERPRET=1: its Triton kernels "
-            "were built for a GPU and cannot run on CPU tensors. The usual cause is a filterwarnings entry in "
-            "pyproject.toml naming a float8 class (pytest imports those before any conftest); tests/conftest.py "
-            "registers that filter in pytest_configure instead."
+            "triton and float8 were imported before tests/conftest.py set TRITON_INTERPRET=1, so the Triton "
+            "kernels were built for a GPU and cannot run on CPU tensors. Usual cause: a filterwarnings entry in "
+            "pyproject.toml naming a float8 class (pytest imports it before any conftest). Remove it there: "
+            "tests/conftest.py registers the same filter in pytest_configure. Or run with -o filterwarnings=."
         )
 
 if tl is not None:

@@ -162,5 +162,6 @@ def amax_samples(device="cpu", n=4000, seed=0) -> torch.Tensor:
              57344.0, 448.0 * (1 + 2**-23), 3.0, 1e30, f32.max, float("inf"), float("nan"), -1.0]
     # amaxes whose scale lands on, or one ulp either side of, a power of two
     p = torch.exp2(torch.arange(-20, 21, dtype=torch.float32))
-    near = torch.cat([448.0 / p, torch.nextafter(448.0 / p, torch.zeros(())), torch.nextafter(448.0 / p, torch.full((), 1e38))])
+    at = 448.0 / p
+    near = torch.cat([at, torch.nextafter(at, torch.zeros(())), torch.nextafter(at, torch.full((), 1e38))])
     return torch.cat([rnd, torch.tensor(edges), near]).to(device)

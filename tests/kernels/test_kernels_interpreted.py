@@ -109,7 +109,8 @@ def test_quantize_degenerate_amax(fill):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_quantize_specials(fp8_dtype):
     x = make_x((9, 31), torch.float32, specials=True)
-    assert_outputs(quant_m._quantize_tensorwise_triton(x, fp8_dtype), quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST)
+    got = quant_m._quantize_tensorwise_triton(x, fp8_dtype)
+    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST)
 
 
 # ---- cast_transpose / quantize_transpose_tensorwise -------------------------------------------------

@@ -7,6 +7,8 @@ What is compared how:
 - Everything after the stats runs the same float32 operations in the same order (no FMA contraction),
   so given the kernel's own stats, y, the FP8 data and data_t, scale_inv and amax equal the references
   bit for bit (norm_apply_ref + quantize_y_ref / quantize_y_current_ref).
+- The references take float32 square roots correctly rounded (norm.sqrt_rn), like the kernels' sqrt_rn:
+  torch's CPU sqrt is a vectorised approximation, an ulp off for ~20% of inputs.
 - Backward (dx, dweight, dbias) sums rows and columns in another order: close to the reference, and
   within 1e-5 (relative to the largest element) of a float64 autograd computation for float32 inputs.
 The Triton launchers run on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py), with the
@@ -29,7 +31,6 @@ STATS_RTOL = 1e-6  # ~8 float32 ulps: another summation order of at most a few h
 SMALL = dict(BLOCK_M=4, BLOCK_N=16, num_warps=1, GRID=2)
 SMALL2 = dict(BLOCK_M=8, BLOCK_N=32, num_warps=2, GRID=1)  # one backward program for all row blocks
 F32, BF16 = torch.float32, torch.bfloat16
-SHAPES = [(1, 16), (7, 33), (17, 128), (4, 3, 64)]
 CASES = [  # (shape, dtype, config)
     ((1, 16), F32, None),
     ((7, 33), BF16, None),
@@ -108,6 +109,13 @@ def bwd_triton(kind, dy, x, w, mean, rstd, config=None):
     return nm._layernorm_bwd_triton(dy, x, w, mean, rstd, config)
 
 
+def assert_outputs(ours, ref, names=FP8_NAMES, nan_bits=True):
+    """Bit for bit, output by output (an amax that is NaN only as NaN: its payload is the input's)."""
+    assert len(ours) == len(ref) == len(names)
+    for o, r, n in zip(ours, ref, names):
+        assert_bits(o, r, n, nan_bits=nan_bits and n != "amax")
+
+
 def assert_fwd_bits(kind, got, want):
     """(y, mean or None, rstd) twice, bit for bit."""
     names = ("y", "rstd") if kind == "rms" else ("y", "mean", "rstd")
@@ -145,7 +153,9 @@ def hp_rtol(dtype) -> float:
 
 @needs_interpreter
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape, dtype, config", [*CASES, ((7, 33), torch.float16, None)], ids=[*CASE_IDS, "7x33-float16"])
+@pytest.mark.parametrize(
+    "shape, dtype, config", [*CASES, ((7, 33), torch.float16, None)], ids=[*CASE_IDS, "7x33-float16"]
+)
 def test_forward(kind, dtype, shape, config):
     x, w, b = inputs(shape, dtype, kind)
     y, mean, rstd = fwd_triton(kind, x, w, b, config)
@@ -189,17 +199,15 @@ def test_fp8_given_scale(kind, dtype, fp8_dtype, with_t, shape, config):
     y = y_from_stats(x, w, b, mean, rstd)
     assert_outputs(out, nm.quantize_y_ref(y, scale, fp8_dtype, with_t))
     assert out[0].float().abs().max() == nm.fp8_max(fp8_dtype)  # saturation was exercised
-
-
-def assert_outputs(ours, ref, names=FP8_NAMES, nan_bits=True):
-    assert len(ours) == len(ref) == len(names)
-    for o, r, n in zip(ours, ref, names):
-        assert_bits(o, r, n, nan_bits=nan_bits and n != "amax")
+    _, mean_fwd, rstd_fwd = fwd_triton(kind, x, w, b, config)
+    assert_fwd_bits(kind, (y, mean, rstd), (y, mean_fwd, rstd_fwd))  # fused == unfused
 
 
 @needs_interpreter
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape, dtype", [((1, 16), F32), ((17, 128), BF16), ((4, 3, 64), F32), ((5, 256), BF16)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype", [((1, 16), F32), ((17, 128), BF16), ((4, 3, 64), F32), ((5, 256), BF16)], ids=str
+)
 def test_exact_inputs_everything_bit_exact(kind, dtype, shape):
     """Where every partial sum is exact, the stats match too: all outputs == the full references' bits."""
     x, w, b = exact_inputs(shape, dtype, kind)
@@ -303,6 +311,21 @@ def test_nan_row(kind):
     assert out[0][3].float().isnan().all() and not out[0][[0, 1, 2, 4, 5, 6]].float().isnan().any()
     y = y_from_stats(x, w, b, mean, rstd)
     assert_outputs(out, nm.quantize_y_current_ref(y, torch.float8_e4m3fn, 0, False, True), nan_bits=False)
+
+
+@needs_interpreter
+def test_layernorm_without_bias():
+    x, w, _ = inputs((7, 33), torch.bfloat16, "ln")
+    y, mean, rstd = nm._layernorm_fwd_triton(x, w, None, EPS)
+    assert_bits(y, y_from_stats(x, w, None, mean, rstd), "y")
+    assert_stats_close(mean, rstd, *nm.layernorm_fwd_ref(x, w, None, EPS)[1:])
+    scale = torch.tensor([20.0])
+    *out, mean, rstd = nm._layernorm_fp8_scaled_triton(x, w, None, EPS, scale, torch.float8_e4m3fn, True, SMALL)
+    y = y_from_stats(x, w, None, mean, rstd)
+    assert_outputs(out, nm.quantize_y_ref(y, scale, torch.float8_e4m3fn, True))
+    dy = torch.randn(7, 33).to(torch.bfloat16)
+    for o, r in zip(nm._layernorm_bwd_triton(dy, x, w, mean, rstd), nm.layernorm_bwd_ref(dy, x, w, mean, rstd)):
+        assert max_rel_err(o, r) <= 2.0**-7
 
 
 @needs_interpreter
@@ -467,12 +490,15 @@ def test_gpu_against_references(kind, shape, dtype):
 
     for fp8_dtype, margin, p2, with_t in [(FP8[0], 0, False, True), (FP8[1], 1, True, False)]:
         out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, margin, p2, with_t)
-        assert_fwd_bits(kind, (y, m8, r8), (y, mean, rstd))  # the forward's stats: fused == unfused
-        assert_outputs(out, nm.quantize_y_current_ref(y, fp8_dtype, margin, p2, with_t))
+        y8 = y_from_stats(x, w, b, m8, r8)
+        assert_outputs(out, nm.quantize_y_current_ref(y8, fp8_dtype, margin, p2, with_t))
+        # Same row kernel and tile as the forward: the same stats, so fused == unfused bit for bit.
+        assert_fwd_bits(kind, (y8, m8, r8), (y, mean, rstd))
         scale = torch.tensor([0.9 * nm.fp8_max(fp8_dtype)], device="cuda") / y_ref.float().abs().max()
         out, m8, r8 = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t)
-        assert_stats_close(m8, r8, mean_ref, rstd_ref, rtol)
-        assert_outputs(out, nm.quantize_y_ref(y_from_stats(x, w, b, m8, r8), scale, fp8_dtype, with_t))
+        y8 = y_from_stats(x, w, b, m8, r8)
+        assert_outputs(out, nm.quantize_y_ref(y8, scale, fp8_dtype, with_t))
+        assert_fwd_bits(kind, (y8, m8, r8), (y, mean, rstd))
 
     dy = torch.randn(shape, device="cuda").to(dtype)
     dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd)

@@ -91,7 +91,7 @@ def test_gradient_accumulation_over_micro_batches():
 
 
 def test_float8_output_from_a_final_quantize():
-    seq = ops.Sequential(ops.Linear(32, 32), ops.Quantize())
+    seq = ops.Sequential(ops.Linear(32, 32), ops.Quantize()).to(torch.bfloat16)
     with torch.no_grad():
-        out = seq(torch.randn(4, 32, dtype=torch.float32))
+        out = seq(torch.randn(4, 32, dtype=torch.bfloat16))
     assert isinstance(out, Float8Tensor)
