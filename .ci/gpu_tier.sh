@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU tier and the benchmarks, in one call on the GPU machine (torch 2.11, triton 3.6, no network).
+# Writes logs and results under $OUT (or ./gpu_out). Not run by CI: CI has no GPU.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
+    echo "editable install failed; see install.log"; tail -5 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+stage=${1:-all}
+if [[ $stage == all || $stage == tier ]]; then
+    timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x --timeout=300 2>&1 | tail -40 | tee "$OUT/gpu_tier.log"
+fi
+if [[ $stage == all || $stage == bench ]]; then
+    timeout 200 python3 -m float8.bench.kernels --out "$OUT" 2>&1 | tail -30
+    timeout 200 python3 -m float8.bench.blocks --out "$OUT" 2>&1 | tail -20
+fi
