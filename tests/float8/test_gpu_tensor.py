@@ -40,6 +40,11 @@ def test_cuda_delayed_scaling_equals_cpu():
         assert_same_bits(sa.scale, sb.scale.cpu())
 
 
+# Hopper's FP8 tensor cores accumulate in fewer bits than float32 (measured on the H100 here: 1.3e-4
+# relative for K = 1024 with float32 output), so a float32 output is not a float32-exact sum.
+GEMM_REL_ERR = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
+
+
 @pytest.mark.parametrize("scaling", [None, RowwiseScaling()], ids=["tensor", "row"])
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
 def test_cuda_gemm(scaling, out):
@@ -48,11 +53,11 @@ def test_cuda_gemm(scaling, out):
     y = a @ b.t()
     exact = a.dequantize(torch.float32).double() @ b.dequantize(torch.float32).double().t()
     rel = float((y.double() - exact).norm() / exact.norm())
-    assert rel < (4e-3 if out == torch.bfloat16 else 1e-6), rel
+    assert rel < GEMM_REL_ERR[out], rel
     assert sqnr_db(x.double() @ w.double().t(), y) >= SQNR_DB["linear"]
     bias = torch.randn(2048, device="cuda", dtype=out)
     yb = torch.nn.functional.linear(a, b, bias)
-    assert float((yb.double() - exact - bias.double()).norm() / exact.norm()) < (4e-3 if out == torch.bfloat16 else 1e-6)
+    assert float((yb.double() - exact - bias.double()).norm() / exact.norm()) < GEMM_REL_ERR[out]
 
 
 def test_cuda_gemm_with_cached_transposes_and_padding():
@@ -62,7 +67,7 @@ def test_cuda_gemm_with_cached_transposes_and_padding():
     x = Float8Tensor.quantize(torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16), with_transpose=True)
     dw = fp8_mm(dy.t(), x, out_dtype=torch.float32, pad=True)  # K = 1000 tokens: padded to 1008
     exact = dy.dequantize(torch.float32).double().t() @ x.dequantize(torch.float32).double()
-    assert float((dw.double() - exact).norm() / exact.norm()) < 1e-6
+    assert float((dw.double() - exact).norm() / exact.norm()) < GEMM_REL_ERR[torch.float32]
 
 
 def test_cuda_native_ops_and_device_moves():
