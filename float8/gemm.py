@@ -15,6 +15,8 @@ The output has the nominal dtype of the operands.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -24,31 +26,62 @@ from float8.tensor import Float8Tensor, _is_float8, requantize_into
 aten = torch.ops.aten
 
 
+class Operand(NamedTuple):
+    """A GEMM operand's parts, as a Float8Tensor holds them (optionally viewed transposed)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    transpose: Optional[torch.Tensor]
+    dtype: torch.dtype
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def fp8_dtype(self):
+        return self.data.dtype
+
+    @property
+    def device(self):
+        return self.data.device
+
+
+def operand(t: Float8Tensor, transposed: bool = False) -> Operand:
+    """t, or t.t() without building a tensor (no dispatch: this is on every Linear's hot path)."""
+    if not transposed:
+        return Operand(t._data, t._scale_inv, t._transpose, t.dtype)
+    s = t._scale_inv if t._scale_inv.dim() == 0 else t._scale_inv.mT
+    if t._transpose is not None:
+        return Operand(t._transpose, s, t._data, t.dtype)
+    return Operand(t._data.mT, s, None, t.dtype)
+
+
 def _aligned(d: torch.Tensor) -> bool:
     # cuBLASLt wants 16-byte aligned operands; allocations are, so only a view's offset can break it
     # (read from the offset, not data_ptr(), which torch.compile's fake tensors do not have).
     return d.storage_offset() % 16 == 0
 
 
-def _row_major(t: Float8Tensor) -> torch.Tensor:
+def _row_major(t: Operand) -> torch.Tensor:
     """(M, K) data, contiguous: the data itself, or a copy."""
-    d = t._data
+    d = t.data
     return d if d.is_contiguous() and _aligned(d) else d.contiguous()
 
 
-def _col_major(t: Float8Tensor) -> torch.Tensor:
+def _col_major(t: Operand) -> torch.Tensor:
     """(K, N) data with strides (1, K): the data viewed, the cached transpose viewed, or a copy."""
-    d = t._data
+    d = t.data
     if d.mT.is_contiguous() and _aligned(d):
         return d
-    if t._transpose is not None:
-        return t._transpose.mT
+    if t.transpose is not None:
+        return t.transpose.mT
     return d.mT.contiguous().mT
 
 
-def _gemm_scales(a: Float8Tensor, b: Float8Tensor):
+def _gemm_scales(a: Operand, b: Operand):
     """(scale_a, scale_b, rowwise) in the layout _scaled_mm takes, or None if the blocks don't fit."""
-    sa, sb = a._scale_inv, b._scale_inv
+    sa, sb = a.scale_inv, b.scale_inv
     m, n = a.shape[0], b.shape[1]
     a_ok = sa.dim() == 0 or tuple(sa.shape) == (m, 1)
     b_ok = sb.dim() == 0 or tuple(sb.shape) == (1, n)
@@ -61,8 +94,8 @@ def _gemm_scales(a: Float8Tensor, b: Float8Tensor):
     return sa.contiguous(), sb.contiguous(), True
 
 
-def _check_operands(a: Float8Tensor, b: Float8Tensor, pad: bool) -> None:
-    if a.dim() != 2 or b.dim() != 2:
+def _check_operands(a: Operand, b: Operand, pad: bool) -> None:
+    if a.data.dim() != 2 or b.data.dim() != 2:
         raise ValueError(f"FP8 mm needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.device != b.device:
         raise ValueError(f"FP8 mm operands are on different devices: {a.device} and {b.device}")
@@ -97,12 +130,15 @@ def _pad_to_16(mat_a, mat_b, sb):
     return mat_a, bt.t(), sb, n
 
 
-def fp8_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None, pad: bool = False):
+def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False):
     """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback.
 
+    a, b: Float8Tensors or `operand(...)`s (ops pass `operand(w8, transposed=True)` for w8.t()).
     pad=True zero-pads K and N to multiples of 16 instead of refusing them (ops use it: token counts
     are arbitrary, and a wgrad GEMM's K is the token count).
     """
+    a = a if isinstance(a, Operand) else operand(a)
+    b = b if isinstance(b, Operand) else operand(b)
     _check_operands(a, b, pad)
     scales = _gemm_scales(a, b)
     if scales is None:

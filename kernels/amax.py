@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, check_hp_input, use_triton
+from .common import custom_op, abs_bits, atomic_amax, check_hp_input, use_triton
 from .reference import amax_ref as _amax_ref
 
 BLOCK = 8192  # elements per program: 16 B accesses, few atomics (one per program)
@@ -43,7 +43,7 @@ def _amax_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("float8::amax", mutates_args=())
+@custom_op("float8::amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a () float32 tensor; NaN if any NaN, 0 if x is empty."""
     check_hp_input(x, "amax")

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    custom_op,
     abs_bits,
     check_hp_input,
     check_scaling_args,
@@ -128,7 +129,7 @@ def _scale_inv_shape(x, block_rows, block_cols):
     return (x.shape[0] // block_rows, x.shape[1] // block_cols)
 
 
-@torch.library.custom_op("float8::quantize_blockwise", mutates_args=())
+@custom_op("float8::quantize_blockwise")
 def quantize_blockwise(
     x: torch.Tensor,
     block_rows: int,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    custom_op,
     abs_bits,
     atomic_amax,
     check_hp_input,
@@ -105,7 +106,7 @@ def _check(x, scale, fp8_dtype):
     check_fp8_dtype(fp8_dtype)
 
 
-@torch.library.custom_op("float8::cast", mutates_args=())
+@custom_op("float8::cast")
 def cast(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .amax import launch_amax
 from .common import (
+    custom_op,
     abs_bits,
     atomic_amax,
     check_hp_input,
@@ -169,7 +170,7 @@ def _t_shape(x):
     return (*x.shape[:-2], x.shape[-1], x.shape[-2])
 
 
-@torch.library.custom_op("float8::cast_transpose", mutates_args=())
+@custom_op("float8::cast_transpose")
 def cast_transpose(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,7 +196,7 @@ def _(x, scale, fp8_dtype):
     )
 
 
-@torch.library.custom_op("float8::quantize_transpose_tensorwise", mutates_args=())
+@custom_op("float8::quantize_transpose_tensorwise")
 def quantize_transpose_tensorwise(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

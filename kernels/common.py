@@ -124,3 +124,41 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+# ---- registering ops ---------------------------------------------------------------------------------
+
+
+def custom_op(name: str):
+    """`torch.library.custom_op(name)`, with a direct call on the eager hot path.
+
+    The registered op is what torch.compile, fake tensors, functionalization and opcheck see. A plain
+    eager call (no tracing, no dispatch mode, plain tensors, no autograd to record) calls the function
+    itself: the op dispatcher costs ~47 us per call on the H100 machine's host (134 us against 87 us for
+    quantize_tensorwise, measured 2026-11-22), which small layers feel. Same function, same results.
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if _plain_eager(args):
+                return fn(*args, **kwargs)
+            return op(*args, **kwargs)
+
+        call.op = op
+        call.register_fake = op.register_fake
+        return call
+
+    return wrap
+
+
+def _plain_eager(args) -> bool:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or (grad and a.requires_grad)):
+            return False
+    return True

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2, use_triton
+from .common import custom_op, next_pow2, use_triton
 from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, dequantize_ref as _dequantize_ref
 
 TILE = 4096  # elements per program
@@ -126,7 +126,7 @@ def _check(data, scale_inv, dtype):
         )
 
 
-@torch.library.custom_op("float8::dequantize", mutates_args=())
+@custom_op("float8::dequantize")
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """data.float() * scale_inv (broadcast over its blocks), cast to dtype; data's shape, contiguous."""
     _check(data, scale_inv, dtype)

@@ -12,7 +12,7 @@ import torch
 
 from .amax import launch_amax
 from .cast import launch_cast
-from .common import check_hp_input, check_scaling_args, use_triton
+from .common import custom_op, check_hp_input, check_scaling_args, use_triton
 from .reference import amax_ref, cast_to_fp8_ref, scale_from_amax
 
 
@@ -29,7 +29,7 @@ def _check(x, fp8_dtype, margin, power_of_2):
     check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_tensorwise")
 
 
-@torch.library.custom_op("float8::quantize_tensorwise", mutates_args=())
+@custom_op("float8::quantize_tensorwise")
 def quantize_tensorwise(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

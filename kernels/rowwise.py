@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    custom_op,
     abs_bits,
     check_hp_input,
     check_scaling_args,
@@ -119,7 +120,7 @@ def _check(x, fp8_dtype, margin, power_of_2):
         raise ValueError("quantize_rowwise: x must have at least 1 dim (rows run along the last), got a 0-d tensor")
 
 
-@torch.library.custom_op("float8::quantize_rowwise", mutates_args=())
+@custom_op("float8::quantize_rowwise")
 def quantize_rowwise(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import Float8Tensor, RowwiseScaling
-from float8.gemm import fp8_mm
+from float8.gemm import fp8_mm, operand
 from float8.recipe import BlockwiseScaling
 from float8.ops.base import BasicOp, OpContext, QuantRequest, per_tensor, plain, scaling_state
 
@@ -126,12 +126,12 @@ class Linear(BasicOp):
             ctx.saved = (x8, w8 if need_dgrad else None, "block")
         elif per_tensor(scaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor._quantize(x2, fp8, scaling=scaling, with_transpose=need_wgrad)
-            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype, pad=True)
+            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True)
             ctx.saved = (x8 if need_wgrad else None, wd, "tensor")
         else:
             xh = plain(x2)
             x8 = Float8Tensor.quantize(xh, fp8, scaling=scaling)
-            y = fp8_mm(x8, w8.t(), bias=bias, out_dtype=out_dtype, pad=True)
+            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True)
             xt8 = Float8Tensor.quantize(xh.t(), fp8, scaling=scaling).t() if need_wgrad else None
             ctx.saved = (xt8, wd, "row")
         ctx.x_dtype, ctx.lead, ctx.need_wgrad, ctx.need_dgrad = out_dtype, lead, need_wgrad, need_dgrad
@@ -155,7 +155,7 @@ class Linear(BasicOp):
             if ctx.need_dgrad:
                 dx = fp8_mm(dy8, wd, out_dtype=ctx.x_dtype, pad=True)
             if ctx.need_wgrad:
-                dw = fp8_mm(dy8.t(), x8, out_dtype=self.weight.dtype, pad=True)
+                dw = fp8_mm(operand(dy8, transposed=True), x8, out_dtype=self.weight.dtype, pad=True)
         else:
             dyh = plain(dy2)
             if ctx.need_dgrad:
