@@ -26,18 +26,22 @@ bit-exact with the references (tests/kernels/test_norm.py); the stats themselves
 (exactly, where every partial sum is exact).
 
 FP8 outputs: y is first rounded to x.dtype, then amax'ed and cast exactly like kernels/quantize.py does,
-so rmsnorm_fp8(x, ...) == quantize_tensorwise(rmsnorm_fwd(x)[0], ...) bit for bit (same stats). y itself
-is never written:
-- current scaling (`*_fp8`), two launches, no host sync: the row kernel computes the stats and the amax
-  of y (stats written, y not); the tile kernel recomputes y from x and the stats, derives the scale from
-  the amax on the device (common.scale_from_amax), casts, writes data and data_t; program 0 writes
-  scale_inv. x is read twice (the second time mostly from L2 for a row kernel, from HBM for large x).
-- delayed scaling (`*_fp8_scaled`, scale given), without a transpose: one launch of the row kernel,
-  which casts as it goes and folds amax(y) into the amax output (for the history). With a transpose it
-  takes the two launches above, the tile kernel reading the given scale: a row kernel writing data_t
-  coalesced would need >= 32 rows per program, whose second pass over x misses L2 for long rows anyway
-  (x read twice from HBM either way), at about twice the registers (ptxas: 126-254 per thread vs 64-145);
-  and this way the stats are the forward's, bit for bit. scale_inv = 1 / scale.
+so rmsnorm_fp8(x, ...) == quantize_tensorwise(rmsnorm_fwd(x)[0], ...) bit for bit. y itself is never written.
+Two launches, no host sync, for current (`*_fp8`) and delayed (`*_fp8_scaled`, scale given) scaling alike:
+the row kernel computes the stats and the amax of y (stats written, y not; for delayed scaling amax feeds the
+history); the tile kernel recomputes y from x and the stats, takes the scale (derived from the amax on the
+device, common.scale_from_amax, or the given one), casts, writes data and data_t; program 0 writes
+scale_inv (= 1 / scale). x is read twice (the second time mostly from L2 for a row kernel, from HBM for
+large x).
+Same stats as the forward, bit for bit, by construction: the first launch is the forward's own compiled
+kernel (the row kernel's write_y is a runtime argument the JIT does not specialize on). That matters: the
+order of a row sum follows the register layout Triton picks, and the layout follows the kernel's stores.
+A row kernel that cast to FP8 as it went (one launch for delayed scaling, as this module once had) held 16
+elements of x a thread (the FP8 store's 16 bytes) where the forward holds 16 bytes of x (8 bf16, 4 fp32),
+and its rstd differed from the forward's in the last bit (H100: 28 of 129 fp16 rows; then y by an ulp in
+up to 13% of the elements). The tile kernel has no sums: y there is
+elementwise from the stored stats, so its layout cannot change it.
+
 data is x.shape, data_t is (N, M) contiguous (the rows flattened: what the weight-gradient GEMM reads),
 both written from the same 2-D tile, the second time through tl.trans. custom_op cannot return an
 Optional[Tensor], so without with_transpose data_t is an empty (0,) tensor of the FP8 dtype.
@@ -46,9 +50,10 @@ Row kernels hold a (BLOCK_M, BLOCK_N) tile: the whole row when N <= 8192 (ONE_CH
 HBM), else they loop over N in 4096-wide chunks, twice (stats, then y): the second pass re-reads the row
 from L2 (one 16384-wide bf16 row is 32 KiB). LayerNorm's chunked statistics merge per-chunk (mean, M2)
 pairs (Chan et al.), so the variance never comes from sum(x^2) - sum(x)^2. The tile kernel writing a
-transpose takes (64, 64) tiles: 64-byte segments of data and data_t. The backward runs ~2 programs per SM, each over many row blocks, holding whole rows up to
-N = 4096 (two passes over 2-row, 2048-wide chunks beyond); each program sums its rows' dy * xhat (and dy)
-into its own float32 row of a (programs, N) buffer, which torch then sums (no atomics, deterministic).
+transpose takes (64, 64) tiles: 64-byte segments of data and data_t. The backward runs ~2 programs per SM,
+each over many row blocks, holding whole rows up to N = 4096 (two passes over 2-row, 2048-wide chunks
+beyond); each program sums its rows' dy * xhat (and dy) into its own float32 row of a (programs, N) buffer,
+which torch then sums (no atomics, deterministic).
 Register use of every default tile was checked with ptxas for sm_90 (see the table above the configs).
 """
 
@@ -81,14 +86,14 @@ from .reference import scale_from_amax as scale_from_amax_ref
 MAX_ONE_CHUNK = 8192  # N up to this: the whole row stays in registers (65-90)
 CHUNK = 4096  # beyond it: loop over N in chunks of this many columns (80-98)
 ROWS_TILE = 4096  # BLOCK_M * BLOCK_N of a row kernel when the row is short
-TILES = dict(BLOCK_M=16, BLOCK_N=256, num_warps=8)  # current scaling, second launch, no transpose (64-83)
+TILES = dict(BLOCK_M=16, BLOCK_N=256, num_warps=8)  # FP8, second launch, no transpose (64-83)
 TILES_T = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8)  # ... with transpose: 64 B segments both ways (120-145)
 BWD_ONE_CHUNK = 4096  # backward: whole rows up to this (89-95 at 16 warps; 8192 would spill)
 BWD_CHUNKED = dict(BLOCK_M=2, BLOCK_N=2048, num_warps=8)  # beyond (86-115): 2 rows share a partial-dw update
 
-MODE_Y = 0  # row kernel: write y in x.dtype
-MODE_AMAX = 1  # row kernel: fold amax(y) into amax_ptr, write nothing else (current scaling, first launch)
-MODE_FP8 = 2  # row kernel: cast y with the given scale, write data (+ data_t) and fold amax(y)
+# The row kernel's runtime arguments that the JIT must not specialize on (tests/kernels/test_norm.py reads it):
+# the forward and the FP8 first launch differ only in them, so they run one compiled kernel.
+ROWS_NOT_SPECIALIZED = ("write_y",)
 
 
 # ---- device helpers ---------------------------------------------------------------------------------
@@ -192,82 +197,78 @@ def _norm_y(
 
 
 @triton.jit
-def _emit(
+def _y_hp(
+    x,  # (BLOCK_M, BLOCK_N) fp32 tile of x
+    x_ptr,  # (M, N) hp: only its element type
+    w_ptr,  # (N,) hp
+    b_ptr,  # (N,) hp (HAS_BIAS)
+    cols,  # (BLOCK_N,)
+    N,
+    mean,  # (BLOCK_M,) fp32
+    rstd,  # (BLOCK_M,) fp32
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """y rounded to x.dtype, as the forward writes it; the FP8 outputs are cast from these values."""
+    return _norm_y(x, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rows_y(
     x,  # (BLOCK_M, BLOCK_N) fp32 tile of x
     mask,  # (BLOCK_M, BLOCK_N) in bounds
     rows,  # (BLOCK_M,)
     cols,  # (BLOCK_N,)
-    x_ptr,  # (M, N) hp: only its element type, to round y to before the FP8 cast
+    x_ptr,  # (M, N) hp
     w_ptr,  # (N,) hp
     b_ptr,  # (N,) hp (HAS_BIAS)
-    out_ptr,  # (M, N) contiguous: y in x.dtype (MODE_Y) or FP8 data (MODE_FP8); unused for MODE_AMAX
-    out_t_ptr,  # (N, M) contiguous FP8 data_t (MODE_FP8 and WITH_T)
-    M,
+    y_ptr,  # (M, N) contiguous, x.dtype
+    y_rows,  # rows of y to write: M, or 0 (none)
     N,
     mean,  # (BLOCK_M,) fp32
     rstd,  # (BLOCK_M,) fp32
-    scale,  # () fp32 (MODE_FP8)
-    FP8_MAX: tl.constexpr,
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
-    WITH_T: tl.constexpr,
 ):
-    """Write this tile's share of the output; return |y| as int32 bits (0 outside the tensor) for amax."""
-    y = _norm_y(x, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS)
-    if MODE == 0:
-        _store_rows(out_ptr, y, rows, cols, M, N)
-        bits = tl.zeros(y.shape, tl.int32)
-    else:
-        # y as the unfused op holds it (in x.dtype): the FP8 bits equal quantize(norm(x)) bit for bit.
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        bits = tl.where(mask, abs_bits(y), 0)
-        if MODE == 2:
-            q = clamp_keep_nan(y * scale, FP8_MAX).to(out_ptr.dtype.element_ty)
-            _store_rows(out_ptr, q, rows, cols, M, N)
-            if WITH_T:
-                # (BLOCK_N, BLOCK_M): tile column c lands in row c of data_t, contiguous along M.
-                offs_t = cols[:, None].to(tl.int64) * M + rows[None, :]
-                mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-                tl.store(out_t_ptr + offs_t, tl.trans(q), mask=mask_t)
-    return bits
+    """Write this tile of y (rows < y_rows); return |y| as int32 bits (0 outside the tensor) for amax."""
+    y = _y_hp(x, x_ptr, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS)
+    _store_rows(y_ptr, y, rows, cols, y_rows, N)
+    return tl.where(mask, abs_bits(y), 0)
 
 
 # ---- kernels ----------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROWS_NOT_SPECIALIZED)
 def _norm_rows_kernel(
     x_ptr,  # (M, N) hp, row stride stride_xm, unit column stride
     w_ptr,  # (N,) hp
     b_ptr,  # (N,) hp (HAS_BIAS)
-    out_ptr,  # (M, N) contiguous: y in x.dtype (MODE_Y) or FP8 data (MODE_FP8); unused for MODE_AMAX
+    y_ptr,  # (M, N) contiguous, x.dtype: y (write_y 1); else a fresh (1,) tensor of x.dtype, never touched
     mean_ptr,  # (M,) fp32 (not IS_RMS)
     rstd_ptr,  # (M,) fp32
-    scale_ptr,  # (1,) fp32 given scale (MODE_FP8)
-    amax_ptr,  # () fp32, zeroed: receives max|y| (MODE_AMAX, MODE_FP8)
-    scale_inv_ptr,  # () fp32: 1 / scale (MODE_FP8)
+    amax_ptr,  # () fp32, zeroed: receives max|y| (write_y 0); else never touched
     M,
     N,
     n_f,  # float(N)
     stride_xm,
     eps,
-    FP8_MAX: tl.constexpr,
+    write_y,  # 1: write y (the forward); 0: fold max|y| into amax_ptr instead (FP8, first launch)
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """BLOCK_M rows per program: their stats, then y (written, amax'ed, or cast to FP8)."""
+    """BLOCK_M rows per program: their stats, then y (written, or amax'ed).
+
+    write_y is a runtime argument the JIT does not specialize on (ROWS_NOT_SPECIALIZED): the forward and the
+    FP8 first launch are one compiled kernel, so their stats are the same bits whatever register layout (and
+    with it, summation order) Triton picks for the row sums.
+    """
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
-    if MODE == 2:
-        scale = tl.load(scale_ptr)
-    else:
-        scale = 1.0
     if ONE_CHUNK:
         x, mask = _load_tile(x_ptr, rows, cols0, M, N, stride_xm)
         mean, var = _tile_stats(x, mask, n_f, IS_RMS)
@@ -278,26 +279,20 @@ def _norm_rows_kernel(
     if not IS_RMS:
         tl.store(mean_ptr + rows, mean, mask=rows < M)
 
+    y_rows = M * write_y
     if ONE_CHUNK:
-        tile_bits = _emit(
-            x, mask, rows, cols0, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, M, N, mean, rstd, scale,
-            FP8_MAX, IS_RMS, HAS_BIAS, MODE, False,
-        )  # fmt: skip
-        bits = tl.max(tile_bits, axis=1)  # (BLOCK_M,): max|y| per row, as int32 bits
+        bits = _rows_y(x, mask, rows, cols0, x_ptr, w_ptr, b_ptr, y_ptr, y_rows, N, mean, rstd, IS_RMS, HAS_BIAS)
     else:
-        bits = tl.zeros((BLOCK_M,), tl.int32)
+        bits = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)  # elementwise max over the chunks
         for n0 in range(0, N, BLOCK_N):
             cols = n0 + cols0
             x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
-            tile_bits = _emit(
-                x, mask, rows, cols, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, M, N, mean, rstd, scale,
-                FP8_MAX, IS_RMS, HAS_BIAS, MODE, False,
-            )  # fmt: skip
-            bits = tl.maximum(bits, tl.max(tile_bits, axis=1))
-    if MODE != 0:
-        atomic_amax(amax_ptr, tl.max(bits, axis=0))
-    if MODE == 2:
-        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+            tile_bits = _rows_y(
+                x, mask, rows, cols, x_ptr, w_ptr, b_ptr, y_ptr, y_rows, N, mean, rstd, IS_RMS, HAS_BIAS
+            )
+            bits = tl.maximum(bits, tile_bits)
+    if write_y == 0:
+        atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
 
 @triton.jit
@@ -336,10 +331,15 @@ def _norm_fp8_tiles_kernel(
         scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
     else:
         scale = tl.load(scale_ptr)
-    _emit(
-        x, mask, rows, cols, x_ptr, w_ptr, b_ptr, data_ptr, data_t_ptr, M, N, mean, rstd, scale,
-        FP8_MAX, IS_RMS, HAS_BIAS, 2, WITH_T,
-    )  # fmt: skip
+    # y as the unfused op holds it (in x.dtype), elementwise: the FP8 bits equal quantize(norm(x)) bit for bit.
+    y = _y_hp(x, x_ptr, w_ptr, b_ptr, cols, N, mean, rstd, IS_RMS, HAS_BIAS).to(tl.float32)
+    q = clamp_keep_nan(y * scale, FP8_MAX).to(data_ptr.dtype.element_ty)
+    _store_rows(data_ptr, q, rows, cols, M, N)
+    if WITH_T:
+        # (BLOCK_N, BLOCK_M): tile column c lands in row c of data_t, contiguous along M.
+        offs_t = cols[:, None].to(tl.int64) * M + rows[None, :]
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+        tl.store(data_t_ptr + offs_t, tl.trans(q), mask=mask_t)
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
 
 
@@ -532,35 +532,41 @@ def _rows_2d(t: torch.Tensor, N: int) -> torch.Tensor:
     return t2
 
 
-def _launch_rows(x2, weight, bias, eps, is_rms, mode, out, scale, amax, scale_inv, config):
-    """Run _norm_rows_kernel over x2 (M, N); returns (mean or None, rstd)."""
+def _launch_rows(x2, weight, bias, eps, is_rms, y, amax, config):
+    """Run _norm_rows_kernel over x2 (M, N): write y (amax None), or fold max|y| into amax (y None).
+    Returns (mean or None, rstd).
+
+    Both uses launch the same specialization: write_y is not specialized on, and in place of the missing
+    tensor goes a fresh allocation of the same dtype (so of the same 16-byte alignment), never touched.
+    """
     M, N = x2.shape
     dev = x2.device
     rstd = torch.empty((M,), dtype=torch.float32, device=dev)
     mean = None if is_rms else torch.empty((M,), dtype=torch.float32, device=dev)
     if M == 0:
         return mean, rstd
+    write_y = y is not None
+    if y is None:
+        y = torch.empty((1,), dtype=x2.dtype, device=dev)
+    if amax is None:
+        amax = rstd  # fp32, fresh: the same specialization as a zeroed amax
     cfg = _rows_config(N, config)
-    dummy = rstd
     _norm_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
         x2,
         weight,
         bias if bias is not None else weight,
-        out if out is not None else dummy,
-        mean if mean is not None else dummy,
+        y,
+        mean if mean is not None else rstd,
         rstd,
-        scale if scale is not None else dummy,
-        amax if amax is not None else dummy,
-        scale_inv if scale_inv is not None else dummy,
+        amax,
         M,
         N,
         float(N),
         x2.stride(0),
         float(eps),
-        FP8_MAX=fp8_max(out.dtype) if mode == MODE_FP8 else 0.0,
+        int(write_y),
         IS_RMS=is_rms,
         HAS_BIAS=bias is not None,
-        MODE=mode,
         ONE_CHUNK=cfg["ONE_CHUNK"],
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
@@ -575,9 +581,8 @@ def _fwd_triton(x, weight, bias, eps, is_rms, config=None):
     x2 = _rows_2d(x, N)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean, rstd = _launch_rows(
-        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, MODE_Y,
-        y, None, None, None, config,
-    )  # fmt: skip
+        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, y, None, config
+    )
     return y, mean, rstd
 
 
@@ -640,16 +645,12 @@ def _fp8_triton(x, weight, bias, eps, is_rms, fp8_dtype, scale, margin, power_of
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     if scale is not None:
         scale = scale.reshape(1).float()
-    if scale is not None and not with_transpose:
-        # One launch: stats, then y cast as it goes, amax(y) folded in for the history.
-        scale_inv = scale.reshape(()).reciprocal() if x2.shape[0] == 0 else torch.empty_like(amax)
-        mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_FP8, data, scale, amax, scale_inv, config)
-        return data, data_t, scale_inv, amax, mean, rstd
-    # Stats and amax(y) first; then y again, tile by tile, cast and written in both layouts. The
-    # transposing case takes this route for a given scale too: a row kernel writing data_t would want
-    # >= 32 rows per program, whose second pass over x misses L2 for long rows anyway (so x is read twice
-    # from HBM either way), at twice the registers; and here the stats are the forward's, bit for bit.
-    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, MODE_AMAX, None, None, amax, None, config)
+    # Stats and amax(y) first, by the forward's own compiled kernel (so with its stats, bit for bit); then y
+    # again, tile by tile, cast and written in both layouts. A given scale takes this route too, though one
+    # row kernel could cast as it goes: its FP8 store changes the register layout Triton picks for the row
+    # (16 elements a thread instead of 16 bytes), with it the order of the row sums, and the stats then
+    # differ from the forward's in the last bit (measured on the H100: rstd in 28 of 129 fp16 rows).
+    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, None, amax, config)
     scale_inv = _launch_tiles(
         x2, w, b, mean, rstd, amax, scale, data, data_t, with_transpose, margin, power_of_2, config
     )

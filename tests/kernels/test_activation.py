@@ -12,6 +12,8 @@ What is compared how:
   whole scaling + cast path), and against the reference's FP8 outputs up to rare one-code differences,
   which only a rounding boundary between the two float32 values can cause.
 - dbias is a float32 sum in a different order than torch's: compared within a summation-error bound.
+- The erf GELU's tail (x << 0, where 1 + erf cancels and torch's float32 F.gelu is noise) is checked on
+  its own against float64 erfc, relatively, in float32 and in FP8 (`test_gelu_tail`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ CASE_IDS = ["1x16-f32-bias-T", "7x34-bf16", "17x128-bf16-bias-T-m1", "3x5x64-f32
 
 # float32 closeness, |ours - ref| <= RTOL * |ref| + ATOL * m, where m (`magnitude`) is the size of the
 # terms whose rounding the result inherits: 1 + |v| (times |b| in swiglu's product, times |dy| in a
-# gradient). The ATOL part covers cancellation: 1 + erf(v/sqrt2) for v << 0 in the erf GELU (torch's
-# own float32 gelu has it too), and the roots of silu' and gelu'.
+# gradient). The ATOL part covers the cancellation at the roots of silu' and gelu' (the erf GELU itself
+# has none: its v < 0 side uses erfc, see kernels/activation.py and test_gelu_tail).
 ULPS_CPU = dict(rtol=2.0**-21, atol=2.0**-22)  # kernel vs ref: 4 ulps + 1/4 ulp of the terms; measured <= 2
 ULPS_GPU = dict(rtol=1e-5, atol=2.0**-20)  # ex2.approx: relative error grows like |v| * 2**-24
 FP64 = dict(rtol=1e-5, atol=2.0**-23)  # the float32 result vs float64 autograd
@@ -277,6 +279,11 @@ def test_empty_and_noncontiguous_inputs():
 # ---- the formulas against float64 autograd ----------------------------------------------------------
 
 
+def gelu64(v):
+    """gelu in float64 without cancellation (F.gelu's 1 + erf cancels to nothing by v ~ -8.5, even in float64)."""
+    return 0.5 * v * torch.special.erfc(-v * act.SQRT1_2)
+
+
 def torch_act64(kind, v):
     if kind == "swiglu":
         h = v.shape[-1] // 2
@@ -284,7 +291,7 @@ def torch_act64(kind, v):
     return {
         "identity": lambda t: t,
         "relu": F.relu,
-        "gelu": F.gelu,
+        "gelu": gelu64,
         "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
         "silu": F.silu,
     }[kind](v)
@@ -304,14 +311,84 @@ def test_against_float64_autograd(kind, impl):
         y, d = act.act_fwd_ref(x, kind, bias), act.act_bwd_ref(dy, x, kind, bias)
     else:
         y, d = act._act_fwd_triton(x, kind, bias), act._act_bwd_triton(dy, x, kind, bias)
-    # Forward: relative error < 1e-5 elementwise, except where the formula cancels (erf GELU at v << 0;
-    # gelu_tanh's float64 reference itself cancels in 1 + tanh for v << 0).
-    atol_fwd = FP64["atol"] if kind in ("gelu", "gelu_tanh") else 0.0
+    # Forward: relative error < 1e-5 elementwise, the erf GELU's tail included (down to float32's
+    # smallest normal: below it, precision goes), except gelu_tanh, whose float64 reference itself
+    # cancels in 1 + tanh for v << 0.
+    atol_fwd = {"gelu": 2.0**-126, "gelu_tanh": FP64["atol"]}.get(kind, 0.0)
     assert_ulps_close(y.double(), y64.detach(), magnitude(kind, x, bias), FP64["rtol"], atol_fwd, "forward vs float64")
     assert_ulps_close(d.double(), d64, magnitude(kind, x, bias, dy), **FP64, what="backward vs float64")
     # and normwise
     assert (y.double() - y64).abs().max() <= 1e-6 * y64.abs().max()
     assert (d.double() - d64).abs().max() <= 1e-6 * d64.abs().max()
+
+
+def _gelu_impls(impl):
+    """(fwd float32, bwd float32, act_fp8, dact_dbias_cast_transpose) for gelu, by the reference or the launchers."""
+    if impl == "ref":
+        return (
+            lambda x: act.act_ref_fp32(x, "gelu"),
+            lambda dy, x: act.dact_ref_fp32(dy, x, "gelu"),
+            lambda x: act.act_fp8_ref(x, "gelu", None, E4M3),
+            lambda dy, x: act.dact_dbias_cast_transpose_ref(dy, x, "gelu", None, E5M2),
+        )
+    return (
+        lambda x: act._act_fwd_triton(x, "gelu", out_dtype=F32),
+        lambda dy, x: act._act_bwd_triton(dy, x, "gelu", out_dtype=F32),
+        lambda x: act._act_fp8_triton(x, "gelu", None, E4M3),
+        lambda dy, x: act._dact_dbias_cast_transpose_triton(dy, x, "gelu", None, E5M2),
+    )
+
+
+def _gelu_terms64(x):
+    """(gelu, Phi, x * phi) of x in float64, without cancellation: gelu = x Phi, gelu' = Phi + x phi."""
+    v = x.double()
+    cdf = 0.5 * torch.special.erfc(-v * act.SQRT1_2)
+    return v * cdf, cdf, v * (torch.exp(-0.5 * v * v) * act.INV_SQRT_2PI)
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "ref",
+        pytest.param("triton", marks=needs_interpreter),
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_gelu_tail(impl):
+    # x << 0: gelu(x) = 0.5 x erfc(-x / sqrt2) is tiny, and 0.5 x (1 + erf(x / sqrt2)) cancels to noise
+    # (relative error ~1 by x = -6 in float32); the kernels use erfc there. Relative accuracy, for the
+    # value and for the gradient (relative to its two terms, which cancel only at gelu's minimum,
+    # x ~ -0.75), to 1e-6 (the erfc fit: 1.2e-7, and a few roundings) + x^2 2^-24: exp(-x^2/2) inherits
+    # the rounding of x^2 / 2 (and, on the GPU, ex2.approx that of x^2/2 * log2(e)), half an ulp each.
+    # Down to x = -12.5, where Phi(x) (3.7e-36) is still a normal float32 (the GPU may flush
+    # subnormals). Then FP8 codes within one step of the cast of the exact values, for a tensor of tail
+    # values alone, which current scaling lifts into the FP8 range.
+    device = "cuda" if impl == "cuda" else "cpu"
+    fwd, bwd, fp8, dfp8 = _gelu_impls(impl)
+    x = -torch.linspace(0.0, 12.5, 64 * 64, device=device).reshape(64, 64)
+    dy = make_x(x.shape, F32, seed=10, scale=1.0).to(device)
+    y64, cdf, vpdf = _gelu_terms64(x)
+    rtol = 1e-6 + x.double() ** 2 * 2.0**-24
+    assert_ulps_close(fwd(x).double(), y64, rtol * y64.abs(), 0.0, 1.0, "gelu tail vs float64")
+    terms = dy.double().abs() * (cdf + vpdf.abs())
+    d64 = dy.double() * (cdf + vpdf)
+    assert_ulps_close(bwd(dy, x).double(), d64, rtol * terms, 0.0, 1.0, "gelu' tail vs float64")
+
+    # x in [-8, -4]: gelu from -1.3e-4 to -5e-15; E4M3 codes from 448 down to 0 (x ~ -6.5)
+    x = -torch.linspace(4.0, 8.0, 64 * 16, device=device).reshape(64, 16)
+    dy = make_x(x.shape, F32, seed=11, scale=1.0).to(device)
+    y64, cdf, vpdf = _gelu_terms64(x)
+    out = fp8(x)
+    assert_fp8_outputs(out, fwd(x), act._quantize_ref(y64.float(), E4M3, 0, False, False), E4M3, False,
+                       _current(E4M3, 0, False))  # fmt: skip
+    assert out[0].view(torch.uint8).unique().numel() > 100  # the tail spans the FP8 codes
+    d64 = (dy.double() * (cdf + vpdf)).float()
+    out = dfp8(dy, x)
+    assert_fp8_outputs(out, bwd(dy, x), act._quantize_ref(d64, E5M2, 0, False, True), E5M2, True,
+                       _current(E5M2, 0, False))  # fmt: skip
 
 
 # ---- the custom ops ---------------------------------------------------------------------------------

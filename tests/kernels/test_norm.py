@@ -4,9 +4,12 @@ What is compared how:
 - The per-row stats (mean, rstd) are row sums, and the kernels sum in another order than torch: they
   agree with the references to a few float32 ulps (STATS_RTOL), and bit for bit where every partial sum
   is exact (test_exact_inputs_everything_bit_exact).
-- Everything after the stats runs the same float32 operations in the same order (no FMA contraction),
-  so given the kernel's own stats, y, the FP8 data and data_t, scale_inv and amax equal the references
-  bit for bit (norm_apply_ref + quantize_y_ref / quantize_y_current_ref).
+- Everything after the stats runs the same float32 operations in the same order (no FMA contraction:
+  test_no_fma_contraction_in_ptx), so given the kernel's own stats, y, the FP8 data and data_t, scale_inv
+  and amax equal the references bit for bit (norm_apply_ref + quantize_y_ref / quantize_y_current_ref).
+- Fused == unfused: the FP8 ops' stats are the forward's bits because their first launch is the forward's
+  compiled kernel (test_fp8_stats_come_from_the_forward_kernel): on the GPU the order of a row sum follows
+  the register layout Triton picks per compiled kernel, which the interpreter cannot show.
 - The references take float32 square roots correctly rounded (norm.sqrt_rn), like the kernels' sqrt_rn:
   torch's CPU sqrt is a vectorised approximation, an ulp off for ~20% of inputs.
 - Backward (dx, dweight, dbias) sums rows and columns in another order: close to the reference, and
@@ -16,6 +19,13 @@ interpreter's float conversions made hardware-faithful by tests/kernels/conftest
 """
 
 from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,6 +306,153 @@ def test_equals_norm_then_quantize_kernels(kind, fp8_dtype):
     assert_outputs(out, _cast_transpose_triton(y, scale, fp8_dtype))
 
 
+# ---- what the interpreter cannot show: one compiled row kernel, no FMA contraction --------------------
+
+
+def spec_key(kernel, args, kwargs):
+    """What Triton's JIT keys a compiled kernel on (triton/runtime/jit.py, 3.x): constexpr values, a tensor's
+    dtype and 16-byte alignment, an int's width, == 1 and divisibility by 16 (unless the kernel lists it in
+    do_not_specialize), a float's type; and the launch options. Equal keys: one binary."""
+    jit_kwargs = getattr(kernel, "kwargs", None) or {}  # the interpreter's InterpretedFunction
+    no_spec = set(getattr(kernel, "do_not_specialize", None) or jit_kwargs.get("do_not_specialize") or ())
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    values = {**dict(zip([p.name for p in params], args)), **kwargs}
+    key = []
+    for p in params:
+        v = values.pop(p.name)
+        if "constexpr" in str(p.annotation):
+            key.append((p.name, "constexpr", v))
+        elif isinstance(v, torch.Tensor):
+            key.append((p.name, v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool):
+            key.append((p.name, "i1", v))
+        elif isinstance(v, int):
+            width = "i32" if -(2**31) <= v < 2**31 else "i64"
+            key.append((p.name, width) if p.name in no_spec else (p.name, width, v == 1, v % 16 == 0))
+        elif isinstance(v, float):
+            key.append((p.name, "fp32"))
+        else:
+            raise TypeError(f"{p.name}: {type(v)}")
+    return tuple(key), tuple(sorted(values.items()))  # what is left: num_warps, enable_fp_fusion
+
+
+class Recorder:
+    """Stands in for a kernel: records each launch's key (and write_y), runs nothing."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            write_y = dict(zip(inspect.signature(self.kernel.fn).parameters, args)).get("write_y")
+            self.launches.append((spec_key(self.kernel, args, kwargs), write_y))
+
+        return launch
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "shape, dtype, config",
+    [((7, 33), BF16, None), ((5, 256), F32, None), ((3, 9000), torch.float16, None), ((7, 33), F32, SMALL),
+     ((1, 16), BF16, None)],
+    ids=["7x33-bf16", "5x256-f32", "3x9000-f16-chunked", "7x33-f32-small", "1x16-bf16"],
+)  # fmt: skip
+def test_fp8_stats_come_from_the_forward_kernel(monkeypatch, kind, shape, dtype, config):
+    """Every FP8 op's first launch is the forward's compiled row kernel (write_y, not specialized on, apart),
+    for contiguous x and for a row slice: so the stats, and with them y and the FP8 bits, are the forward's.
+
+    The GPU tier caught the alternative: a one-launch row kernel casting to FP8 compiled to another register
+    layout (16 elements a thread), so another summation order, and its rstd was an ulp off the forward's in
+    28 of 129 rows (H100, (129, 96) fp16). Wrong-reference check: with write_y specialized on (as a plain
+    int argument is, where it is 1), the keys differ and this test fails.
+    """
+    rows = Recorder(nm._norm_rows_kernel)
+    monkeypatch.setattr(nm, "_norm_rows_kernel", rows)
+    monkeypatch.setattr(nm, "_norm_fp8_tiles_kernel", Recorder(nm._norm_fp8_tiles_kernel))
+    assert "write_y" in nm.ROWS_NOT_SPECIALIZED
+    x, w, b = inputs(shape, dtype, kind)
+    x_slice = inputs((shape[0], 2 * shape[-1]), dtype, kind)[0][:, 1 : shape[-1] + 1]  # row stride 2N, offset
+    for xx in (x, x_slice):
+        rows.launches.clear()
+        fwd_triton(kind, xx, w, b, config)
+        for fp8_dtype, with_t in [(torch.float8_e4m3fn, True), (torch.float8_e5m2, False)]:
+            fp8_triton(kind, xx, w, b, fp8_dtype, 1, True, with_t, config)
+            fp8_scaled_triton(kind, xx, w, b, torch.tensor([3.0]), fp8_dtype, with_t, config)
+        (fwd_key, fwd_write), *fp8 = rows.launches
+        assert fwd_write == 1 and len(fp8) == 4 and all(wy == 0 for _, wy in fp8)
+        for key, _ in fp8:
+            assert key == fwd_key
+
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPILE_FOR_SM90 = r"""
+import json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import float8.kernels.norm as nm
+from tests.kernels.sm90_lowering import signature_of
+
+calls = []
+class Rec:
+    def __init__(self, fn): self.fn = fn
+    def __getitem__(self, grid): return lambda *a, **k: calls.append((self.fn, a, k))
+for name in ("_norm_rows_kernel", "_norm_fp8_tiles_kernel", "_norm_bwd_kernel"):
+    setattr(nm, name, Rec(getattr(nm, name)))
+for dtype in (torch.bfloat16, torch.float32):
+    for N in (96, 4096, 9000):
+        x = torch.randn(64, N).to(dtype); w = torch.randn(N).to(dtype)
+        for b in (None, w):
+            nm._layernorm_fwd_triton(x, w, b, 1e-5) if b is not None else nm._rmsnorm_fwd_triton(x, w, 1e-5)
+            nm._fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e4m3fn, None, 0, False, True)
+            nm._fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e5m2, torch.tensor([2.0]), 0, False, False)
+            nm._bwd_triton(x, x, w, None if b is None else torch.zeros(64), torch.ones(64), b is None)
+out, seen = [], set()
+for fn, a, k in calls:
+    sig, consts, attrs, options = signature_of(fn, a, k)
+    for n in nm.ROWS_NOT_SPECIALIZED if fn.__name__ == "_norm_rows_kernel" else ():
+        consts.pop(n, None); sig[n] = "i32"; attrs.pop((fn.arg_names.index(n),), None)
+    key = (fn.__name__, json.dumps(sig, sort_keys=True), json.dumps(consts, sort_keys=True, default=str), str(attrs))
+    if key in seen:
+        continue
+    seen.add(key)
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    ops = re.findall(r"\b((?:fma|mul|add|sub)(?:\.\w+)*\.f32)\b", ptx)
+    out.append({"kernel": fn.__name__, "constexprs": {c: str(v) for c, v in consts.items()},
+                "fma": sum(o.startswith("fma") for o in ops),
+                "contractible": sorted({o for o in ops if not o.startswith("fma") and ".rn" not in o})})
+print(json.dumps(out))
+"""
+
+
+def test_no_fma_contraction_in_ptx():
+    """Compiled for sm_90 (no GPU needed): no fma.*.f32 in any norm kernel, and every float32 mul/add/sub
+    carries .rn, which ptxas may not contract either (a bare mul.f32 + add.f32 it may fuse). So y is
+    (x * rstd) * w (+ b), each step rounded, on the GPU as in the references: that is what enable_fp_fusion=False
+    buys, and the GPU tier's y == y_from_stats(kernel's stats) relies on. Wrong-reference check: launched
+    without enable_fp_fusion=False, the row kernels' PTX has fma.rn.f32 and this fails."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: the GPU tier compiles and runs the kernels for real")
+    try:
+        from triton.backends import backends
+
+        if "nvidia" not in backends:
+            pytest.skip("this triton has no NVIDIA backend to compile with")
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; the launches set it themselves
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in compiled} == {"_norm_rows_kernel", "_norm_fp8_tiles_kernel", "_norm_bwd_kernel"}
+    for r in compiled:
+        assert r["fma"] == 0 and not r["contractible"], r
+
+
 # ---- edge cases -------------------------------------------------------------------------------------
 
 
@@ -492,7 +649,7 @@ def test_gpu_against_references(kind, shape, dtype):
         out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, margin, p2, with_t)
         y8 = y_from_stats(x, w, b, m8, r8)
         assert_outputs(out, nm.quantize_y_current_ref(y8, fp8_dtype, margin, p2, with_t))
-        # Same row kernel and tile as the forward: the same stats, so fused == unfused bit for bit.
+        # The forward's own compiled row kernel: the same stats, so fused == unfused bit for bit.
         assert_fwd_bits(kind, (y8, m8, r8), (y, mean, rstd))
         scale = torch.tensor([0.9 * nm.fp8_max(fp8_dtype)], device="cuda") / y_ref.float().abs().max()
         out, m8, r8 = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t)
