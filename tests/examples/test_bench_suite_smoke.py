@@ -1,0 +1,95 @@
+"""`python -m float8.bench --cpu-smoke` runs the whole suite's orchestration on the CPU (tiny shapes, a wall
+clock, no compile) and writes the JSON/markdown/PNG the GPU run will write: the GPU run will not trip over
+plumbing, and the records keep their schema."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+REQUIRED = [
+    "case", "shape", "ours_ms", "bf16_ms", "bf16_compiled_ms", "torchao_ms", "torchao_rowwise_ms",
+    "peak_mem_ours", "peak_mem_bf16", "floor_ms", "fraction_of_floor", "device", "torch", "triton", "date",
+    "error", "errors", "skipped",
+]
+CASES = {"kernels", "gemm", "linear", "mlp", "transformer_layer", "host"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    run = subprocess.run(
+        [sys.executable, "-m", "float8.bench", "--cpu-smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out, run.stdout, json.loads((out / "bench_cpu.json").read_text())
+
+
+def test_every_case_runs_without_error(smoke):
+    _, _, records = smoke
+    assert {r["case"] for r in records} == CASES
+    for r in records:
+        assert r["error"] is None and r["errors"] == {}, (r["label"], r["error"], r["errors"])
+        assert r["ours_ms"] > 0 and r["bf16_ms"] > 0, r["label"]
+        assert r["device"] == "cpu" and r["date"]
+
+
+def test_records_keep_the_schema(smoke):
+    _, _, records = smoke
+    for r in records:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, (r["case"], missing)
+        assert isinstance(r["shape"], list) and r["shape"]
+        if r["case"] != "host":
+            assert r["floor_ms"] > 0 and r["fraction_of_floor"] > 0, r["label"]
+    gemm = [r for r in records if r["case"] == "gemm"]
+    assert all(r["scaled_mm_ms"] > 0 and r["ours_matches_scaled_mm"] for r in gemm)
+    assert [r["shape"] for r in records if r["case"] == "transformer_layer"] == [[2, 8, 64, 4, 2, 16, 64]]
+
+
+def test_torchao_fields_follow_its_availability(smoke):
+    out, _, records = smoke
+    md = (out / "bench_cpu.md").read_text()
+    peers = [r for r in records if r["case"] in {"linear", "mlp", "transformer_layer"}]
+    if records[0]["torchao"] is None:
+        assert all(r["torchao_ms"] is None and r["torchao_rowwise_ms"] is None for r in peers)
+        assert "torchao not importable" in md
+    else:
+        assert all(r["torchao_ms"] > 0 and r["torchao_rowwise_ms"] > 0 for r in peers)
+
+
+def test_outputs_written_and_table_printed(smoke):
+    out, stdout, records = smoke
+    md = (out / "bench_cpu.md").read_text()
+    header = "| case | shape | ours ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms | vs bf16 "
+    assert header in md and header in stdout
+    assert md.count("\n| ") >= len(records) + 2
+    assert (out / "kernels_cpu.json").exists()  # case a reuses float8.bench.kernels, which writes its own
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    assert (out / "bench_cpu.png").exists() == has_mpl
+
+
+def test_a_failing_case_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
+    from float8.bench import suite
+
+    def boom(env):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setitem(suite.CASES, "c", ("linear", boom))
+    records = suite.main(["--cpu-smoke", "--cases", "b,c,f", "--out", str(tmp_path)])
+    by_case = {r["case"]: r for r in records}
+    assert by_case["linear"]["error"] == "RuntimeError: CUDA out of memory (simulated)"
+    assert by_case["gemm"]["ours_ms"] > 0 and by_case["host"]["ours_ms"] > 0
+    assert "ERROR RuntimeError: CUDA out of memory" in (tmp_path / "bench_cpu.md").read_text()
+
+
+def test_unknown_case_letter_is_refused():
+    from float8.bench import suite
+
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--cases", "a,z"])
