@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import float8.ops as ops
 
 D, FFN, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
-BATCH, SEQ, STEPS = 4, 16, 150
+BATCH, SEQ, STEPS = 4, 32, 300
 
 
 def mlp_block():
