@@ -130,12 +130,14 @@ def _pad_to_16(mat_a, mat_b, sb):
     return mat_a, bt.t(), sb, n
 
 
-def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False):
+def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool = False):
     """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback.
 
     a, b: Float8Tensors or `operand(...)`s (ops pass `operand(w8, transposed=True)` for w8.t()).
     pad=True zero-pads K and N to multiples of 16 instead of refusing them (ops use it: token counts
     are arbitrary, and a wgrad GEMM's K is the token count).
+    fast_accum=True lets cuBLASLt skip the periodic promotion of the FP8 tensor-core accumulator into
+    float32 (CUDA only): faster, less precise; TransformerEngine and torchao use it for the forward GEMM.
     """
     a = a if isinstance(a, Operand) else operand(a)
     b = b if isinstance(b, Operand) else operand(b)
@@ -151,16 +153,23 @@ def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False):
         mat_a, mat_b, sb, n_out = _pad_to_16(mat_a, mat_b, sb)
         if n_out % 16:
             bias = None if bias is None else F.pad(bias, (0, -n_out % 16))
-    out = _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, a.device, a.fp8_dtype, b.fp8_dtype)
+    fast = fast_accum and a.device.type == "cuda"
+    out = _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, a.device, a.fp8_dtype, b.fp8_dtype, fast)
     return out if n_out is None or n_out == out.shape[1] else out[:, :n_out].contiguous()
 
 
-def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b):
+def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, fast_accum=False):
     cuda_rowwise = device.type == "cuda" and out_dtype == torch.bfloat16 and fp8_a == fp8_b == torch.float8_e4m3fn
     if not rowwise or cuda_rowwise:
         fused_bias = bias is not None and not rowwise and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype != torch.float32
         out = torch._scaled_mm(
-            mat_a, mat_b, scale_a=sa, scale_b=sb, bias=bias if fused_bias else None, out_dtype=out_dtype
+            mat_a,
+            mat_b,
+            scale_a=sa,
+            scale_b=sb,
+            bias=bias if fused_bias else None,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
         if bias is not None and not fused_bias:
             out = out + bias
@@ -168,7 +177,7 @@ def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b):
     # Per-row scales where _scaled_mm has no such mode: GEMM with unit scales in float32, then scale.
     # The same arithmetic as cuBLAS's (scales applied to the float32 accumulator), one extra pass.
     one = torch.ones((), dtype=torch.float32, device=device)
-    acc = torch._scaled_mm(mat_a, mat_b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    acc = torch._scaled_mm(mat_a, mat_b, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum)
     out = acc * sa * sb
     if bias is not None:
         out = out + bias

@@ -86,8 +86,9 @@ class BasicOp(torch.nn.Module):
     def op_params(self) -> List[torch.nn.Parameter]:
         return [p for p in self.parameters(recurse=False)]
 
-    def input_request(self, grad: bool) -> Optional[QuantRequest]:
-        """What this op wants its forward input as; `grad`: whether a backward pass will run."""
+    def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
+        """What this op wants its forward input as; `grad`: whether a backward pass will run; `tokens`:
+        the input's rows."""
         return None
 
     def grad_request(self) -> Optional[QuantRequest]:

@@ -49,7 +49,8 @@ class LinearBiasForward(Unit):
 
     def forward(self, ctxs, x, out_request):
         linear, bias = self.ops
-        return linear.op_forward(ctxs[0], x, None, bias=bias.bias)
+        # The bias joins the GEMM's output in the activation dtype (it may be a float32 master weight).
+        return linear.op_forward(ctxs[0], x, None, bias=bias.bias.to(x.dtype))
 
 
 class BiasActivationForward(Unit):

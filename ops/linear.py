@@ -74,9 +74,9 @@ class Linear(BasicOp):
     def _scaling(self, role: str):
         return scaling_state(getattr(self.recipe, role), None, self, f"{role}_scaler", self.weight.device)
 
-    def input_request(self, grad: bool) -> Optional[QuantRequest]:
+    def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
         scaling = self._scaling("input")
-        if not per_tensor(scaling):
+        if not per_tensor(scaling) or not self.runs_in_fp8(tokens, self.weight.device):
             return None
         wgrad = grad and self.weight.requires_grad
         return QuantRequest(self.recipe.format.forward_dtype, scaling, wgrad)
@@ -86,6 +86,23 @@ class Linear(BasicOp):
         if not per_tensor(scaling):
             return None
         return QuantRequest(self.recipe.format.backward_dtype, scaling, self.weight.requires_grad)
+
+    # ---- the small-layer policy ------------------------------------------------------------------
+    def runs_in_fp8(self, tokens: int, device: torch.device) -> bool:
+        """FP8 unless, on CUDA, the GEMMs are too small for FP8 to win (Recipe.min_fp8_gemm_flops).
+
+        An FP8-only weight always runs in FP8; the CPU path always does (it exists to be exact)."""
+        if isinstance(self.weight, Float8Tensor) or device.type != "cuda":
+            return True
+        return 2 * tokens * self.in_features * self.out_features >= self.recipe.min_fp8_gemm_flops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Alone and below the policy's size: exactly nn.Linear (native autograd, no extra host work).
+        if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
+            if not self.runs_in_fp8(x.numel() // self.in_features, x.device):
+                b = None if self.bias is None else self.bias.to(x.dtype)
+                return F.linear(x, self.weight.to(x.dtype), b)
+        return super().forward(x)
 
     # ---- the weight, quantized once per optimizer step ---------------------------------------------
     def quantized_weight(self, for_backward: bool):
@@ -115,26 +132,32 @@ class Linear(BasicOp):
         _check_input(x, self.in_features)
         need_wgrad = ctx.run.grad and self.weight.requires_grad
         need_dgrad = ctx.run.grad and ctx.input_requires_grad
-        w8, wd = self.quantized_weight(for_backward=need_dgrad)
         lead, out_dtype = x.shape[:-1], x.dtype
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        ctx.x_dtype, ctx.lead, ctx.need_wgrad, ctx.need_dgrad = out_dtype, lead, need_wgrad, need_dgrad
+        if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
+            # The small-layer policy: this GEMM is too small for FP8 to win. High precision, saved as is.
+            w = self.weight.to(out_dtype)
+            ctx.saved = (x2 if need_wgrad else None, w if need_dgrad else None, "hp")
+            return F.linear(x2, w, bias).reshape(*lead, self.out_features)
+        w8, wd = self.quantized_weight(for_backward=need_dgrad)
         scaling = self._scaling("input")
         fp8 = self.recipe.format.forward_dtype
+        fast = self.recipe.fprop_fast_accum
         if isinstance(scaling, BlockwiseScaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor.quantize(x2, fp8, scaling=scaling)
             y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
             ctx.saved = (x8, w8 if need_dgrad else None, "block")
         elif per_tensor(scaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor._quantize(x2, fp8, scaling=scaling, with_transpose=need_wgrad)
-            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True)
+            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
             ctx.saved = (x8 if need_wgrad else None, wd, "tensor")
         else:
             xh = plain(x2)
             x8 = Float8Tensor.quantize(xh, fp8, scaling=scaling)
-            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True)
+            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
             xt8 = Float8Tensor.quantize(xh.t(), fp8, scaling=scaling).t() if need_wgrad else None
             ctx.saved = (xt8, wd, "row")
-        ctx.x_dtype, ctx.lead, ctx.need_wgrad, ctx.need_dgrad = out_dtype, lead, need_wgrad, need_dgrad
         return y.reshape(*lead, self.out_features)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
@@ -144,7 +167,13 @@ class Linear(BasicOp):
         fp8 = self.recipe.format.backward_dtype
         scaling = self._scaling("grad")
         dx = dw = None
-        if kind == "block":
+        if kind == "hp":
+            dyh = plain(dy2)
+            if ctx.need_dgrad:
+                dx = dyh @ wd
+            if ctx.need_wgrad:
+                dw = (dyh.t() @ x8).to(self.weight.dtype)
+        elif kind == "block":
             dyh = Float8Tensor.quantize(plain(dy2), fp8, scaling=scaling).dequantize()
             if ctx.need_dgrad:
                 dx = dyh @ wd.dequantize(dyh.dtype)

@@ -48,7 +48,7 @@ class _Runner:
         for k, (i, unit) in enumerate(units):
             nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
             # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
-            request = nxt.input_request(grad) if nxt is not None and self.fuse else None
+            request = nxt.input_request(grad, x.shape[0]) if nxt is not None and self.fuse else None
             x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
         return x
 

@@ -6,17 +6,23 @@ import pytest
 import torch
 
 import float8.ops as ops
+from float8 import Recipe
 from tests.tolerances import SQNR_DB, sqnr_db
+
+# These blocks are small: without this, the small-layer policy would (rightly) keep them in bf16.
+ALWAYS_FP8 = Recipe(min_fp8_gemm_flops=0)
 
 pytestmark = pytest.mark.gpu
 
 
 def mlp(d=1024, f=2048):
-    return ops.Sequential(ops.RMSNorm(d), ops.Linear(d, 2 * f, bias=False), ops.SwiGLU(), ops.Linear(f, d, bias=False))
+    return ops.Sequential(
+        ops.RMSNorm(d), ops.Linear(d, 2 * f, bias=False), ops.SwiGLU(), ops.Linear(f, d, bias=False), recipe=ALWAYS_FP8
+    )
 
 
 def layer_norm_mlp(d=1024, f=4096):
-    return ops.Sequential(ops.LayerNorm(d), ops.Linear(d, f), ops.GELU(), ops.Linear(f, d))
+    return ops.Sequential(ops.LayerNorm(d), ops.Linear(d, f), ops.GELU(), ops.Linear(f, d), recipe=ALWAYS_FP8)
 
 
 def run(model, x, dy):
@@ -68,7 +74,10 @@ def test_transformer_layer_on_cuda_trains():
     from tests.ops.test_training import transformer_layer
 
     torch.manual_seed(0)
-    model = transformer_layer().cuda()
+    model = transformer_layer()
+    for op in model:
+        op.set_recipe(ALWAYS_FP8, overwrite=True)
+    model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     x = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
     target = torch.randn_like(x, dtype=torch.float32) * 0.1
@@ -80,3 +89,13 @@ def test_transformer_layer_on_cuda_trains():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_small_layer_policy_runs_plain_bf16_on_cuda():
+    torch.manual_seed(0)
+    lin = ops.Linear(256, 256).cuda().to(torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert not lin.runs_in_fp8(64, x.device)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    big = ops.Linear(4096, 4096, recipe=Recipe()).cuda().to(torch.bfloat16)
+    assert big.runs_in_fp8(16384, x.device)

@@ -249,3 +249,15 @@ def test_functional_forms_match_the_ops():
     assert torch.allclose(ops.functional.swiglu(x), F.silu(x[:, :16]) * x[:, 16:], atol=1e-6)
     with pytest.raises(ValueError, match="amax history"):
         ops.functional.linear(x, lin.weight, recipe=Recipe.delayed())
+
+
+def test_small_layer_policy_decision():
+    lin = ops.Linear(4096, 4096, bias=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not lin.runs_in_fp8(1024, cuda)  # 2*1024*4096*4096 = 3.4e10 FLOPs: host-bound, bf16 wins
+    assert lin.runs_in_fp8(16384, cuda)  # 5.5e11
+    assert lin.runs_in_fp8(1, cpu)  # the CPU path is always the exact FP8 one
+    lin.set_recipe(Recipe(min_fp8_gemm_flops=0), overwrite=True)
+    assert lin.runs_in_fp8(1, cuda)
+    with pytest.raises(ValueError, match="min_fp8_gemm_flops"):
+        Recipe(min_fp8_gemm_flops=-1)
