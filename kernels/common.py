@@ -16,6 +16,16 @@ from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
 
 MAX_MARGIN = 32  # the same bound as float8.recipe
 
+# Current scaling of a SMALL tensor runs as one program, one launch (quantize.py, cast_transpose.py): on the
+# H100 machine's host each Triton launch costs ~25-60 us of Python time and torch.zeros ~20-50 us, so the
+# amax buffer + amax pass + cast pass of the general path are what a small layer waits for, not the GPU.
+# 16384 elements in one program of 8 warps are 64 per thread: they stay in registers (no local memory;
+# tests/kernels/test_sm90_lowering.py checks the PTX at the limit, fp32 and bf16), and one SM reads 32 KiB
+# of bf16 faster than two launches start. The 2-D (transposing) tile also bounds each side by SMALL_DIM, so
+# that the padded power-of-two tile stays <= 128 x 128 = SMALL_NUMEL.
+SMALL_NUMEL = 16384
+SMALL_DIM = 128
+
 
 # ---- device helpers ---------------------------------------------------------------------------------
 
@@ -124,6 +134,11 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def small_num_warps(tile_elems: int) -> int:
+    """Warps for a one-program kernel over a tile of tile_elems (<= SMALL_NUMEL) elements: <= 64 per thread."""
+    return 4 if tile_elems <= 4096 else 8
 
 
 # ---- registering ops ---------------------------------------------------------------------------------
