@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-MODULES = ("amax", "cast", "cast_transpose", "rowwise", "blockwise", "dequantize")
+MODULES = ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
 _TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
        torch.float8_e5m2: "fp8e5", torch.int32: "i32", torch.uint8: "u8"}
 PTX_PATTERNS = {
@@ -57,7 +57,7 @@ def record_launches():
         x = torch.randn(256, 512).to(dtype)
         mods["cast"]._cast_triton(x, s, E4)
         mods["amax"]._amax_triton(x)
-        importlib.import_module("float8.kernels.quantize")._quantize_tensorwise_triton(x, E5, 1, True)
+        mods["quantize"]._quantize_tensorwise_triton(x, E5, 1, True)
         mods["cast_transpose"]._cast_transpose_triton(x, s, E4)
         mods["cast_transpose"]._quantize_transpose_tensorwise_triton(x.t(), E5, 0, True)
         mods["rowwise"]._quantize_rowwise_triton(x, E4)
@@ -67,6 +67,12 @@ def record_launches():
         d, si = mods["blockwise"].quantize_blockwise_ref(x, 128, 128, E4)
         mods["dequantize"]._dequantize_triton(d, si, dtype)
         mods["dequantize"]._dequantize_triton(d, si.new_ones(()), dtype)
+        # The one-launch path for small tensors, at its size limit (registers, no spills) and below.
+        small = torch.randn(128, 128).to(dtype)
+        for xs in (small, small[:64]):
+            mods["quantize"]._quantize_tensorwise_triton(xs, E4)
+            mods["cast_transpose"]._quantize_transpose_tensorwise_triton(xs, E4)
+        mods["cast_transpose"]._quantize_transpose_tensorwise_triton(small.t(), E5, 0, True)  # a weight's .t()
     return recorders
 
 

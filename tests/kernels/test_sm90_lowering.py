@@ -44,7 +44,9 @@ def lowered():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-WRITES_FP8 = {"_cast_kernel", "_cast_transpose_kernel", "_rowwise_kernel", "_block2d_kernel"}
+WRITES_FP8 = {"_cast_kernel", "_cast_transpose_kernel", "_rowwise_kernel", "_block2d_kernel",
+              "_quantize_small_kernel", "_quantize_transpose_small_kernel"}
+ONE_PROGRAM = {"_quantize_small_kernel", "_quantize_transpose_small_kernel"}  # amax written, never atomically
 
 
 def test_every_launch_compiled(lowered):
@@ -63,6 +65,8 @@ def test_numerics_in_ptx(lowered):
             assert c["div_rn"] > 0, f"{what}: scale_inv not computed with div.rn.f32"
         if r["kernel"] == "_amax_kernel" or r["constexprs"].get("WITH_AMAX") == "True":
             assert c["int_max_atomic"] == 1, f"{what}: amax not folded with one integer atomic max"
+        if r["kernel"] in ONE_PROGRAM:
+            assert c["int_max_atomic"] == 0, f"{what}: an atomic in the one-program kernel"
 
 
 def test_vectorized_on_aligned_inputs(lowered):
