@@ -26,13 +26,15 @@ def host_us(step, n=300, warmup=30) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
-def tiny_linear_steps(m=16, k=64, n=64):
+def tiny_linear_steps(m=16, k=64, n=64, recipe=None):
+    """(bf16 step, ours step). recipe=Recipe(min_fp8_gemm_flops=0) forces the FP8 path: with the default
+    recipe a layer this small runs in bf16 (the small-layer policy)."""
     import float8.ops as ops
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     ref = torch.nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16)
-    ours = ops.Linear(k, n, bias=False).to("cuda", torch.bfloat16)
+    ours = ops.Linear(k, n, bias=False, recipe=recipe).to("cuda", torch.bfloat16)
 
     def step(model):
         def run():
@@ -49,17 +51,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
+    from float8 import Recipe
+
     bf16, ours = tiny_linear_steps()
-    b, o = host_us(bf16), host_us(ours)
-    print(f"host us per tiny Linear fwd+bwd: bf16 nn.Linear {b:.1f}, ours {o:.1f} ({o / b:.2f}x)")
+    _, fp8 = tiny_linear_steps(recipe=Recipe(min_fp8_gemm_flops=0))
+    b, o, f = host_us(bf16), host_us(ours), host_us(fp8)
+    print(f"host us per tiny Linear fwd+bwd: bf16 nn.Linear {b:.1f}, ours (policy: bf16) {o:.1f} ({o / b:.2f}x), ours forced FP8 {f:.1f} ({f / b:.2f}x)")
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(200):
-            ours()
-        torch.cuda.synchronize()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        for name, fn in (("policy path", ours), ("forced FP8 path", fp8)):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+            prof.disable()
+            print(f"--- cProfile, {name}, 200 steps")
+            pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
+        return b, o
     return b, o
 
 

@@ -587,7 +587,8 @@ def case_host(env: Env) -> list:
     m, k, n = env.sizes["tiny"]
     rec = new_record(env, "f", "host", "f host time, tiny Linear fwd+bwd", (m, k, n),
                      notes=["ms per call from a stream of calls (host-bound); ours and bf16 eager from "
-                            "float8.bench.host.tiny_linear_steps (ours keeps its cached FP8 weight there)"])
+                            "float8.bench.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
+                            "it keeps its cached FP8 weight there)"])
     return [guarded(rec, lambda: _host(env, rec, m, k, n))]
 
 
@@ -595,7 +596,10 @@ def _host(env, rec, m, k, n):
     from float8.bench import host
 
     if env.cuda:
-        bf16_step, ours_step = host.tiny_linear_steps(m, k, n)
+        from float8 import Recipe
+
+        # The FP8 path itself: with the default recipe a layer this small would run in bf16 (policy).
+        bf16_step, ours_step = host.tiny_linear_steps(m, k, n, recipe=Recipe(min_fp8_gemm_flops=0))
         timer = host.host_us
     else:
         bf16_step, ours_step = _tiny_steps_cpu(env, m, k, n)
