@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 stage=${1:-all}
 if [[ $stage == all || $stage == tier ]]; then
-    timeout 400 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=300 2>&1 | tail -40 | tee "$OUT/gpu_tier.log"
+    timeout 560 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=300 -rf 2>&1 | tee "$OUT/gpu_tier.log" | tail -15
 fi
 if [[ $stage == all || $stage == bench ]]; then
     timeout 200 python3 -m float8.bench.kernels --out "$OUT" 2>&1 | tail -30
