@@ -58,7 +58,7 @@ def test_bad_scaling_arguments():
         DelayedScaling(amax_compute_algo="mean")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix with the CPU")
+@pytest.mark.gpu
 def test_cpu_and_cuda_operands_mixed():
     a = Float8Tensor.quantize(torch.randn(16, 32))
     b = Float8Tensor.quantize(torch.randn(32, 16, device="cuda"))
