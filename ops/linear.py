@@ -116,6 +116,9 @@ class Linear(BasicOp):
         cached = self.__dict__["_w8_cache"]
         if cached is not None and cached[0] == key and (cached[2] is not None or not for_backward):
             return cached[1], cached[2] if for_backward else None
+        # Drop the stale copy first, so that old and new FP8 weights are not alive together (at
+        # 14336x4096 with its transpose that is 112 MiB of peak memory saved per Linear).
+        self.__dict__["_w8_cache"] = None
         with torch.no_grad():
             if per_tensor(scaling):
                 # The transpose is written by the same kernel, and only where a backward will read it.
