@@ -14,7 +14,7 @@ import torch
 
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _is_float8, block_shape, requantize_into
+from float8.tensor import Float8Tensor, _check_whole, _is_float8, block_shape, requantize_into
 
 aten = torch.ops.aten
 
@@ -99,6 +99,7 @@ def _copy_(func, args, kwargs):
     if not _is_float8(dst):
         dst.copy_(src.dequantize(dst.dtype if dst.dtype in HIGH_PRECISION_DTYPES else src.dtype))
         return dst
+    _check_whole(dst)
     if (
         _is_float8(src)
         and src.fp8_dtype == dst.fp8_dtype
@@ -160,7 +161,11 @@ def _slice(func, args, kwargs):
     start, end = _norm_slice(src.shape[dim], start, end)
     scale = _slice_scale(src, dim, start, end, step)
     if scale is None:
-        return _fallback(func, args, kwargs)
+        raise ValueError(
+            f"slicing dim {dim} as [{start}:{end}:{step}] cuts a scale block of this Float8Tensor "
+            f"(scale_inv {tuple(src._scale_inv.shape)} for data {tuple(src.shape)}), so the slice cannot "
+            "be a view; dequantize() first, or slice along block boundaries"
+        )
     return _wrap(src, aten.slice.Tensor(src._data, dim, start, end, step), scale, transpose_cache_after("drop", src))
 
 
@@ -209,7 +214,10 @@ def _view(func, args, kwargs):
     if s.dim() > 0 and tuple(data.shape) != tuple(src.shape):
         same_rows = tuple(s.shape[:-1]) == tuple(src._data.shape[:-1])
         if not (data.dim() >= 1 and src.dim() >= 1 and data.shape[-1] == src.shape[-1] and same_rows):
-            return _fallback(func, args, kwargs)
+            raise ValueError(
+                f"a Float8Tensor with scale_inv {tuple(s.shape)} for data {tuple(src.shape)} cannot be viewed "
+                f"as {tuple(data.shape)}: its scale blocks would not follow; dequantize() first"
+            )
         # Per-row and 1xK layouts: leading dims may be reshaped freely, the last dim keeps its blocks.
         s = s.reshape(tuple(data.shape[:-1]) + (s.shape[-1],))
     return _wrap(src, data, s, transpose_cache_after("drop", src))

@@ -138,6 +138,15 @@ class DelayedScalingState(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(recipe.history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
 
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(torch.bfloat16) must move the state, never round it: scales and amaxes stay float32.
+        super()._apply(fn, *args, **kwargs)
+        for name in ("amax_history", "scale"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return self
+
     def cast(self, x: torch.Tensor, fp8_dtype: torch.dtype):
         """Cast x with the current scale; returns (data, scale_inv) and updates the state."""
         data, scale_inv, amax = cast(x, self.scale, fp8_dtype)
@@ -190,6 +199,11 @@ class Recipe:
             raise ValueError(f"min_fp8_gemm_flops must be a number >= 0, got {self.min_fp8_gemm_flops!r}")
         if not isinstance(self.format, Format):
             raise TypeError(f"format must be a float8.Format, got {self.format!r}")
+        if self.format is Format.E5M2:
+            raise ValueError(
+                "Recipe(format=Format.E5M2) would make every GEMM E5M2 x E5M2, which the tensor cores cannot "
+                "run: use Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3"
+            )
         for role in ("input", "weight", "grad"):
             s = getattr(self, role)
             if not isinstance(s, (TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling)):

@@ -341,12 +341,25 @@ def _quantize_with(x, fp8_dtype, scaling, want_t):
     return data, scale_inv, t
 
 
+def _check_whole(dst: Float8Tensor) -> None:
+    """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
+    base's transpose) with the rest, which a write through the part would silently corrupt."""
+    d = dst._data
+    if d.numel() * d.element_size() != d.untyped_storage().nbytes():
+        raise ValueError(
+            f"in-place write into a view of a Float8Tensor (shape {tuple(dst.shape)} of a larger tensor): the "
+            "view shares its scale and transpose with the whole tensor. Write the whole tensor (e.g. "
+            "t.copy_(new_values)), or work on t.dequantize()"
+        )
+
+
 def requantize_into(dst: Float8Tensor, src: torch.Tensor) -> None:
     """Write high-precision `src` into FP8 `dst` in place: same FP8 dtype and granularity, fresh scale.
 
     dst's buffers are written, not replaced, so views and optimizer references stay valid. A cached
-    transpose is re-derived from the new bits.
+    transpose is re-derived from the new bits. dst must be a whole tensor, not a slice of one.
     """
+    _check_whole(dst)
     if tuple(src.shape) != tuple(dst.shape):
         src = src.expand(dst.shape)
     fresh = Float8Tensor.quantize(src.to(dst.dtype), dst.fp8_dtype, scaling=scaling_of(dst))

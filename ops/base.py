@@ -91,7 +91,9 @@ class BasicOp(torch.nn.Module):
         the input's rows."""
         return None
 
-    def grad_request(self) -> Optional[QuantRequest]:
+    def grad_request(self, ctx: Optional["OpContext"] = None) -> Optional[QuantRequest]:
+        """What this op wants the gradient of its output as, given its context of this run (the forward
+        may have decided, e.g. a Linear kept in high precision wants a high-precision gradient)."""
         return None
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest]) -> torch.Tensor:

@@ -56,8 +56,10 @@ def rms_norm(x, weight, eps: float = 1e-6):
     return run_ops([_bound(op, weight=weight)], x)
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5):
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
     op = LayerNorm(weight.shape[0], eps, device="meta")
+    if bias is None:
+        bias = torch.zeros_like(weight)  # no bias: a constant zero one, which receives no gradient
     return run_ops([_bound(op, weight=weight, bias=bias)], x)
 
 

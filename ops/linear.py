@@ -4,12 +4,14 @@
   high-precision copy.
 - The weight is quantized once per optimizer step: the FP8 copy is cached and re-made only when the
   weight changes (its version counter moves, as every in-place optimizer update does), not once per
-  micro-batch. Under no_grad/inference_mode no transpose is made. An FP8-only weight (a Float8Tensor
+  micro-batch. Writes through `weight.data` do not move the counter: call `refresh_fp8_weight()` after
+  them (load_state_dict and .to() refresh by themselves). Under no_grad/inference_mode no transpose is made. An FP8-only weight (a Float8Tensor
   parameter) is used as it is: 1 byte per parameter, no high-precision copy at all.
 - Per-tensor recipes (current or delayed) use the same FP8 bits transposed in the backward pass. Per-row
   recipes quantize the transposed operands along their own rows (the scale must be constant along the
   GEMM's K). Block recipes compute the GEMM in high precision from the dequantized block-scaled operands:
-  their numerics, not (yet) their speed.
+  their numerics, not (yet) their speed. Where a recipe mixes layouts that cannot meet in one FP8 GEMM
+  (per-row gradients against a per-tensor input, for the weight gradient), that GEMM does the same.
 - With bias=True, inside a Sequential this op is Linear + Bias, and the fusion list folds the bias into the
   GEMM epilogue (forward) and into the gradient's cast-transpose kernel (backward).
 """
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from float8 import Float8Tensor, RowwiseScaling
-from float8.gemm import fp8_mm, operand
+from float8.gemm import Operand, fp8_mm, operand
+from float8.kernels.reference import dequantize_ref
 from float8.recipe import BlockwiseScaling
 from float8.ops.base import BasicOp, OpContext, QuantRequest, per_tensor, plain, scaling_state
 
@@ -81,10 +84,13 @@ class Linear(BasicOp):
         wgrad = grad and self.weight.requires_grad
         return QuantRequest(self.recipe.format.forward_dtype, scaling, wgrad)
 
-    def grad_request(self) -> Optional[QuantRequest]:
+    def grad_request(self, ctx: Optional[OpContext] = None) -> Optional[QuantRequest]:
         scaling = self._scaling("grad")
         if not per_tensor(scaling):
             return None
+        saved = getattr(ctx, "saved", None)
+        if saved is not None and saved[2] != "tensor":
+            return None  # this run's forward was not per-tensor FP8 (e.g. the small-layer policy)
         return QuantRequest(self.recipe.format.backward_dtype, scaling, self.weight.requires_grad)
 
     # ---- the small-layer policy ------------------------------------------------------------------
@@ -103,6 +109,19 @@ class Linear(BasicOp):
                 b = None if self.bias is None else self.bias.to(x.dtype)
                 return F.linear(x, self.weight.to(x.dtype), b)
         return super().forward(x)
+
+    def refresh_fp8_weight(self) -> None:
+        """Forget the cached FP8 weight. Needed only after writing the weight through `.data` (such writes
+        do not move the version counter that the cache is keyed by); loads and moves do it themselves."""
+        self.__dict__["_w8_cache"] = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.refresh_fp8_weight()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.refresh_fp8_weight()
+        return super()._apply(fn, *args, **kwargs)
 
     # ---- the weight, quantized once per optimizer step ---------------------------------------------
     def quantized_weight(self, for_backward: bool):
@@ -153,12 +172,12 @@ class Linear(BasicOp):
             ctx.saved = (x8, w8 if need_dgrad else None, "block")
         elif per_tensor(scaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor._quantize(x2, fp8, scaling=scaling, with_transpose=need_wgrad)
-            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
+            y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
             ctx.saved = (x8 if need_wgrad else None, wd, "tensor")
         else:
             xh = plain(x2)
             x8 = Float8Tensor.quantize(xh, fp8, scaling=scaling)
-            y = fp8_mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
+            y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
             xt8 = Float8Tensor.quantize(xh.t(), fp8, scaling=scaling).t() if need_wgrad else None
             ctx.saved = (xt8, wd, "row")
         return y.reshape(*lead, self.out_features)
@@ -185,19 +204,34 @@ class Linear(BasicOp):
         elif kind == "tensor":
             dy8 = dy2 if isinstance(dy2, Float8Tensor) else Float8Tensor._quantize(dy2, fp8, scaling=scaling, with_transpose=ctx.need_wgrad)
             if ctx.need_dgrad:
-                dx = fp8_mm(dy8, wd, out_dtype=ctx.x_dtype, pad=True)
+                dx = _mm(dy8, wd, out_dtype=ctx.x_dtype, pad=True)
             if ctx.need_wgrad:
-                dw = fp8_mm(operand(dy8, transposed=True), x8, out_dtype=self.weight.dtype, pad=True)
+                dw = _mm(operand(dy8, transposed=True), x8, out_dtype=self.weight.dtype, pad=True)
         else:
             dyh = plain(dy2)
             if ctx.need_dgrad:
-                dx = fp8_mm(Float8Tensor.quantize(dyh, fp8, scaling=scaling), wd, out_dtype=ctx.x_dtype, pad=True)
+                dx = _mm(Float8Tensor.quantize(dyh, fp8, scaling=scaling), wd, out_dtype=ctx.x_dtype, pad=True)
             if ctx.need_wgrad:
                 dyt8 = Float8Tensor.quantize(dyh.t(), fp8, scaling=scaling)
-                dw = fp8_mm(dyt8, x8, out_dtype=self.weight.dtype, pad=True)
+                dw = _mm(dyt8, x8, out_dtype=self.weight.dtype, pad=True)
         if dx is not None:
             dx = dx.reshape(*ctx.lead, self.in_features)
         return dx, [dw if not isinstance(self.weight, Float8Tensor) else None]
+
+
+def _mm(a, b, bias=None, out_dtype=None, pad=False, fast_accum=False):
+    """An FP8 GEMM, or, where the two operands' scale layouts cannot meet in one (e.g. per-row
+    gradients against a per-tensor input), the same product from the dequantized operands."""
+    out = fp8_mm(a, b, bias=bias, out_dtype=out_dtype, pad=pad, fast_accum=fast_accum)
+    if out is not None:
+        return out
+    out = _dq(a) @ _dq(b)
+    return (out + bias if bias is not None else out).to(out_dtype)
+
+
+def _dq(t) -> torch.Tensor:
+    t = t if isinstance(t, Operand) else operand(t)
+    return dequantize_ref(t.data, t.scale_inv, torch.float32)
 
 
 def _quantize_weight(w, fp8, scaling, with_transpose):

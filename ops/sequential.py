@@ -57,7 +57,7 @@ class _Runner:
         grads = [None] * len(ops)
         for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
             prev = ops[i - 1] if i > 0 else None
-            request = prev.grad_request() if prev is not None and self.fuse else None
+            request = prev.grad_request(self.ctxs[i - 1]) if prev is not None and self.fuse else None
             dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
             grads[i : i + len(unit.ops)] = unit_grads
         flat = []

@@ -119,12 +119,32 @@ def test_block_aligned_slices_stay_fp8(scaling, ok):
         check_meaning(view(t), view(t.dequantize()))
 
 
-def test_unaligned_block_slice_falls_back_with_a_warning():
+def test_unaligned_block_slice_is_refused_not_copied():
+    # A view that returned a copy would swallow writes through it (t[:, 5:100] = 0 would change nothing).
     x, t = q((256, 256), scaling=BlockwiseScaling((1, 128)))
-    with pytest.warns(Float8FallbackWarning, match="aten.slice"):
-        out = t[:, 5:100]
-    assert not isinstance(out, Float8Tensor)
-    assert_same_bits(out, t.dequantize()[:, 5:100])
+    with pytest.raises(ValueError, match="cuts a scale block"):
+        t[:, 5:100]
+    with pytest.raises(ValueError, match="cuts a scale block"):
+        t[:, :64] = 0
+    x, r = q((4, 8, 64), scaling=RowwiseScaling())
+    with pytest.raises(ValueError, match="cannot be viewed"):
+        r.view(4, 512)
+
+
+def test_writes_into_part_of_a_tensor_are_refused():
+    x, t = q(transpose=True)
+    before = t.dequantize().clone()
+    with pytest.raises(ValueError, match="view of a Float8Tensor"):
+        t[0:2].copy_(torch.randn(2, 48, dtype=torch.bfloat16) * 100)
+    with pytest.raises(ValueError, match="view of a Float8Tensor"), pytest.warns(Float8FallbackWarning):
+        t[0].mul_(2)
+    with pytest.raises(ValueError, match="view of a Float8Tensor"):
+        t[:2].copy_(Float8Tensor.quantize(torch.randn(2, 48)))
+    assert_same_bits(t.dequantize(), before)  # nothing was half-written
+    assert_same_bits(t.transpose_cache, t.fp8_data.t())
+    with pytest.warns(Float8FallbackWarning):
+        t.detach().mul_(2)  # a whole-tensor alias: allowed, and the cache follows
+    assert_same_bits(t.transpose_cache, t.fp8_data.t())
 
 
 def test_rowwise_view_keeps_rows():

@@ -261,3 +261,61 @@ def test_small_layer_policy_decision():
     assert lin.runs_in_fp8(1, cuda)
     with pytest.raises(ValueError, match="min_fp8_gemm_flops"):
         Recipe(min_fp8_gemm_flops=-1)
+
+
+def test_mixed_recipe_layouts_still_give_every_gradient():
+    # Per-row gradients against a per-tensor input cannot meet in one FP8 weight-gradient GEMM.
+    from float8 import RowwiseScaling
+
+    torch.manual_seed(6)
+    lin = ops.Linear(128, 128, bias=False, recipe=Recipe(grad=RowwiseScaling()))
+    x, dy = torch.randn(64, 128), torch.randn(64, 128)
+    y, dx = run(lin, x, dy)
+    assert lin.weight.grad is not None
+    assert sqnr_db(dy.double().t() @ x.double(), lin.weight.grad) >= SQNR_DB["grad"]
+
+
+def test_a_high_precision_linear_asks_for_a_high_precision_gradient():
+    # The small-layer policy's decision is per run: a Linear that ran in high precision must not be
+    # handed an E5M2 gradient by the activation's fused backward.
+    seq = ops.Sequential(ops.Linear(64, 64, bias=False), ops.GELU(), ops.Linear(64, 64, bias=False))
+    from float8.ops.base import OpContext, RunState
+
+    ctx = OpContext(RunState(grad=True, lead=(8,)))
+    seq[0].op_forward(ctx, torch.randn(8, 64))
+    assert seq[0].grad_request(ctx) is not None  # ran in FP8 (CPU): wants FP8
+    ctx.saved = (None, None, "hp")
+    assert seq[0].grad_request(ctx) is None
+
+
+def test_weight_data_writes_need_a_refresh_and_loads_refresh_by_themselves():
+    lin = ops.Linear(32, 16, bias=False)
+    x = torch.randn(4, 32)
+    lin(x)
+    lin.weight.data.mul_(0)  # no version bump: the cached FP8 copy is stale until refreshed
+    lin.refresh_fp8_weight()
+    assert lin(x).abs().max() == 0
+    lin(x)
+    lin.load_state_dict({"weight": torch.ones(16, 32)})
+    assert torch.allclose(lin(torch.ones(1, 32)), torch.full((1, 16), 32.0))
+
+
+def test_model_to_bfloat16_keeps_delayed_scaling_state_float32():
+    lin = ops.Linear(32, 16, recipe=Recipe.delayed())
+    lin(torch.randn(4, 32))
+    lin.to(torch.bfloat16)
+    states = [m for m in lin.modules() if type(m).__name__ == "DelayedScalingState"]
+    assert states and all(s.scale.dtype == torch.float32 and s.amax_history.dtype == torch.float32 for s in states)
+    lin(torch.randn(4, 32, dtype=torch.bfloat16))
+
+
+def test_e5m2_everywhere_is_refused_up_front():
+    from float8 import Format
+
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        Recipe(format=Format.E5M2)
+
+
+def test_functional_layer_norm_without_bias():
+    x, w = torch.randn(4, 16), torch.rand(16) + 0.5
+    assert torch.allclose(ops.functional.layer_norm(x, w), F.layer_norm(x, (16,), w), atol=1e-5)
