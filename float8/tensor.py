@@ -21,7 +21,9 @@ The contract
   one helper, `float8.native_ops.transpose_cache_after`.
 - Ops: `float8/native_ops.py` and `float8/gemm.py` implement views, transposes, copies, cat/split and
   FP8 GEMMs natively; every other op goes to the one fallback of `float8/dispatch.py` (high precision,
-  a warning naming the op; in-place ops re-quantize and keep the type).
+  a warning naming the op; in-place ops re-quantize and keep the type). A view that the scale layout
+  cannot follow raises (a view must alias, never copy), and so does an in-place write into part of a
+  tensor, which shares its scale and transpose with the rest.
 - ``.to(dtype)`` with a high-precision dtype changes the nominal dtype and keeps the FP8 bits (no
   memory blow-up when a model holding FP8 weights is cast); ``.dequantize()`` gives a plain tensor.
 """
