@@ -189,10 +189,11 @@ def test_bias_op():
         op(torch.randn(5, 8))
 
 
-def test_attention_against_fp64():
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+def test_attention_against_fp64(causal):
     torch.manual_seed(3)
     heads, kv, d, b, s = 4, 2, 8, 2, 6
-    op = ops.Attention(heads, d, num_kv_heads=kv, causal=True)
+    op = ops.Attention(heads, d, num_kv_heads=kv, causal=causal)
     x = torch.randn(b, s, (heads + 2 * kv) * d)
     dy = torch.randn(b, s, heads * d)
     y, dx = run(op, x, dy)
@@ -201,7 +202,9 @@ def test_attention_against_fp64():
     qq, kk, vv = qkv.split([heads, kv, kv], dim=1)
     kk, vv = kk.repeat_interleave(heads // kv, 1), vv.repeat_interleave(heads // kv, 1)
     att = (qq @ kk.transpose(-1, -2)) / d**0.5
-    att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    if causal:
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    att = att.softmax(-1)
     ref = (att @ vv).transpose(1, 2).reshape(b, s, heads * d)
     ref.backward(dy.double())
     assert rel_err(y, ref) < 1e-5 and rel_err(dx, xd.grad) < 1e-5
