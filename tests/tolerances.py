@@ -15,8 +15,8 @@ SQNR_DB = {
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB; +inf when equal, NaN never passes a >= check."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).sum()
+    ref = reference.detach().double()
+    noise = (ref - approx.detach().double()).pow(2).sum()
     signal = ref.pow(2).sum()
     if noise == 0:
         return float("inf")

@@ -19,7 +19,8 @@ def q(t, fp8=E4M3):
 
 
 def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run(op_or_seq, x, dy):
