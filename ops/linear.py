@@ -1,7 +1,7 @@
 """Linear: y = x @ W.t() with fprop, dgrad and wgrad as FP8 GEMMs.
 
-- The input is saved for backward as FP8 (with its transpose, written by the quantize kernel), never as a
-  high-precision copy.
+- The input is saved for backward as FP8, never as a high-precision copy, and only in the layout the
+  weight-gradient GEMM reads (the transpose written by the quantize kernel): 1 byte per element.
 - The weight is quantized once per optimizer step: the FP8 copy is cached and re-made only when the
   weight changes (its version counter moves, as every in-place optimizer update does), not once per
   micro-batch. Writes through `weight.data` do not move the counter: call `refresh_fp8_weight()` after
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import Float8Tensor, RowwiseScaling
-from float8.gemm import Operand, fp8_mm, operand
+from float8.gemm import Operand, column_major_only, fp8_mm, operand
 from float8.kernels.reference import dequantize_ref
 from float8.recipe import BlockwiseScaling
 from float8.ops.base import BasicOp, OpContext, QuantRequest, per_tensor, plain, scaling_state
@@ -173,7 +173,8 @@ class Linear(BasicOp):
         elif per_tensor(scaling):
             x8 = x2 if isinstance(x2, Float8Tensor) else Float8Tensor._quantize(x2, fp8, scaling=scaling, with_transpose=need_wgrad)
             y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast)
-            ctx.saved = (x8 if need_wgrad else None, wd, "tensor")
+            # Saved for the weight gradient: the column-major layout only (half the bytes of both).
+            ctx.saved = (column_major_only(x8) if need_wgrad else None, wd, "tensor")
         else:
             xh = plain(x2)
             x8 = Float8Tensor.quantize(xh, fp8, scaling=scaling)

@@ -80,7 +80,10 @@ def test_linear_saves_its_input_as_fp8_and_quantizes_the_weight_once_per_step():
     ctx = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(ctx, torch.randn(16, 64))
     x8, w8, _ = ctx.saved
-    assert isinstance(x8, Float8Tensor) and x8.transpose_cache is not None
+    # The input is kept as FP8, 1 byte per element, in the one layout the weight gradient reads
+    # (column-major): no bf16 copy, and no second FP8 layout.
+    assert x8.data.dtype == torch.float8_e4m3fn and x8.transpose is None
+    assert x8.data.shape == (16, 64) and x8.data.mT.is_contiguous()
     assert isinstance(w8, Float8Tensor) and w8.transpose_cache is not None
     again = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(again, torch.randn(16, 64))
