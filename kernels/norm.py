@@ -930,7 +930,7 @@ def rmsnorm_fp8_scaled(
     fp8_dtype: torch.dtype,
     with_transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm straight to FP8 with a given scale (delayed scaling), one launch.
+    """RMSNorm straight to FP8 with a given scale (delayed scaling): the forward's stats launch, then the cast.
 
     (data, data_t (N, M) or (0,), scale_inv () fp32 = 1/scale, amax () fp32 = max|y| for the history, rstd).
     """

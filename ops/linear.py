@@ -5,8 +5,9 @@
 - The weight is quantized once per optimizer step: the FP8 copy is cached and re-made only when the
   weight changes (its version counter moves, as every in-place optimizer update does), not once per
   micro-batch. Writes through `weight.data` do not move the counter: call `refresh_fp8_weight()` after
-  them (load_state_dict and .to() refresh by themselves). Under no_grad/inference_mode no transpose is made. An FP8-only weight (a Float8Tensor
-  parameter) is used as it is: 1 byte per parameter, no high-precision copy at all.
+  them (load_state_dict and .to() refresh by themselves). Under no_grad/inference_mode no transpose is
+  made. An FP8-only weight (a Float8Tensor parameter) is used as it is: 1 byte per parameter, no
+  high-precision copy at all.
 - Per-tensor recipes (current or delayed) use the same FP8 bits transposed in the backward pass. Per-row
   recipes quantize the transposed operands along their own rows (the scale must be constant along the
   GEMM's K). Block recipes compute the GEMM in high precision from the dequantized block-scaled operands:

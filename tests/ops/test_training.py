@@ -15,15 +15,20 @@ D, FFN, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
 BATCH, SEQ, STEPS = 4, 32, 300
 
 
-def mlp_block():
-    return ops.Sequential(
+def mlp_ops():
+    """RMSNorm -> Linear -> SwiGLU -> Linear on a residual branch."""
+    return [
         ops.Residual(),
         ops.RMSNorm(D),
         ops.Linear(D, 2 * FFN, bias=False),
         ops.SwiGLU(),
         ops.Linear(FFN, D, bias=False),
         ops.AddResidual(),
-    )
+    ]
+
+
+def mlp_block():
+    return ops.Sequential(*mlp_ops())
 
 
 def transformer_layer():
@@ -34,12 +39,7 @@ def transformer_layer():
         ops.Attention(HEADS, HEAD_DIM, KV_HEADS, causal=True),
         ops.Linear(HEADS * HEAD_DIM, D, bias=False),
         ops.AddResidual(),
-        ops.Residual(),
-        ops.RMSNorm(D),
-        ops.Linear(D, 2 * FFN, bias=False),
-        ops.SwiGLU(),
-        ops.Linear(FFN, D, bias=False),
-        ops.AddResidual(),
+        *mlp_ops(),
     )
 
 
