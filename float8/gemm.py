@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import dispatch
+from float8.kernels.reference import dequantize_ref
 from float8.tensor import Float8Tensor, _is_float8, requantize_into
 
 aten = torch.ops.aten
@@ -167,6 +168,21 @@ def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool 
     fast = fast_accum and a.device.type == "cuda"
     out = _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, a.device, a.fp8_dtype, b.fp8_dtype, fast)
     return out if n_out is None or n_out == out.shape[1] else out[:, :n_out].contiguous()
+
+
+def fp8_mm_or_dequantized(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool = False):
+    """fp8_mm, or, where the two operands' scale layouts cannot meet in one FP8 GEMM (e.g. per-row
+    gradients against a per-tensor input), the same product from the dequantized operands, in float32."""
+    out = fp8_mm(a, b, bias=bias, out_dtype=out_dtype, pad=pad, fast_accum=fast_accum)
+    if out is not None:
+        return out
+    out = _dequantized(a) @ _dequantized(b)
+    return (out + bias if bias is not None else out).to(out_dtype)
+
+
+def _dequantized(t) -> torch.Tensor:
+    t = t if isinstance(t, Operand) else operand(t)
+    return dequantize_ref(t.data, t.scale_inv, torch.float32)
 
 
 def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, fast_accum=False):

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import Float8Tensor, RowwiseScaling
-from float8.gemm import Operand, column_major_only, fp8_mm, operand
-from float8.kernels.reference import dequantize_ref
+from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
 from float8.recipe import BlockwiseScaling
 from float8.ops.base import BasicOp, OpContext, QuantRequest, per_tensor, plain, scaling_state
 
@@ -219,21 +218,6 @@ class Linear(BasicOp):
         if dx is not None:
             dx = dx.reshape(*ctx.lead, self.in_features)
         return dx, [dw if not isinstance(self.weight, Float8Tensor) else None]
-
-
-def _mm(a, b, bias=None, out_dtype=None, pad=False, fast_accum=False):
-    """An FP8 GEMM, or, where the two operands' scale layouts cannot meet in one (e.g. per-row
-    gradients against a per-tensor input), the same product from the dequantized operands."""
-    out = fp8_mm(a, b, bias=bias, out_dtype=out_dtype, pad=pad, fast_accum=fast_accum)
-    if out is not None:
-        return out
-    out = _dq(a) @ _dq(b)
-    return (out + bias if bias is not None else out).to(out_dtype)
-
-
-def _dq(t) -> torch.Tensor:
-    t = t if isinstance(t, Operand) else operand(t)
-    return dequantize_ref(t.data, t.scale_inv, torch.float32)
 
 
 def _quantize_weight(w, fp8, scaling, with_transpose):
