@@ -64,8 +64,10 @@ from .common import (
     check_scale,
     check_scaling_args,
     clamp_keep_nan,
+    custom_op,
     next_pow2,
     scale_from_amax,
+    use_triton,
 )
 from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
 from .reference import scale_from_amax as scale_from_amax_ref
@@ -87,12 +89,15 @@ TANH_KAPPA3 = 0.134145  # 3 * TANH_KAPPA
 
 # Tiles. Row-wise passes (high-precision output, amax, FP8 without transpose): (BLOCK_S, BLOCK_N) with
 # BLOCK_S * BLOCK_N <= 4096, looping over up to MAX_ITERS tiles down the rows (fewer atomics and dbias
-# partials). Transposing pass: square 64 x 64 tiles (64 B segments written both ways).
+# partials), NUM_WARPS warps. Transposing pass: TRANSPOSE_CONFIG (`python -m float8.bench.kernels --sweep`
+# times the alternatives at the MLP block's SwiGLU shapes).
 ROW_BLOCK_N = 128
 ROW_ELEMS = 4096
 MAX_ITERS = 16
-T_BLOCK = 64
 NUM_WARPS = 4
+# (32, 128), 4 warps, 16-bit transpose: 0.52 / 1.36 ms for the MLP block's SwiGLU forward / backward pass 2,
+# against 0.58 / 1.41 for (64, 64) through FP8 bytes (H100, 2026-11-22, before the one-division backward).
+TRANSPOSE_CONFIG = dict(BLOCK_S=32, BLOCK_N=128, num_warps=4, T_MODE=1)
 
 
 # ---- device math: kernel formulas (the *_ref functions below repeat them op for op) -----------------
@@ -100,13 +105,14 @@ NUM_WARPS = 4
 
 @triton.jit
 def _logistic(u):
-    """(s, 1 - s) for s = 1 / (1 + exp(-u)), each one IEEE division of exact-ish terms: t = exp(-|u|) <= 1."""
+    """(s, 1 - s) for s = 1 / (1 + exp(-u)), from one IEEE reciprocal r = 1 / (1 + t), t = exp(-|u|) <= 1:
+    the larger of the two is r, the smaller t * r (no cancellation). One division, not two: the SwiGLU
+    backward is bound by its arithmetic (35% of the copy bandwidth with three divisions per element, H100)."""
     t = tl.exp(-tl.abs(u))
-    q = 1.0 + t
+    r = tl.math.div_rn(1.0, 1.0 + t)
+    tr = t * r
     pos = u >= 0.0
-    s = tl.math.div_rn(tl.where(pos, 1.0, t), q)
-    c = tl.math.div_rn(tl.where(pos, t, 1.0), q)
-    return s, c
+    return tl.where(pos, r, tr), tl.where(pos, tr, r)
 
 
 @triton.jit
@@ -117,10 +123,10 @@ def _silu(v):
 
 
 @triton.jit
-def _dsilu(v):
-    # silu'(v) = s * (1 + v * (1 - s))
+def _silu_dsilu(v):
+    """(silu(v), silu'(v)) = (v * s, s * (1 + v * (1 - s))) from one _logistic: the backward's pair."""
     s, c = _logistic(v)
-    return s * (1.0 + v * c)
+    return v * s, s * (1.0 + v * c)
 
 
 @triton.jit
@@ -179,7 +185,8 @@ def _dact(dy, v, KIND: tl.constexpr):
         dw = 2.0 * (0.7978845608028654 * (1.0 + 0.134145 * v * v))
         dx = dy * (s + v * (s * c * dw))
     elif KIND == "silu":
-        dx = dy * _dsilu(v)
+        _, ds = _silu_dsilu(v)
+        dx = dy * ds
     else:  # identity
         dx = dy
     return dx
@@ -188,6 +195,33 @@ def _dact(dy, v, KIND: tl.constexpr):
 @triton.jit
 def _fp8(v, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
     return clamp_keep_nan(v * scale, FP8_MAX).to(dtype)
+
+
+@triton.jit
+def _fp8_t(q, v, scale, FP8_MAX: tl.constexpr, T_MODE: tl.constexpr):
+    """The transpose of the FP8 tile q = _fp8(v, scale): the same bits, by one of three routes through
+    shared memory (T_MODE 0: the FP8 bytes; 1: the bytes widened to 16 bits; 2: v in float32, cast again)."""
+    if T_MODE == 0:
+        return tl.trans(q)
+    elif T_MODE == 1:
+        wide = q.to(tl.uint8, bitcast=True).to(tl.uint16)
+        return tl.trans(wide).to(tl.uint8).to(q.dtype, bitcast=True)
+    else:
+        return _fp8(tl.trans(v), scale, FP8_MAX, q.dtype)
+
+
+@triton.jit
+def _tile_start(N, tiles_s, tiles_n, BLOCK_N: tl.constexpr, KIND: tl.constexpr):
+    """Flat grid: program -> (batch b, row-chunk index, column offsets, their mask, input row length)."""
+    pid = tl.program_id(0)
+    b = (pid // (tiles_s * tiles_n)).to(tl.int64)
+    t = pid % (tiles_s * tiles_n)
+    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if KIND == "swiglu":
+        n_in = 2 * N
+    else:
+        n_in = N
+    return pid, b, t // tiles_n, cols, cols < N, n_in
 
 
 # ---- kernels ----------------------------------------------------------------------------------------
@@ -216,18 +250,9 @@ def _act_fwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ITERS: tl.constexpr,  # row tiles per program
+    T_MODE: tl.constexpr,  # how the FP8 tile is transposed (_fp8_t)
 ):
-    # Flat grid: pid -> (batch b, row chunk of ITERS * BLOCK_S rows, column tile).
-    pid = tl.program_id(0)
-    b = (pid // (tiles_s * tiles_n)).to(tl.int64)
-    t = pid % (tiles_s * tiles_n)
-    pid_s = t // tiles_n
-    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    if KIND == "swiglu":
-        n_in = 2 * N
-    else:
-        n_in = N
+    pid, b, pid_s, cols, col_ok, n_in = _tile_start(N, tiles_s, tiles_n, BLOCK_N, KIND)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if KIND == "swiglu":
@@ -264,7 +289,7 @@ def _act_fwd_kernel(
                 # (BLOCK_N, BLOCK_S): column c of the tile is row c of data_t, contiguous along S.
                 out_t = (b * N + cols.to(tl.int64))[:, None] * S + rows[None, :]
                 mask_t = col_ok[:, None] & (rows[None, :] < S)
-                tl.store(y_t_ptr + out_t, tl.trans(q), mask=mask_t)
+                tl.store(y_t_ptr + out_t, _fp8_t(q, y, scale, FP8_MAX, T_MODE), mask=mask_t)
         if MODE == "amax" or MODE == "delayed":
             # masked lanes hold act(bias), not 0: drop them before the max
             amax_acc = tl.maximum(amax_acc, abs_bits(tl.where(mask, y, 0.0)))
@@ -300,17 +325,9 @@ def _act_bwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ITERS: tl.constexpr,
+    T_MODE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = (pid // (tiles_s * tiles_n)).to(tl.int64)
-    t = pid % (tiles_s * tiles_n)
-    pid_s = t // tiles_n
-    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    if KIND == "swiglu":
-        n_in = 2 * N
-    else:
-        n_in = N
+    pid, b, pid_s, cols, col_ok, n_in = _tile_start(N, tiles_s, tiles_n, BLOCK_N, KIND)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if KIND == "swiglu":
@@ -318,8 +335,9 @@ def _act_bwd_kernel(
     if MODE == "current":
         scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
-    dbias_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dbias_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # dbias: elementwise sums over the row tiles, reduced across rows once at the end (not per tile)
+    dbias_a = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    dbias_b = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
 
     for i in range(ITERS):
         rows = (pid_s * ITERS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -337,8 +355,9 @@ def _act_bwd_kernel(
             u = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 u = u + bias_b[None, :]
-            da = (g * u) * _dsilu(v)  # d a = dy * b * silu'(a)
-            db = g * _silu(v)  # d b = dy * silu(a)
+            silu_v, dsilu_v = _silu_dsilu(v)
+            da = (g * u) * dsilu_v  # d a = dy * b * silu'(a)
+            db = g * silu_v  # d b = dy * silu(a)
         else:
             da = _dact(g, v, KIND)
 
@@ -351,12 +370,12 @@ def _act_bwd_kernel(
             da = tl.where(mask, da, 0.0)
             amax_acc = tl.maximum(amax_acc, abs_bits(da))
             if DBIAS:
-                dbias_a += tl.sum(da, axis=0)
+                dbias_a += da
             if KIND == "swiglu":
                 db = tl.where(mask, db, 0.0)
                 amax_acc = tl.maximum(amax_acc, abs_bits(db))
                 if DBIAS:
-                    dbias_b += tl.sum(db, axis=0)
+                    dbias_b += db
         if MODE == "current":
             qa = _fp8(da, scale, FP8_MAX, dx_ptr.dtype.element_ty)
             tl.store(dx_ptr + out, qa, mask=mask)
@@ -367,17 +386,17 @@ def _act_bwd_kernel(
                 # rows cols (and, for swiglu, N + cols) of dx_t, contiguous along S
                 t_row = b * n_in + cols.to(tl.int64)
                 mask_t = col_ok[:, None] & (rows[None, :] < S)
-                tl.store(dx_t_ptr + t_row[:, None] * S + rows[None, :], tl.trans(qa), mask=mask_t)
+                tl.store(dx_t_ptr + t_row[:, None] * S + rows[None, :], _fp8_t(qa, da, scale, FP8_MAX, T_MODE), mask=mask_t)
                 if KIND == "swiglu":
-                    tl.store(dx_t_ptr + (t_row + N)[:, None] * S + rows[None, :], tl.trans(qb), mask=mask_t)
+                    tl.store(dx_t_ptr + (t_row + N)[:, None] * S + rows[None, :], _fp8_t(qb, db, scale, FP8_MAX, T_MODE), mask=mask_t)
 
     if MODE == "amax":
         atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
         if DBIAS:
             part = dbias_ptr + (b * tiles_s + pid_s) * n_in + cols
-            tl.store(part, dbias_a, mask=col_ok)
+            tl.store(part, tl.sum(dbias_a, axis=0), mask=col_ok)
             if KIND == "swiglu":
-                tl.store(part + N, dbias_b, mask=col_ok)
+                tl.store(part + N, tl.sum(dbias_b, axis=0), mask=col_ok)
     if MODE == "current":
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
 
@@ -392,18 +411,22 @@ def _geometry(x: torch.Tensor, transpose: bool):
     return 1, math.prod(x.shape[:-1])
 
 
-def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool):
-    """Block sizes and the flat grid. iterate: a reduction pass, which loops over row tiles."""
+def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool, config=None):
+    """Launch meta-parameters and the flat grid. iterate: a reduction pass, which loops over row tiles.
+    config: the transposing pass's tile (TRANSPOSE_CONFIG unless given, as the sweep does)."""
     if transpose:
-        block_s, block_n = T_BLOCK, T_BLOCK
+        cfg = config or TRANSPOSE_CONFIG
+        block_s, block_n, warps, t_mode = cfg["BLOCK_S"], cfg["BLOCK_N"], cfg["num_warps"], cfg["T_MODE"]
     else:
         block_n = min(ROW_BLOCK_N, max(16, next_pow2(N)))
         block_s = min(max(1, ROW_ELEMS // block_n), max(16, next_pow2(S)))
+        warps, t_mode = NUM_WARPS, 0
     iters = min(MAX_ITERS, next_pow2(triton.cdiv(S, block_s))) if iterate else 1
     tiles_s = max(1, triton.cdiv(S, block_s * iters))
     tiles_n = max(1, triton.cdiv(N, block_n))
     grid = (max(1, B * tiles_s * tiles_n),)  # >= 1 program: program 0 writes scale_inv
-    return dict(BLOCK_S=block_s, BLOCK_N=block_n, ITERS=iters), tiles_s, tiles_n, grid
+    meta = dict(BLOCK_S=block_s, BLOCK_N=block_n, ITERS=iters, T_MODE=t_mode, num_warps=warps)
+    return meta, tiles_s, tiles_n, grid
 
 
 def _n_out(n_in: int, kind: str) -> int:
@@ -411,11 +434,12 @@ def _n_out(n_in: int, kind: str) -> int:
 
 
 def _launch_fwd(
-    x, kind, bias, y, y_t, scale, amax, scale_inv, *, mode, transpose, fp8_dtype=None, margin=0, power_of_2=False
-):
+    x, kind, bias, y, y_t, scale, amax, scale_inv, *,
+    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
+):  # fmt: skip
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
-    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
     _act_fwd_kernel[grid](
         x,
         bias if bias is not None else x,
@@ -435,18 +459,17 @@ def _launch_fwd(
         WITH_T=y_t is not None,
         FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
         POWER_OF_2=power_of_2,
-        num_warps=NUM_WARPS,
         **meta,
     )
 
 
 def _launch_bwd(
     dy, x, kind, bias, dx, dx_t, dbias_parts, amax, scale_inv, *,
-    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False,
+    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
 ):  # fmt: skip
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
-    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"))
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
     _act_bwd_kernel[grid](
         dy,
         x,
@@ -468,7 +491,6 @@ def _launch_bwd(
         DBIAS=dbias_parts is not None,
         FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
         POWER_OF_2=power_of_2,
-        num_warps=NUM_WARPS,
         **meta,
     )
     return B * tiles_s
@@ -495,7 +517,7 @@ def _act_fwd_triton(x, kind, bias=None, out_dtype=None):
     return y
 
 
-def _act_fp8_triton(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+def _act_fp8_triton(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None):
     x, bias = x.contiguous(), _contig(bias)
     shape = _out_shape(x, kind)
     data = torch.empty(shape, dtype=fp8_dtype, device=x.device)
@@ -506,6 +528,7 @@ def _act_fp8_triton(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_t
     _launch_fwd(
         x, kind, bias, data, data_t if with_transpose else None, None, amax, scale_inv,
         mode="current", transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+        config=config,
     )  # fmt: skip
     return data, data_t, scale_inv, amax
 
@@ -532,7 +555,9 @@ def _act_bwd_triton(dy, x, kind, bias=None, out_dtype=None):
     return dx
 
 
-def _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+def _dact_dbias_cast_transpose_triton(
+    dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True, config=None
+):
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     n_in = x.shape[-1]
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
@@ -541,13 +566,14 @@ def _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin=0, po
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     # Pass 1 (row-wise tiles, no transpose): amax and per-program dbias partials, summed below.
     _, tiles_s, _, _ = _tiles(*_geometry(dy, False), dy.shape[-1], False, iterate=True)
-    parts = torch.empty((tiles_s, n_in), dtype=torch.float32, device=x.device)
+    parts = torch.empty((tiles_s, n_in), dtype=torch.float32, device=x.device) if with_dbias else None
     _launch_bwd(dy, x, kind, bias, None, None, parts, amax, scale_inv, mode="amax", transpose=False)
     _launch_bwd(
         dy, x, kind, bias, data, data_t, None, amax, scale_inv,
         mode="current", transpose=True, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+        config=config,
     )  # fmt: skip
-    dbias = parts.sum(0).to(dy.dtype)
+    dbias = parts.sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias
 
 
@@ -593,11 +619,11 @@ def _check(op, x, kind, bias, *, dy=None, transpose=False):
 # ---- custom ops -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("float8::act_fwd", mutates_args=())
+@custom_op("float8::act_fwd")
 def act_fwd(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(x + bias) in x.dtype; (..., N) -> (..., N), or (..., 2H) -> (..., H) for swiglu."""
     _check("act_fwd", x, kind, bias)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _act_fwd_triton(x, kind, bias)
     return act_fwd_ref(x, kind, bias)
 
@@ -618,7 +644,7 @@ def _fp8_fake(x, kind, fp8_dtype, with_transpose):
     )
 
 
-@torch.library.custom_op("float8::act_fp8", mutates_args=())
+@custom_op("float8::act_fp8")
 def act_fp8(
     x: torch.Tensor,
     kind: str,
@@ -635,7 +661,7 @@ def act_fp8(
     """
     _check("act_fp8", x, kind, bias, transpose=with_transpose)
     check_scaling_args(fp8_dtype, margin, power_of_2, "act_fp8")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _act_fp8_triton(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
     return act_fp8_ref(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
 
@@ -647,7 +673,7 @@ def _(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False
     return _fp8_fake(x, kind, fp8_dtype, with_transpose)
 
 
-@torch.library.custom_op("float8::act_fp8_scaled", mutates_args=())
+@custom_op("float8::act_fp8_scaled")
 def act_fp8_scaled(
     x: torch.Tensor,
     kind: str,
@@ -660,7 +686,7 @@ def act_fp8_scaled(
     _check("act_fp8_scaled", x, kind, bias, transpose=with_transpose)
     check_scale(scale, x, "act_fp8_scaled")
     check_fp8_dtype(fp8_dtype)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_transpose)
     return act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose)
 
@@ -673,11 +699,11 @@ def _(x, kind, bias, scale, fp8_dtype, with_transpose=False):
     return _fp8_fake(x, kind, fp8_dtype, with_transpose)
 
 
-@torch.library.custom_op("float8::act_bwd", mutates_args=())
+@custom_op("float8::act_bwd")
 def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dx = dy * act'(x + bias) in x.dtype, x's shape (2H columns for swiglu)."""
     _check("act_bwd", x, kind, bias, dy=dy)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _act_bwd_triton(dy, x, kind, bias)
     return act_bwd_ref(dy, x, kind, bias)
 
@@ -688,17 +714,17 @@ def _(dy, x, kind, bias=None):
     return x.new_empty(x.shape)
 
 
-def _dbias_fake(x, dy, fp8_dtype):
+def _dbias_fake(x, dy, fp8_dtype, with_dbias=True):
     return (
         x.new_empty(x.shape, dtype=fp8_dtype),
         x.new_empty(_t_shape(x.shape), dtype=fp8_dtype),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
-        x.new_empty((x.shape[-1],), dtype=dy.dtype),
+        x.new_empty((x.shape[-1] if with_dbias else 0,), dtype=dy.dtype),
     )
 
 
-@torch.library.custom_op("float8::dact_dbias_cast_transpose", mutates_args=())
+@custom_op("float8::dact_dbias_cast_transpose")
 def dact_dbias_cast_transpose(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -707,34 +733,36 @@ def dact_dbias_cast_transpose(
     fp8_dtype: torch.dtype,
     margin: int = 0,
     power_of_2: bool = False,
+    with_dbias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused activation backward: dx = dy * act'(x + bias), quantized (current scaling), both layouts.
 
     Returns (dx_data (..., M, N_IN) fp8, dx_data_t (..., N_IN, M) fp8, scale_inv () fp32,
-    amax () fp32 = max|dx|, dbias (N_IN,) in dy.dtype = float32 row sums of dx).
+    amax () fp32 = max|dx|, dbias (N_IN,) in dy.dtype = float32 row sums of dx). with_dbias=False skips
+    the sums (no bias to train) and returns an empty (0,) dbias.
     """
     _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
     check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
-    if x.device.type == "cuda":
-        return _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin, power_of_2)
-    return dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, power_of_2)
+    if use_triton(x):
+        return _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin, power_of_2, with_dbias)
+    return dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, power_of_2, with_dbias)
 
 
 @dact_dbias_cast_transpose.register_fake
-def _(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+def _(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True):
     _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
     check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
-    return _dbias_fake(x, dy, fp8_dtype)
+    return _dbias_fake(x, dy, fp8_dtype, with_dbias)
 
 
-@torch.library.custom_op("float8::dbias_cast_transpose", mutates_args=())
+@custom_op("float8::dbias_cast_transpose")
 def dbias_cast_transpose(
     dy: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A bias's backward fused with the quantization of dy: (data, data_t, scale_inv, amax, dbias = dy row sums)."""
     _check("dbias_cast_transpose", dy, "identity", None, transpose=True)
     check_scaling_args(fp8_dtype, margin, power_of_2, "dbias_cast_transpose")
-    if dy.device.type == "cuda":
+    if use_triton(dy):
         return _dbias_cast_transpose_triton(dy, fp8_dtype, margin, power_of_2)
     return dbias_cast_transpose_ref(dy, fp8_dtype, margin, power_of_2)
 
@@ -756,9 +784,10 @@ def _v_ref(x, bias):
 
 def _logistic_ref(u):
     t = torch.exp(-u.abs())
-    q = 1.0 + t
+    r = 1.0 / (1.0 + t)
+    tr = t * r
     pos = u >= 0.0
-    return torch.where(pos, 1.0, t) / q, torch.where(pos, t, 1.0) / q
+    return torch.where(pos, r, tr), torch.where(pos, tr, r)
 
 
 def _silu_ref(v):
@@ -766,9 +795,9 @@ def _silu_ref(v):
     return torch.where(v >= 0.0, v, v * t) / (1.0 + t)
 
 
-def _dsilu_ref(v):
+def _silu_dsilu_ref(v):
     s, c = _logistic_ref(v)
-    return s * (1.0 + v * c)
+    return v * s, s * (1.0 + v * c)
 
 
 def _phi_ref(v):
@@ -818,10 +847,11 @@ def dact_ref_fp32(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[t
         dw = 2.0 * (TANH_BETA * (1.0 + TANH_KAPPA3 * v * v))
         return g * (s + v * (s * c * dw))
     if kind == "silu":
-        return g * _dsilu_ref(v)
+        return g * _silu_dsilu_ref(v)[1]
     h = v.shape[-1] // 2  # swiglu
     a, b = v[..., :h], v[..., h:]
-    return torch.cat([(g * b) * _dsilu_ref(a), g * _silu_ref(a)], dim=-1)
+    silu_a, dsilu_a = _silu_dsilu_ref(a)
+    return torch.cat([(g * b) * dsilu_a, g * silu_a], dim=-1)
 
 
 def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -852,10 +882,10 @@ def act_bwd_ref(dy, x, kind, bias=None):
     return dact_ref_fp32(dy, x, kind, bias).to(x.dtype)
 
 
-def dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False):
+def dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True):
     dx = dact_ref_fp32(dy, x, kind, bias)
     data, data_t, scale_inv, amax = _quantize_ref(dx, fp8_dtype, margin, power_of_2, True)
-    dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype)
+    dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias
 
 

@@ -48,9 +48,9 @@ class Activation(BasicOp):
         if dx_request is not None and not is_delayed(dx_request):
             s = dx_request.scaling
             data, data_t, scale_inv, _, dbias = K.dact_dbias_cast_transpose(
-                dy, x, self.kind, bias, dx_request.fp8_dtype, s.margin, s.power_of_2
+                dy, x, self.kind, bias, dx_request.fp8_dtype, s.margin, s.power_of_2, want_dbias
             )
-            return wrap_fp8(dx_request, data, data_t, scale_inv, dy.dtype), dbias
+            return wrap_fp8(dx_request, data, data_t, scale_inv, dy.dtype), dbias if want_dbias else None
         dx = K.act_bwd(dy, x, self.kind, bias)
         dbias = dx.sum(0, dtype=torch.float32) if want_dbias else None
         if dx_request is not None:

@@ -422,9 +422,52 @@ def test_custom_ops_on_cpu_are_the_refs(kind):
 
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
 def test_opcheck(kind):
+    # .op: the registered custom op (an eager call of the plain function skips the dispatcher)
     for op, args, _ in _op_calls(kind, CASES[4]):
-        torch.library.opcheck(op, args)
-    torch.library.opcheck(act.dbias_cast_transpose, (make_x((6, 40), BF16), E5M2, 0, False))
+        torch.library.opcheck(op.op, args)
+    torch.library.opcheck(act.dbias_cast_transpose.op, (make_x((6, 40), BF16), E5M2, 0, False))
+
+
+TRANSPOSE_VARIANTS = [
+    dict(BLOCK_S=64, BLOCK_N=64, num_warps=4, T_MODE=0),
+    dict(BLOCK_S=32, BLOCK_N=64, num_warps=4, T_MODE=1),
+    dict(BLOCK_S=16, BLOCK_N=32, num_warps=2, T_MODE=2),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cfg", TRANSPOSE_VARIANTS, ids=lambda c: f"{c['BLOCK_S']}x{c['BLOCK_N']}-t{c['T_MODE']}")
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_transposing_tile_variants_give_the_same_bits(kind, cfg):
+    # The sweep (float8.bench.kernels --sweep) times these tiles and transposes; every one must write
+    # exactly the bits of the reference, for odd shapes with partial tiles and a batch dim.
+    x, bias, dy = inputs(((2, 70, 96), BF16, BF16), kind)
+    # (the default tile's own bits are checked against the references by the launcher tests above)
+    out = act._act_fp8_triton(x, kind, bias, E4M3, 0, False, True, config=cfg)
+    assert_bits(out[1], out[0].transpose(-2, -1).contiguous(), "data_t = data transposed")
+    default = act._act_fp8_triton(x, kind, bias, E4M3, 0, False, True)
+    for o, d, n in zip(out, default, ("data", "data_t", "scale_inv", "amax")):
+        assert_bits(o, d, f"{n}, variant vs default tile")
+    bwd = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E5M2, config=cfg)
+    bwd_default = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E5M2)
+    for o, d, n in zip(bwd[:4], bwd_default[:4], ("dx", "dx_t", "scale_inv", "amax")):
+        assert_bits(o, d, f"backward {n}, variant vs default tile")
+    assert_bits(bwd[1], bwd[0].transpose(-2, -1).contiguous(), "dx_t = dx transposed")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["swiglu", "identity"])
+def test_backward_without_dbias(kind):
+    # with_dbias=False (no bias to train): the same FP8 outputs, no sums, an empty dbias; the op agrees.
+    x, bias, dy = inputs(((33, 80), BF16, None), kind)
+    full = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E4M3)
+    lean = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E4M3, with_dbias=False)
+    for o, f, n in zip(lean[:4], full[:4], ("dx", "dx_t", "scale_inv", "amax")):
+        assert_bits(o, f, n)
+    assert lean[4].shape == (0,) and lean[4].dtype == dy.dtype
+    ref = act.dact_dbias_cast_transpose_ref(dy, x, kind, bias, E4M3, 0, False, False)
+    assert ref[4].shape == (0,)
+    torch.library.opcheck(act.dact_dbias_cast_transpose.op, (dy, x, kind, bias, E4M3, 0, False, False))
 
 
 def test_fused_equals_unfused_for_float32():
