@@ -74,9 +74,11 @@ from .common import (
     check_scale,
     check_scaling_args,
     clamp_keep_nan,
+    custom_op,
     margin_div,
     next_pow2,
     scale_from_amax,
+    use_triton,
 )
 from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
 from .reference import scale_from_amax as scale_from_amax_ref
@@ -816,11 +818,11 @@ def _fake_fp8(x, fp8_dtype, with_transpose):
 # ---- public ops -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("float8::rmsnorm_fwd", mutates_args=())
+@custom_op("float8::rmsnorm_fwd")
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (x.shape, x.dtype), rstd (M,) fp32): y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps)."""
     _check_fwd("rmsnorm_fwd", x, weight, None, eps)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _rmsnorm_fwd_triton(x, weight, eps)
     return rmsnorm_fwd_ref(x, weight, eps)
 
@@ -832,13 +834,13 @@ def _(x, weight, eps):
     return y, x.new_empty((_rows(x),), dtype=torch.float32)
 
 
-@torch.library.custom_op("float8::layernorm_fwd", mutates_args=())
+@custom_op("float8::layernorm_fwd")
 def layernorm_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (x.shape, x.dtype), mean (M,) fp32, rstd (M,) fp32): y = (x - mean) * rstd * weight + bias."""
     _check_fwd("layernorm_fwd", x, weight, bias, eps)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _layernorm_fwd_triton(x, weight, bias, eps)
     return layernorm_fwd_ref(x, weight, bias, eps)
 
@@ -854,7 +856,7 @@ def _(x, weight, bias, eps):
     )
 
 
-@torch.library.custom_op("float8::rmsnorm_fp8", mutates_args=())
+@custom_op("float8::rmsnorm_fp8")
 def rmsnorm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -872,7 +874,7 @@ def rmsnorm_fp8(
     _check_fwd("rmsnorm_fp8", x, weight, None, eps)
     check_scaling_args(fp8_dtype, margin, power_of_2, "rmsnorm_fp8")
     _check_transpose_flag(with_transpose, "rmsnorm_fp8")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
     return rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
 
@@ -885,7 +887,7 @@ def _(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=Fals
     return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
 
 
-@torch.library.custom_op("float8::layernorm_fp8", mutates_args=())
+@custom_op("float8::layernorm_fp8")
 def layernorm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -903,7 +905,7 @@ def layernorm_fp8(
     _check_fwd("layernorm_fp8", x, weight, bias, eps)
     check_scaling_args(fp8_dtype, margin, power_of_2, "layernorm_fp8")
     _check_transpose_flag(with_transpose, "layernorm_fp8")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _layernorm_fp8_triton(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
     return layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
 
@@ -921,7 +923,7 @@ def _(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpos
     )
 
 
-@torch.library.custom_op("float8::rmsnorm_fp8_scaled", mutates_args=())
+@custom_op("float8::rmsnorm_fp8_scaled")
 def rmsnorm_fp8_scaled(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -938,7 +940,7 @@ def rmsnorm_fp8_scaled(
     check_scale(scale, x, "rmsnorm_fp8_scaled")
     check_fp8_dtype(fp8_dtype)
     _check_transpose_flag(with_transpose, "rmsnorm_fp8_scaled")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose)
     return rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose)
 
@@ -952,7 +954,7 @@ def _(x, weight, eps, scale, fp8_dtype, with_transpose=False):
     return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
 
 
-@torch.library.custom_op("float8::layernorm_fp8_scaled", mutates_args=())
+@custom_op("float8::layernorm_fp8_scaled")
 def layernorm_fp8_scaled(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -967,7 +969,7 @@ def layernorm_fp8_scaled(
     check_scale(scale, x, "layernorm_fp8_scaled")
     check_fp8_dtype(fp8_dtype)
     _check_transpose_flag(with_transpose, "layernorm_fp8_scaled")
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
     return layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
 
@@ -986,13 +988,13 @@ def _(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
     )
 
 
-@torch.library.custom_op("float8::rmsnorm_bwd", mutates_args=())
+@custom_op("float8::rmsnorm_bwd")
 def rmsnorm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,) weight.dtype) for y = x * rstd * weight."""
     _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _rmsnorm_bwd_triton(dy, x, weight, rstd)
     return rmsnorm_bwd_ref(dy, x, weight, rstd)
 
@@ -1003,13 +1005,13 @@ def _(dy, x, weight, rstd):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-@torch.library.custom_op("float8::layernorm_bwd", mutates_args=())
+@custom_op("float8::layernorm_bwd")
 def layernorm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) for y = (x - mean) * rstd * w + b."""
     _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
-    if x.device.type == "cuda":
+    if use_triton(x):
         return _layernorm_bwd_triton(dy, x, weight, mean, rstd)
     return layernorm_bwd_ref(dy, x, weight, mean, rstd)
 

@@ -4,7 +4,8 @@
   weight-gradient GEMM reads (the transpose written by the quantize kernel): 1 byte per element.
 - The weight is quantized once per optimizer step: the FP8 copy is cached and re-made only when the
   weight changes (its version counter moves, as every in-place optimizer update does), not once per
-  micro-batch. Writes through `weight.data` do not move the counter: call `refresh_fp8_weight()` after
+  micro-batch. Under CUDA-graph capture it is quantized inside the graph on every call instead (a
+  replay cannot check a version counter), so graphed training steps see each step's weight. Writes through `weight.data` do not move the counter: call `refresh_fp8_weight()` after
   them (load_state_dict and .to() refresh by themselves). Under no_grad/inference_mode no transpose is
   made. An FP8-only weight (a Float8Tensor parameter) is used as it is: 1 byte per parameter, no
   high-precision copy at all.
@@ -131,6 +132,12 @@ class Linear(BasicOp):
             return w, (w if for_backward else None)
         scaling = self._scaling("weight")
         fp8 = self.recipe.format.forward_dtype
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA graph (torch.cuda.graph, make_graphed_callables) the quantization is
+            # recorded and re-run by every replay, so it reads the weight of that step. A cached copy
+            # would be frozen into the graph and go stale at the first optimizer step: never use the
+            # cache here, and never fill it with a tensor of the graph's memory pool.
+            return self._quantize_weight_now(w, fp8, scaling, for_backward)
         key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe)
         cached = self.__dict__["_w8_cache"]
         if cached is not None and cached[0] == key and (cached[2] is not None or not for_backward):
@@ -138,6 +145,12 @@ class Linear(BasicOp):
         # Drop the stale copy first, so that old and new FP8 weights are not alive together (at
         # 14336x4096 with its transpose that is 112 MiB of peak memory saved per Linear).
         self.__dict__["_w8_cache"] = None
+        w8, wd = self._quantize_weight_now(w, fp8, scaling, for_backward)
+        self.__dict__["_w8_cache"] = (key, w8, wd)
+        return w8, wd
+
+    @staticmethod
+    def _quantize_weight_now(w, fp8, scaling, for_backward: bool):
         with torch.no_grad():
             if per_tensor(scaling):
                 # The transpose is written by the same kernel, and only where a backward will read it.
@@ -146,7 +159,6 @@ class Linear(BasicOp):
             else:
                 w8 = Float8Tensor.quantize(w, fp8, scaling=scaling)
                 wd = Float8Tensor.quantize(w.t(), fp8, scaling=scaling).t() if for_backward else None
-        self.__dict__["_w8_cache"] = (key, w8, wd)
         return w8, wd
 
     # ---- forward / backward --------------------------------------------------------------------

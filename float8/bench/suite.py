@@ -588,7 +588,8 @@ def case_host(env: Env) -> list:
     rec = new_record(env, "f", "host", "f host time, tiny Linear fwd+bwd", (m, k, n),
                      notes=["ms per call from a stream of calls (host-bound); ours and bf16 eager from "
                             "float8.bench.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
-                            "it keeps its cached FP8 weight there)"])
+                            "it keeps its cached FP8 weight there); *_graphed: the same steps captured with "
+                            "torch.cuda.make_graphed_callables (ours re-quantizes its weight in the graph)"])
     return [guarded(rec, lambda: _host(env, rec, m, k, n))]
 
 
@@ -609,6 +610,8 @@ def _host(env, rec, m, k, n):
     steps = {
         "bf16": lambda: bf16_step,
         "ours": lambda: ours_step,
+        **({"ours_graphed": lambda: ours_step.graphed(), "bf16_graphed": lambda: bf16_step.graphed()}
+           if env.cuda else {}),
         "bf16_compiled": lambda: FwdBwd(env.compile(lin), x, dy, bump=False),
         "torchao": lambda: FwdBwd(torchao_model(env, lin, "tensorwise"), x, dy, bump=False),
     }
@@ -713,6 +716,11 @@ def _gemm_table(records) -> list:
 def _block_notes(records) -> list:
     lines = []
     for r in records:
+        if r["case"] == "host" and r.get("ours_graphed_ms") and r["bf16_ms"]:
+            eager = f"; ours eager (above) {r['ours_ms'] / r['bf16_ms']:.2f}x" if r["ours_ms"] else ""
+            lines.append(f"- {r['label']} {_shape(r)}: in CUDA graphs (make_graphed_callables) ours "
+                         f"{r['ours_graphed_ms']:.4f} ms = {r['ours_graphed_ms'] / r['bf16_ms']:.2f}x bf16 eager, "
+                         f"bf16 graphed {_fmt(r.get('bf16_graphed_ms'), '.4f')} ms{eager}")
         if r.get("output_sqnr_db_vs_bf16") is not None:
             lines.append(f"- {r['label']} {_shape(r)}: ours' output against bf16 on the same weights, "
                          f"SQNR {r['output_sqnr_db_vs_bf16']:.1f} dB; peak MiB bf16 compiled "
