@@ -119,14 +119,17 @@ def test_cuda_graphed_training_steps_equal_eager_ones(make):
         dy = torch.randn(64, eager(x).shape[-1], device="cuda", dtype=torch.bfloat16)
         got = []
         for model, fn, opt in ((eager, eager, opts[0]), (graphed_model, graphed, opts[1])):
-            opt.zero_grad(set_to_none=False)
+            # set_to_none: a graphed backward hands out its static gradient buffers, which AccumulateGrad
+            # adopts as .grad; zeroing them in place and accumulating again would count the step twice.
+            opt.zero_grad(set_to_none=True)
             xi = x.detach().clone().requires_grad_(True)
             y = fn(xi)
             y.backward(dy)
             got.append([y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in model.parameters()])
             opt.step()
-        for a, b in zip(*got):
-            assert torch.equal(a, b), f"step {step}: graphed replay differs from eager"
+        names = ["y", "x.grad"] + [f"{n}.grad" for n, _ in eager.named_parameters()]
+        for a, b, name in zip(*got, names):
+            assert torch.equal(a, b), f"step {step}: graphed replay differs from eager in {name}"
         outs.append(got[1][0])
         for pe, pg in zip(eager.parameters(), graphed_model.parameters()):
             assert torch.equal(pe, pg)
