@@ -21,7 +21,8 @@ step sets every .grad to None and bumps every parameter's version counter, as an
 ops re-quantize their FP8 weights every step, like torchao does (without the bump they would reuse a cached
 FP8 weight, which only gradient accumulation earns). Peak memory: torch.cuda.max_memory_allocated during one
 step minus what was allocated before it (grads cleared first). Compiled variants use
-torch.compile(dynamic=False); torch._dynamo is reset between variants so no shape turns dynamic.
+torch.compile(dynamic=False); torch._dynamo is reset between cases. Cases c-e time their variants in
+ROUNDS interleaved rounds and keep the median (fwd_bwd_variants says why).
 
 Floors, measured in the same run: device-to-device copy bandwidth (clone of 1 GiB, bytes read + written) and
 the FP8 GEMM rate (torch._scaled_mm at 8192^3, per-tensor scales), plus the bf16 GEMM rate for attention.
@@ -53,6 +54,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import textwrap
 import time
@@ -68,6 +70,7 @@ BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 REP = 100
 BLOCK_REP = 250
+ROUNDS = 3  # cases c-e: each variant timed in this many interleaved rounds (fwd_bwd_variants)
 VARIANTS = ["ours", "bf16", "bf16_compiled", "torchao", "torchao_rowwise"]  # fields <key>_ms, peak_mem_<key>
 
 # Shapes. Linear and GEMM shapes are (M, K, N); mlp is (tokens, d, f); layer as named.
@@ -141,10 +144,11 @@ class Env:
     def compile(self, model):
         return torch.compile(model, dynamic=False) if self.cuda else model
 
-    def cleanup(self) -> None:
+    def cleanup(self, reset: bool = True) -> None:
         gc.collect()
         if self.cuda:
-            torch._dynamo.reset()
+            if reset:
+                torch._dynamo.reset()
             torch.cuda.empty_cache()
 
     def elapsed(self) -> float:
@@ -274,8 +278,9 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def run_variant(env: Env, rec: dict, key: str, measure_fn: Callable) -> None:
-    """measure_fn() -> (ms, peak bytes or None) into rec; a skip or a failure is recorded, not raised."""
+def run_variant(env: Env, rec: dict, key: str, measure_fn: Callable, reset: bool = True) -> None:
+    """measure_fn() -> (ms, peak bytes or None) into rec; a skip or a failure is recorded, not raised.
+    reset=False keeps torch._dynamo's compiled code (the variants of a case are timed again in rounds)."""
     reason = env.skip_reason(key)
     if reason:
         rec["skipped"][key] = reason
@@ -291,7 +296,7 @@ def run_variant(env: Env, rec: dict, key: str, measure_fn: Callable) -> None:
         log(f"  {rec['label']} {tuple(rec['shape'])} {key}: FAILED {_err(e)}")
         traceback.print_exc(file=sys.stderr)
     finally:
-        env.cleanup()
+        env.cleanup(reset)
 
 
 def guarded(rec: dict, body: Callable) -> dict:
@@ -362,10 +367,34 @@ def torchao_model(env: Env, ref: torch.nn.Module, recipe: str):
 
 
 def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP) -> None:
-    """Time each builder's model in the order given (bf16 compiled before torchao, whose conversion patches
-    inductor's min/max codegen process-wide)."""
+    """Build, warm and time each builder's model in the order given (bf16 compiled before torchao, whose
+    conversion patches inductor's min/max codegen process-wide), with its peak memory; then time them all
+    again, round-robin, ROUNDS - 1 more times, and keep each variant's median round. Timed one after the
+    other, the same step moved by 5-7% between runs on the H100 (clocks follow power and heat: one run had
+    ours 7% ahead of torchao at a shape where the next had it 4% behind); interleaved, every variant sees
+    the same drift. Every round's time is kept in rec["rounds_ms"]."""
+    steps = {}
+
+    def first(key, build):
+        step = FwdBwd(build(), x, dy)
+        out = measure(env, step, rep)
+        steps[key] = step
+        return out
+
     for key, build in builders.items():
-        run_variant(env, rec, key, lambda build=build: measure(env, FwdBwd(build(), x, dy), rep))
+        run_variant(env, rec, key, lambda key=key, build=build: first(key, build), reset=False)
+    rounds = {key: [rec[f"{key}_ms"]] for key in steps}
+    for _ in range(ROUNDS - 1):
+        for key, step in steps.items():
+            try:
+                rounds[key].append(env.bench(step, rep))
+            except Exception as e:  # recorded like a failed first round: the variant's time is dropped
+                rec["errors"][key] = _err(e)
+    for key, times in rounds.items():
+        rec[f"{key}_ms"] = None if key in rec["errors"] else statistics.median(times)
+    rec["rounds_ms"] = rounds
+    steps.clear()
+    env.cleanup()
 
 
 def standard_builders(env: Env, ref, ours) -> dict:

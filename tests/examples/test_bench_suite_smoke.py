@@ -50,6 +50,13 @@ def test_records_keep_the_schema(smoke):
     gemm = [r for r in records if r["case"] == "gemm"]
     assert all(r["scaled_mm_ms"] > 0 and r["ours_matches_scaled_mm"] for r in gemm)
     assert [r["shape"] for r in records if r["case"] == "transformer_layer"] == [[2, 8, 64, 4, 2, 16, 64]]
+    from float8.bench.suite import ROUNDS
+
+    for r in records:
+        if r["case"] in {"linear", "mlp", "transformer_layer"}:  # interleaved rounds, the median kept
+            rounds = r["rounds_ms"]
+            assert {"ours", "bf16", "bf16_compiled"} <= set(rounds) and all(len(t) == ROUNDS for t in rounds.values())
+            assert all(r[f"{k}_ms"] == sorted(t)[ROUNDS // 2] for k, t in rounds.items())
 
 
 def test_torchao_fields_follow_its_availability(smoke):
