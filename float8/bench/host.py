@@ -80,6 +80,7 @@ def main(argv=None):
             prof.disable()
             print(f"--- cProfile, {name}, 200 steps")
             pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(40)
         return b, o
     return b, o
 
