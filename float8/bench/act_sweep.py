@@ -11,10 +11,10 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from float8.bench.timer import make_timer
 from float8.kernels import activation as act
 
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
@@ -33,21 +33,6 @@ VARIANTS = [
 ]
 
 
-def _timer(cuda: bool):
-    if cuda:
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-    def wall(fn):
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-
-    return wall
-
-
 def _same(a, b) -> bool:
     bits = {1: torch.uint8, 4: torch.int32}[a.element_size()]  # NaN-safe: compare the bits
     return a.shape == b.shape and torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
@@ -55,7 +40,7 @@ def _same(a, b) -> bool:
 
 def sweep(tokens: int, ffn: int, device: str, variants=VARIANTS) -> list:
     """[(pass, config or None, ms, fraction of copy)]: the default passes, then every variant."""
-    bench = _timer(device == "cuda")
+    bench = make_timer(device == "cuda", warmup=10, rep=60)
     x = torch.randn(tokens, 2 * ffn, device=device).mul_(2).to(BF16)
     dy = torch.randn(tokens, ffn, device=device).to(BF16)
     copy = bench(lambda: x.clone())

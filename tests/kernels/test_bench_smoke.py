@@ -5,6 +5,8 @@ import json
 
 from float8.bench import kernels as bench
 
+from .helpers import needs_interpreter
+
 
 def test_bench_cpu_smoke(tmp_path, capsys):
     result = bench.main(["--cpu-smoke", "--no-compile", "--out", str(tmp_path)])
@@ -25,3 +27,27 @@ def test_bench_check_catches_a_wrong_kernel(monkeypatch):
     wrong = lambda x, s, d: bench.K.cast_ref(x * 1.01, s, d)  # noqa: E731
     with pytest.raises(AssertionError, match="cast: output 0 differs"):
         bench.check([("cast", 3, wrong, bench.K.cast_ref, (x, torch.tensor([1.0]), torch.float8_e4m3fn))])
+
+
+@needs_interpreter
+def test_gemm_epilogue_bench_cpu_smoke(tmp_path):
+    # The Triton-GEMM-with-epilogue comparison runs end to end (interpreter, one tiny shape) and both
+    # pipelines compute the same quantized gelu(a @ b + bias) to FP8 accuracy.
+    from float8.bench import gemm_epilogue
+
+    (rec,) = gemm_epilogue.main(["--device", "cpu", "--out", str(tmp_path)])
+    for name in ("identity_cublas", "identity_triton", "gelu_cublas", "gelu_triton"):
+        assert rec[f"{name}_ms"] > 0 and rec[f"{name}_sqnr_db"] >= 25, (name, rec[f"{name}_sqnr_db"])
+    assert rec["cublas_gemm_ms"] > 0 and all(t > 0 for t in rec["triton_gemm_ms"].values())
+    assert json.loads((tmp_path / "gemm_epilogue_cpu.json").read_text())[0]["shape"] == [64, 64, 64]
+
+
+@needs_interpreter
+def test_act_sweep_cpu_smoke():
+    # Every variant is checked bit for bit against the default before it is timed; one variant here.
+    from float8.bench import act_sweep
+
+    rows = act_sweep.sweep(40, 48, "cpu", variants=[dict(BLOCK_S=16, BLOCK_N=32, num_warps=2, T_MODE=2)])
+    names = [r[0] for r in rows]
+    assert names.count("fwd pass 2 (cast + transpose)") == 2 and names.count("bwd pass 2 (cast + transpose)") == 2
+    assert all(ms > 0 for _, _, ms, _ in rows)
