@@ -95,8 +95,9 @@ ROW_BLOCK_N = 128
 ROW_ELEMS = 4096
 MAX_ITERS = 16
 NUM_WARPS = 4
-# (32, 128), 4 warps, 16-bit transpose: 0.52 / 1.36 ms for the MLP block's SwiGLU forward / backward pass 2,
-# against 0.58 / 1.41 for (64, 64) through FP8 bytes (H100, 2026-11-22, before the one-division backward).
+# (32, 128), 4 warps, 16-bit transpose: 0.52 / 1.02 ms for the MLP block's SwiGLU forward / backward pass 2
+# (90% / 76% of copy bandwidth), against 0.58 / 1.04 for (64, 64) through FP8 bytes (H100, 2026-11-22;
+# examples/results/profile_nvidia-h100-80gb-hbm3_2026-11-22.md, section 4).
 TRANSPOSE_CONFIG = dict(BLOCK_S=32, BLOCK_N=128, num_warps=4, T_MODE=1)
 
 
