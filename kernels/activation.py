@@ -41,11 +41,12 @@ Divisions are IEEE (div_rn), as in torch; Triton's exp and erf may differ from t
 kernels to a few float32 ulps, and bit for bit for identity and relu.
 
 Each current-scaling op is two launches of one kernel, no host sync: pass 1 computes act in registers
-and folds max|act| into an amax buffer (the backward also writes per-program column sums for dbias);
-pass 2 recomputes act, reads the amax, computes the scale, and writes FP8 (both layouts with
-with_transpose, through (64, 64) tiles and tl.trans so both stores are coalesced); its program 0 writes
-scale_inv = 1 / scale. Recomputing costs a second read of x (and dy) but never writes act in high
-precision.
+and folds max|act| into an amax buffer (the backward also writes per-program column sums for dbias,
+unless with_dbias=False); pass 2 recomputes act, reads the amax, computes the scale, and writes FP8 (both
+layouts with with_transpose, through TRANSPOSE_CONFIG tiles transposed through shared memory, so both
+stores are coalesced); its program 0 writes scale_inv = 1 / scale. Recomputing costs a second read of x
+(and dy) but never writes act in high precision. The backward's pair (silu, silu') comes from one IEEE
+reciprocal per element (_logistic): with three divisions it was bound by arithmetic, not by memory.
 """
 
 from __future__ import annotations
