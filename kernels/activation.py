@@ -90,8 +90,8 @@ TANH_KAPPA3 = 0.134145  # 3 * TANH_KAPPA
 
 # Tiles. Row-wise passes (high-precision output, amax, FP8 without transpose): (BLOCK_S, BLOCK_N) with
 # BLOCK_S * BLOCK_N <= 4096, looping over up to MAX_ITERS tiles down the rows (fewer atomics and dbias
-# partials), NUM_WARPS warps. Transposing pass: TRANSPOSE_CONFIG (`python -m float8.bench.kernels --sweep`
-# times the alternatives at the MLP block's SwiGLU shapes).
+# partials), NUM_WARPS warps. Transposing pass: TRANSPOSE_CONFIG (`python -m float8.bench.act_sweep` times
+# the alternatives at the MLP block's SwiGLU shapes).
 ROW_BLOCK_N = 128
 ROW_ELEMS = 4096
 MAX_ITERS = 16
@@ -625,7 +625,7 @@ def _check(op, x, kind, bias, *, dy=None, transpose=False):
 def act_fwd(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(x + bias) in x.dtype; (..., N) -> (..., N), or (..., 2H) -> (..., H) for swiglu."""
     _check("act_fwd", x, kind, bias)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _act_fwd_triton(x, kind, bias)
     return act_fwd_ref(x, kind, bias)
 
@@ -705,7 +705,7 @@ def _(x, kind, bias, scale, fp8_dtype, with_transpose=False):
 def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dx = dy * act'(x + bias) in x.dtype, x's shape (2H columns for swiglu)."""
     _check("act_bwd", x, kind, bias, dy=dy)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _act_bwd_triton(dy, x, kind, bias)
     return act_bwd_ref(dy, x, kind, bias)
 

@@ -128,9 +128,11 @@ def _fp8_capable(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Run the Triton kernel for x? On CUDA GPUs with FP8 conversions (sm_89+); elsewhere the reference."""
-    return x.device.type == "cuda" and _fp8_capable(x.device.index)
+def use_triton(x: torch.Tensor, writes_fp8: bool = True) -> bool:
+    """Run the Triton kernel for x? Kernels that write FP8 need a GPU with FP8 conversions (sm_89+);
+    high-precision ones (writes_fp8=False: act_fwd/act_bwd, the norms' forward and backward) run on any
+    CUDA GPU. Elsewhere the reference."""
+    return x.device.type == "cuda" and (not writes_fp8 or _fp8_capable(x.device.index))
 
 
 def next_pow2(n: int) -> int:

@@ -822,7 +822,7 @@ def _fake_fp8(x, fp8_dtype, with_transpose):
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (x.shape, x.dtype), rstd (M,) fp32): y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps)."""
     _check_fwd("rmsnorm_fwd", x, weight, None, eps)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _rmsnorm_fwd_triton(x, weight, eps)
     return rmsnorm_fwd_ref(x, weight, eps)
 
@@ -840,7 +840,7 @@ def layernorm_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (x.shape, x.dtype), mean (M,) fp32, rstd (M,) fp32): y = (x - mean) * rstd * weight + bias."""
     _check_fwd("layernorm_fwd", x, weight, bias, eps)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _layernorm_fwd_triton(x, weight, bias, eps)
     return layernorm_fwd_ref(x, weight, bias, eps)
 
@@ -994,7 +994,7 @@ def rmsnorm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,) weight.dtype) for y = x * rstd * weight."""
     _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _rmsnorm_bwd_triton(dy, x, weight, rstd)
     return rmsnorm_bwd_ref(dy, x, weight, rstd)
 
@@ -1011,7 +1011,7 @@ def layernorm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) for y = (x - mean) * rstd * w + b."""
     _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
-    if use_triton(x):
+    if use_triton(x, writes_fp8=False):
         return _layernorm_bwd_triton(dy, x, weight, mean, rstd)
     return layernorm_bwd_ref(dy, x, weight, mean, rstd)
 

@@ -139,11 +139,12 @@ class Linear(BasicOp):
             return w, (w if for_backward else None)
         scaling = self._scaling("weight")
         fp8 = self.recipe.format.forward_dtype
-        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if w.device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph (torch.cuda.graph, make_graphed_callables) the quantization is
             # recorded and re-run by every replay, so it reads the weight of that step. A cached copy
             # would be frozen into the graph and go stale at the first optimizer step: never use the
-            # cache here, and never fill it with a tensor of the graph's memory pool.
+            # cache here, and never fill it with a tensor of the graph's memory pool. (Not asked while
+            # torch.compile traces: dynamo would break its graph on the query.)
             return self._quantize_weight_now(w, fp8, scaling, for_backward)
         key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe)
         cached = self.__dict__["_w8_cache"]

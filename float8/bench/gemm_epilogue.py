@@ -7,7 +7,8 @@ For each shape, y = act(a @ b + bias) quantized to E4M3 with current scaling (ac
   Triton:    gemm_epilogue (bias, act and the amax in the GEMM's epilogue, bf16 out) -> one cast pass
              (every tile configuration timed; the best kept)
 and the bare GEMMs (no bias, no activation) in TFLOP/s: cuBLASLt, and each Triton tile configuration.
-Both pipelines' FP8 outputs are compared (SQNR against the float64 reference) before timing.
+Every pipeline and tile configuration is checked before it is timed: its FP8 output against the float64
+reference, SQNR >= MIN_SQNR_DB (FP8 E4M3 rounding gives ~31 dB), else AssertionError.
 Writes DIR/gemm_epilogue_<gpu>.json and prints a table.
 """
 
@@ -31,6 +32,7 @@ from float8.kernels.reference import dequantize_ref
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 SHAPES = {"cuda": [(8192, 8192, 8192), (16384, 4096, 16384)], "cpu": [(64, 64, 64)]}
 KINDS = ("identity", "gelu")  # bias + FP8 output with amax; the same with a GELU
+MIN_SQNR_DB = 25.0
 
 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -74,19 +76,27 @@ def run_shape(m, k, n, device, bench) -> dict:
     }
     for kind in KINDS:
         ref = G.gemm_epilogue_ref(a, sa, b, sb, bias, kind)[0].float()
+
+        def checked(fn, what):
+            db = _sqnr(ref, dequantize_ref(*fn(), torch.float32))
+            if not db >= MIN_SQNR_DB:
+                raise AssertionError(f"{what} at {m}x{k}x{n}, {kind}: SQNR {db:.1f} dB < {MIN_SQNR_DB} against float64")
+            return db
+
         cub = pipelines(a, sa, b, sb, bias, kind, None)["cublas"]
+        rec[f"{kind}_cublas_sqnr_db"] = checked(cub, "cuBLASLt pipeline")
         rec[f"{kind}_cublas_ms"] = bench(cub)
-        rec[f"{kind}_cublas_sqnr_db"] = _sqnr(ref, dequantize_ref(*cub(), torch.float32))
-        per_config = {}
+        per_config, sqnr = {}, {}
         for c in configs:
             fused = pipelines(a, sa, b, sb, bias, kind, c)["triton"]
-            per_config["x".join(map(str, c))] = bench(fused)
+            name = "x".join(map(str, c))
+            sqnr[name] = checked(fused, f"Triton pipeline {name}")
+            per_config[name] = bench(fused)
         best = min(per_config, key=per_config.get)
-        fused = pipelines(a, sa, b, sb, bias, kind, tuple(int(v) for v in best.split("x")))["triton"]
         rec[f"{kind}_triton_ms"] = per_config[best]
         rec[f"{kind}_triton_config"] = best
         rec[f"{kind}_triton_ms_per_config"] = per_config
-        rec[f"{kind}_triton_sqnr_db"] = _sqnr(ref, dequantize_ref(*fused(), torch.float32))
+        rec[f"{kind}_triton_sqnr_db"] = sqnr[best]
     return rec
 
 

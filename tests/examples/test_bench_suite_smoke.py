@@ -57,6 +57,8 @@ def test_records_keep_the_schema(smoke):
             rounds = r["rounds_ms"]
             assert {"ours", "bf16", "bf16_compiled"} <= set(rounds) and all(len(t) == ROUNDS for t in rounds.values())
             assert all(r[f"{k}_ms"] == sorted(t)[ROUNDS // 2] for k, t in rounds.items())
+            per_round = sorted(b / o for b, o in zip(rounds["bf16"], rounds["ours"]))
+            assert r["speedup_vs_bf16"] == per_round[ROUNDS // 2]  # the median of same-round ratios
 
 
 def test_torchao_fields_follow_its_availability(smoke):

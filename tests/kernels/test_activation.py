@@ -439,7 +439,7 @@ TRANSPOSE_VARIANTS = [
 @pytest.mark.parametrize("cfg", TRANSPOSE_VARIANTS, ids=lambda c: f"{c['BLOCK_S']}x{c['BLOCK_N']}-t{c['T_MODE']}")
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
 def test_transposing_tile_variants_give_the_same_bits(kind, cfg):
-    # The sweep (float8.bench.kernels --sweep) times these tiles and transposes; every one must write
+    # The sweep (float8.bench.act_sweep) times these tiles and transposes; every one must write
     # exactly the bits of the reference, for odd shapes with partial tiles and a batch dim.
     x, bias, dy = inputs(((2, 70, 96), BF16, BF16), kind)
     # (the default tile's own bits are checked against the references by the launcher tests above)
@@ -572,3 +572,18 @@ def test_cuda_swiglu_large_bf16():
     x = torch.randn((16384, 2 * 14336), generator=g, device="cuda").mul_(2).to(BF16)
     dy = torch.randn((16384, 14336), generator=g, device="cuda").to(BF16)
     _gpu_check_all("swiglu", x, None, dy, E4M3, dbias_tol=2.0**-14)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cfg", TRANSPOSE_VARIANTS, ids=lambda c: f"{c['BLOCK_S']}x{c['BLOCK_N']}-t{c['T_MODE']}")
+def test_cuda_transposing_tile_variants_give_the_same_bits(cfg):
+    # Under the interpreter the three transposes are one numpy transpose; on the GPU they are three
+    # different routes through shared memory (FP8 bytes, 16-bit lanes, float32 recast): same bits required.
+    x, bias, dy = inputs(((3, 200, 320), BF16, BF16), "swiglu", device="cuda")
+    for o, d in zip(act._act_fp8_triton(x, "swiglu", bias, E4M3, 0, False, True, config=cfg),
+                    act._act_fp8_triton(x, "swiglu", bias, E4M3, 0, False, True)):
+        assert_bits(o, d, "forward, variant vs default tile")
+    for o, d in zip(act._dact_dbias_cast_transpose_triton(dy, x, "swiglu", bias, E5M2, config=cfg)[:4],
+                    act._dact_dbias_cast_transpose_triton(dy, x, "swiglu", bias, E5M2)[:4]):
+        assert_bits(o, d, "backward, variant vs default tile")
