@@ -807,12 +807,25 @@ def _rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _fake_fp8(x, fp8_dtype, with_transpose):
-    N = x.shape[-1]
+def _check_fp8(op, x, weight, bias, eps, fp8_dtype, with_transpose, margin=0, power_of_2=False, scale=None):
+    """The checks of the *_fp8 ops (current scaling) and, with scale, of the *_fp8_scaled ones."""
+    _check_fwd(op, x, weight, bias, eps)
+    if scale is None:
+        check_scaling_args(fp8_dtype, margin, power_of_2, op)
+    else:
+        check_scale(scale, x, op)
+        check_fp8_dtype(fp8_dtype)
+    _check_transpose_flag(with_transpose, op)
+
+
+def _fake_fp8(x, fp8_dtype, with_transpose, n_stats):
+    """Fake outputs of an FP8 norm: (data, data_t, scale_inv, amax) and n_stats (M,) float32 row stats
+    (rstd for RMSNorm; mean and rstd for LayerNorm)."""
+    N, M = x.shape[-1], _rows(x)
     data = x.new_empty(x.shape, dtype=fp8_dtype)
-    data_t = x.new_empty((N, _rows(x)) if with_transpose else (0,), dtype=fp8_dtype)
-    f32 = x.new_empty((), dtype=torch.float32)
-    return data, data_t, f32, x.new_empty((), dtype=torch.float32)
+    data_t = x.new_empty((N, M) if with_transpose else (0,), dtype=fp8_dtype)
+    scalars = (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
+    return (data, data_t, *scalars, *(x.new_empty((M,), dtype=torch.float32) for _ in range(n_stats)))
 
 
 # ---- public ops -------------------------------------------------------------------------------------
@@ -871,9 +884,7 @@ def rmsnorm_fp8(
     (data (x.shape) fp8, data_t (N, M) fp8 or (0,) without with_transpose, scale_inv () fp32,
     amax () fp32 = max|y|, rstd (M,) fp32).
     """
-    _check_fwd("rmsnorm_fp8", x, weight, None, eps)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "rmsnorm_fp8")
-    _check_transpose_flag(with_transpose, "rmsnorm_fp8")
+    _check_fp8("rmsnorm_fp8", x, weight, None, eps, fp8_dtype, with_transpose, margin, power_of_2)
     if use_triton(x):
         return _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
     return rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
@@ -881,10 +892,8 @@ def rmsnorm_fp8(
 
 @rmsnorm_fp8.register_fake
 def _(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    _check_fwd("rmsnorm_fp8", x, weight, None, eps)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "rmsnorm_fp8")
-    _check_transpose_flag(with_transpose, "rmsnorm_fp8")
-    return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
+    _check_fp8("rmsnorm_fp8", x, weight, None, eps, fp8_dtype, with_transpose, margin, power_of_2)
+    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=1)
 
 
 @custom_op("float8::layernorm_fp8")
@@ -902,9 +911,7 @@ def layernorm_fp8(
 
     (data, data_t (N, M) or (0,), scale_inv () fp32, amax () fp32 = max|y|, mean (M,) fp32, rstd (M,) fp32).
     """
-    _check_fwd("layernorm_fp8", x, weight, bias, eps)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "layernorm_fp8")
-    _check_transpose_flag(with_transpose, "layernorm_fp8")
+    _check_fp8("layernorm_fp8", x, weight, bias, eps, fp8_dtype, with_transpose, margin, power_of_2)
     if use_triton(x):
         return _layernorm_fp8_triton(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
     return layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
@@ -912,15 +919,8 @@ def layernorm_fp8(
 
 @layernorm_fp8.register_fake
 def _(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    _check_fwd("layernorm_fp8", x, weight, bias, eps)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "layernorm_fp8")
-    _check_transpose_flag(with_transpose, "layernorm_fp8")
-    M = _rows(x)
-    return (
-        *_fake_fp8(x, fp8_dtype, with_transpose),
-        x.new_empty((M,), dtype=torch.float32),
-        x.new_empty((M,), dtype=torch.float32),
-    )
+    _check_fp8("layernorm_fp8", x, weight, bias, eps, fp8_dtype, with_transpose, margin, power_of_2)
+    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=2)
 
 
 @custom_op("float8::rmsnorm_fp8_scaled")
@@ -936,10 +936,7 @@ def rmsnorm_fp8_scaled(
 
     (data, data_t (N, M) or (0,), scale_inv () fp32 = 1/scale, amax () fp32 = max|y| for the history, rstd).
     """
-    _check_fwd("rmsnorm_fp8_scaled", x, weight, None, eps)
-    check_scale(scale, x, "rmsnorm_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    _check_transpose_flag(with_transpose, "rmsnorm_fp8_scaled")
+    _check_fp8("rmsnorm_fp8_scaled", x, weight, None, eps, fp8_dtype, with_transpose, scale=scale)
     if use_triton(x):
         return _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose)
     return rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose)
@@ -947,11 +944,8 @@ def rmsnorm_fp8_scaled(
 
 @rmsnorm_fp8_scaled.register_fake
 def _(x, weight, eps, scale, fp8_dtype, with_transpose=False):
-    _check_fwd("rmsnorm_fp8_scaled", x, weight, None, eps)
-    check_scale(scale, x, "rmsnorm_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    _check_transpose_flag(with_transpose, "rmsnorm_fp8_scaled")
-    return (*_fake_fp8(x, fp8_dtype, with_transpose), x.new_empty((_rows(x),), dtype=torch.float32))
+    _check_fp8("rmsnorm_fp8_scaled", x, weight, None, eps, fp8_dtype, with_transpose, scale=scale)
+    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=1)
 
 
 @custom_op("float8::layernorm_fp8_scaled")
@@ -965,10 +959,7 @@ def layernorm_fp8_scaled(
     with_transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm straight to FP8 with a given scale: (data, data_t, scale_inv, amax, mean, rstd)."""
-    _check_fwd("layernorm_fp8_scaled", x, weight, bias, eps)
-    check_scale(scale, x, "layernorm_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    _check_transpose_flag(with_transpose, "layernorm_fp8_scaled")
+    _check_fp8("layernorm_fp8_scaled", x, weight, bias, eps, fp8_dtype, with_transpose, scale=scale)
     if use_triton(x):
         return _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
     return layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
@@ -976,16 +967,8 @@ def layernorm_fp8_scaled(
 
 @layernorm_fp8_scaled.register_fake
 def _(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
-    _check_fwd("layernorm_fp8_scaled", x, weight, bias, eps)
-    check_scale(scale, x, "layernorm_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    _check_transpose_flag(with_transpose, "layernorm_fp8_scaled")
-    M = _rows(x)
-    return (
-        *_fake_fp8(x, fp8_dtype, with_transpose),
-        x.new_empty((M,), dtype=torch.float32),
-        x.new_empty((M,), dtype=torch.float32),
-    )
+    _check_fp8("layernorm_fp8_scaled", x, weight, bias, eps, fp8_dtype, with_transpose, scale=scale)
+    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=2)
 
 
 @custom_op("float8::rmsnorm_bwd")
