@@ -66,6 +66,7 @@ from .common import (
     check_scaling_args,
     clamp_keep_nan,
     custom_op,
+    fp8_constants,
     next_pow2,
     scale_from_amax,
     use_triton,
@@ -100,6 +101,7 @@ NUM_WARPS = 4
 # (90% / 76% of copy bandwidth), against 0.58 / 1.04 for (64, 64) through FP8 bytes (H100, 2026-11-22;
 # examples/results/profile_nvidia-h100-80gb-hbm3_2026-11-22.md, section 4).
 TRANSPOSE_CONFIG = dict(BLOCK_S=32, BLOCK_N=128, num_warps=4, T_MODE=1)
+NO_FP8 = dict(FP8_MAX=1.0, MIN_SCALE=1.0)  # the FP8 constexprs of the modes that cast nothing ("hp", "amax")
 
 
 # ---- device math: kernel formulas (the *_ref functions below repeat them op for op) -----------------
@@ -248,6 +250,7 @@ def _act_fwd_kernel(
     MODE: tl.constexpr,  # "hp": store act; "amax": only fold max|act|; "current" / "delayed": store FP8
     WITH_T: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -260,7 +263,7 @@ def _act_fwd_kernel(
         if KIND == "swiglu":
             bias_b = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     if MODE == "current":
-        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     elif MODE == "delayed":
         scale = tl.load(scale_ptr)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
@@ -323,6 +326,7 @@ def _act_bwd_kernel(
     WITH_T: tl.constexpr,
     DBIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -335,7 +339,7 @@ def _act_bwd_kernel(
         if KIND == "swiglu":
             bias_b = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     if MODE == "current":
-        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
     # dbias: elementwise sums over the row tiles, reduced across rows once at the end (not per tile)
     dbias_a = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
@@ -459,7 +463,7 @@ def _launch_fwd(
         HAS_BIAS=bias is not None,
         MODE=mode,
         WITH_T=y_t is not None,
-        FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
+        **(fp8_constants(fp8_dtype) if fp8_dtype is not None else NO_FP8),
         POWER_OF_2=power_of_2,
         **meta,
     )
@@ -491,7 +495,7 @@ def _launch_bwd(
         MODE=mode,
         WITH_T=dx_t is not None,
         DBIAS=dbias_parts is not None,
-        FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 1.0,
+        **(fp8_constants(fp8_dtype) if fp8_dtype is not None else NO_FP8),
         POWER_OF_2=power_of_2,
         **meta,
     )

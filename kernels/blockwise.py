@@ -24,11 +24,12 @@ from .common import (
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
+    fp8_constants,
     margin_div,
     scale_from_amax,
     use_triton,
 )
-from .reference import cast_to_fp8_ref, expand_blocks, fp8_max, scale_from_amax as scale_from_amax_ref
+from .reference import cast_to_fp8_ref, expand_blocks, scale_from_amax as scale_from_amax_ref
 from .rowwise import launch_rowwise
 
 MAX_BLOCK_ELEMS = 128 * 128  # registers of one program (8 warps: 64 values per thread)
@@ -45,6 +46,7 @@ def _block2d_kernel(
     blocks_k,  # K // BLOCK_C
     margin_div,  # 2.0**margin
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -55,7 +57,7 @@ def _block2d_kernel(
     # No masks: the launcher checked that the blocks tile x exactly.
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :].to(tl.int64) * stride_xk).to(tl.float32)
     amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-    scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+    scale = scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     y = clamp_keep_nan(x * scale, FP8_MAX)
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], y.to(data_ptr.dtype.element_ty))
     tl.store(scale_inv_ptr + pid, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
@@ -81,7 +83,7 @@ def _quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, p
             x.stride(1),
             K // block_cols,
             margin_div(margin),
-            FP8_MAX=fp8_max(fp8_dtype),
+            **fp8_constants(fp8_dtype),
             POWER_OF_2=power_of_2,
             BLOCK_R=block_rows,
             BLOCK_C=block_cols,

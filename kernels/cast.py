@@ -21,11 +21,12 @@ from .common import (
     check_hp_input,
     check_scale,
     clamp_keep_nan,
+    fp8_constants,
     margin_div,
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
+from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype
 
 BLOCK = 4096  # elements per program; 8 warps -> 16 per thread: 2x16 B loads (bf16), one 16 B store
 NUM_WARPS = 8
@@ -41,6 +42,7 @@ def _cast_kernel(
     n,
     margin_div,  # 2.0**margin (CURRENT only)
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     CURRENT: tl.constexpr,
     POWER_OF_2: tl.constexpr,
     WITH_AMAX: tl.constexpr,
@@ -51,7 +53,7 @@ def _cast_kernel(
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if CURRENT:
-        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     else:
         scale = tl.load(scale_ptr)
     y = clamp_keep_nan(x * scale, FP8_MAX)
@@ -84,7 +86,7 @@ def launch_cast(
         scale_inv,
         n,
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
+        **fp8_constants(fp8_dtype),
         CURRENT=current,
         POWER_OF_2=power_of_2,
         WITH_AMAX=(not current) and amax_out is not None,

@@ -33,13 +33,14 @@ from .common import (
     check_scale,
     check_scaling_args,
     clamp_keep_nan,
+    fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     small_num_warps,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max, scale_from_amax as scale_from_amax_ref
+from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, scale_from_amax as scale_from_amax_ref
 
 # Per input element size. (64, 128) tiles: 256 B row segments read (bf16), 128 B / 64 B written. For
 # 16-bit inputs TRANS_INPUT transposes the input tile (ldmatrix.trans) rather than the FP8 one (byte-wise
@@ -67,6 +68,7 @@ def _cast_transpose_kernel(
     tiles_k,
     margin_div,  # 2.0**margin (CURRENT only)
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     CURRENT: tl.constexpr,
     POWER_OF_2: tl.constexpr,
     WITH_AMAX: tl.constexpr,
@@ -87,7 +89,7 @@ def _cast_transpose_kernel(
     x_in = tl.load(x_tile, mask=mask, other=0.0)
     x = x_in.to(tl.float32)
     if CURRENT:
-        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     else:
         scale = tl.load(scale_ptr)
     y = clamp_keep_nan(x * scale, FP8_MAX).to(data_ptr.dtype.element_ty)
@@ -123,6 +125,7 @@ def _quantize_transpose_small_kernel(
     stride_xk,
     margin_div,  # 2.0**margin
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -136,7 +139,7 @@ def _quantize_transpose_small_kernel(
     x = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
     # The integer max of common.abs_bits keeps NaN; its bits are the float amax (+0.0 for an empty x).
     amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-    scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+    scale = scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     y = clamp_keep_nan(x * scale, FP8_MAX).to(data_ptr.dtype.element_ty)
     y_t = tl.trans(y)
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
@@ -172,7 +175,7 @@ def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
         x.stride(-2),
         x.stride(-1),
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
+        **fp8_constants(fp8_dtype),
         POWER_OF_2=power_of_2,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
@@ -207,7 +210,7 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
         tiles_m,
         tiles_k,
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
+        **fp8_constants(fp8_dtype),
         CURRENT=current,
         POWER_OF_2=power_of_2,
         WITH_AMAX=(not current) and amax_out is not None,

@@ -1,7 +1,7 @@
 """What every kernel here shares: input checks, the device-side scale rule, the saturating cast.
 
-The device helpers are the Triton spelling of `reference.py`; each says where it has to be careful to
-give the reference's bits (DESIGN.md section 3).
+The device helpers are the Triton spelling of `reference.py` (which states the semantics); each says
+where it has to be careful to give the reference's bits.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
-
-MAX_MARGIN = 32  # the same bound as float8.recipe
+from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype, fp8_max, max_margin, min_scale
 
 # Current scaling of a SMALL tensor runs as one program, one launch (quantize.py, cast_transpose.py): on the
 # H100 machine's host each Triton launch costs ~25-60 us of Python time and torch.zeros ~20-50 us, so the
@@ -60,29 +58,28 @@ def clamp_keep_nan(v, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def scale_from_amax(amax, FP8_MAX: tl.constexpr, margin_div, POWER_OF_2: tl.constexpr):
+def scale_from_amax(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, margin_div, POWER_OF_2: tl.constexpr):
     """reference.scale_from_amax on the device, elementwise over an fp32 amax (scalar or block).
 
     Bit-exact with the reference: `fp8_max / amax` in torch is `amax.reciprocal() * fp8_max` (Tensor.
     __rtruediv__), so we round twice the same way; division is div.rn.f32 (IEEE), not the `/` of Triton,
     which is div.full.f32 (2 ulp). margin_div = 2.0**margin: the same correctly rounded division as the
-    reference's. The clamp comes after the margin, as in the reference. POWER_OF_2 clears the mantissa bits,
-    an exact round-down. The reference's exp2(floor(log2(s)))
-    agrees except where float32 log2 rounds up to an integer (s within ~1e-6 relative below 2**k, |k| >= 15)
-    and at s = FLT_MAX (log2 gives 128.0: the reference returns inf there); see tests/kernels.
+    reference's. The clamp to the largest float32 comes after the margin, as in the reference. POWER_OF_2
+    clears the mantissa bits, an exact round-down, like the reference's frexp/ldexp (a subnormal scale has
+    no exponent bits and becomes 0 here, a power of two below 2**-126 there: the clamp below sends both to
+    MIN_SCALE). MIN_SCALE = reference.min_scale(fp8_dtype) (common.fp8_constants). An amax of 0 gives 1, an
+    inf or NaN amax NaN; max.f32 drops NaN, which is why the NaN comes from the last where, not the clamps.
     """
     one = tl.full(amax.shape, 1.0, tl.float32)
     scale = tl.math.div_rn(one, amax) * FP8_MAX
     scale = tl.math.div_rn(scale, margin_div)
     scale = tl.minimum(scale, 3.4028234663852886e38)  # inf (amax tiny) -> largest float32
     if POWER_OF_2:
-        # A subnormal scale (huge amax with a margin) has no exponent bits to keep: lift it by 2**64 first.
-        tiny = scale < 1.1754943508222875e-38
-        lifted = tl.where(tiny, scale * 18446744073709551616.0, scale)
-        p = (lifted.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        scale = tl.where(tiny, p * 5.421010862427522e-20, p)
-    good = (amax > 0.0) & (amax < float("inf"))  # NaN fails both
-    return tl.where(good, scale, one)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = tl.maximum(scale, MIN_SCALE)
+    scale = tl.where(amax > 0.0, scale, one)
+    finite = tl.abs(amax) < float("inf")  # NaN fails
+    return tl.where(finite, scale, float("nan"))
 
 
 # ---- host helpers -----------------------------------------------------------------------------------
@@ -112,11 +109,23 @@ def check_scale(scale, x: torch.Tensor, op: str) -> None:
 
 
 def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
+    """The arguments of current scaling: an FP8 dtype, 0 <= margin <= reference.max_margin(fp8_dtype), a bool."""
     check_fp8_dtype(fp8_dtype)
-    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= MAX_MARGIN:
-        raise ValueError(f"{op}: margin must be an int in [0, {MAX_MARGIN}], got {margin!r}")
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        raise ValueError(f"{op}: margin must be an int >= 0, got {margin!r}")
+    limit = max_margin(fp8_dtype)
+    if margin > limit:
+        raise ValueError(
+            f"{op}: margin {margin} is too large for {fp8_dtype}: at most {limit} (a larger margin can send "
+            "every value to 0)"
+        )
     if not isinstance(power_of_2, bool):
         raise TypeError(f"{op}: power_of_2 must be a bool, got {type(power_of_2).__name__}")
+
+
+def fp8_constants(fp8_dtype) -> dict:
+    """The constexprs FP8_MAX and MIN_SCALE of a kernel casting to fp8_dtype (reference.fp8_max, .min_scale)."""
+    return dict(FP8_MAX=fp8_max(fp8_dtype), MIN_SCALE=min_scale(fp8_dtype))
 
 
 def margin_div(margin: int) -> float:
@@ -151,10 +160,11 @@ def custom_op(name: str):
     """`torch.library.custom_op(name)`, with a direct call on the eager hot path.
 
     The registered op is what torch.compile, fake tensors, functionalization and opcheck see. A plain
-    eager call (no tracing, no dispatch mode, plain tensors, no autograd to record) calls the function
-    itself: the op dispatcher costs ~47 us per call on the H100 machine's host (134 us against 87 us for
-    quantize_tensorwise, measured 2026-11-22: examples/results/history/kernels_nvidia-h100-80gb-hbm3_run1.md),
-    which small layers feel. Same function, same results.
+    eager call (no tracing, no dispatch mode, plain tensors among the positional and keyword arguments, no
+    autograd to record) calls the function itself: the op dispatcher costs ~47 us per call on the H100
+    machine's host (134 us against 87 us for quantize_tensorwise, measured 2026-11-22:
+    examples/results/history/kernels_nvidia-h100-80gb-hbm3_run1.md), which small layers feel. Same
+    function, same results.
     """
 
     def wrap(fn):
@@ -162,7 +172,7 @@ def custom_op(name: str):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if _plain_eager(args):
+            if _plain_eager(args, kwargs):
                 return fn(*args, **kwargs)
             return op(*args, **kwargs)
 
@@ -173,11 +183,11 @@ def custom_op(name: str):
     return wrap
 
 
-def _plain_eager(args) -> bool:
+def _plain_eager(args, kwargs) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     grad = torch.is_grad_enabled()
-    for a in args:
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or (grad and a.requires_grad)):
             return False
     return True

@@ -75,6 +75,7 @@ from .common import (
     check_scaling_args,
     clamp_keep_nan,
     custom_op,
+    fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
@@ -315,6 +316,7 @@ def _norm_fp8_tiles_kernel(
     tiles_n,
     margin_div,  # 2.0**margin (CURRENT)
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CURRENT: tl.constexpr,
@@ -330,7 +332,7 @@ def _norm_fp8_tiles_kernel(
     x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm)
     mean, rstd = _load_stats(mean_ptr, rstd_ptr, rows, M, IS_RMS)
     if CURRENT:
-        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     else:
         scale = tl.load(scale_ptr)
     # y as the unfused op holds it (in x.dtype), elementwise: the FP8 bits equal quantize(norm(x)) bit for bit.
@@ -623,7 +625,7 @@ def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margi
         x2.stride(0),
         tiles_n,
         margin_div(margin),
-        FP8_MAX=fp8_max(data.dtype),
+        **fp8_constants(data.dtype),
         IS_RMS=mean is None,
         HAS_BIAS=b is not None,
         CURRENT=scale is None,

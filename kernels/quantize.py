@@ -25,13 +25,14 @@ from .common import (
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
+    fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax as _device_scale_from_amax,
     small_num_warps,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, fp8_max, scale_from_amax
+from .reference import amax_ref, cast_to_fp8_ref, scale_from_amax
 
 SMALL_MIN_BLOCK = 128  # fewer specializations (one per power of two from here to SMALL_NUMEL)
 
@@ -45,6 +46,7 @@ def _quantize_small_kernel(
     n,
     margin_div,  # 2.0**margin
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -54,7 +56,7 @@ def _quantize_small_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # The integer max of common.abs_bits keeps NaN; its bits are the float amax (+0.0 for an empty x).
     amax = tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True)
-    scale = _device_scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+    scale = _device_scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     y = clamp_keep_nan(x * scale, FP8_MAX)
     tl.store(data_ptr + offs, y.to(data_ptr.dtype.element_ty), mask=mask)
     tl.store(amax_ptr, amax)
@@ -74,7 +76,7 @@ def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_
         amax,
         x.numel(),
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
+        **fp8_constants(fp8_dtype),
         POWER_OF_2=power_of_2,
         BLOCK=block,
         num_warps=small_num_warps(block),

@@ -1,12 +1,18 @@
 """The scaling semantics of float8, stated once, in plain PyTorch.
 
 Every kernel in this folder has a `*_ref` twin built from these functions, and every test compares
-against them. DESIGN.md section 3 in code:
+against them:
 
-- scale = fp8_max / amax, divided by 2**margin, optionally rounded down to a power of two; computed in
-  float32 and clamped to the largest finite float32. scale_inv = 1 / scale.
-- amax == 0 gives scale 1; a non-finite amax gives scale 1 here (delayed scaling keeps its previous
-  scale instead, see `float8.recipe`).
+- scale = fp8_max / amax, divided by 2**margin, clamped to the largest finite float32, optionally
+  rounded down to a power of two, then clamped from below to min_scale(fp8_dtype) (2**-119 for E4M3,
+  2**-112 for E5M2), all in float32. scale_inv = 1 / scale <= 1 / min_scale, so dequantizing any FP8
+  value gives a finite float32, even for values near the float32 maximum.
+- amax == 0 gives scale 1. A non-finite amax (inf or NaN) gives scale NaN: with current scaling a tensor
+  (row, block) holding +-inf or NaN quantizes to NaN data with a NaN scale_inv, so it dequantizes to NaN,
+  never to finite values (an overflowing gradient must not come out finite). Delayed scaling computes its
+  scale from an amax history elsewhere (float8/recipe.py); with a given scale the cast below saturates.
+- margin is at most max_margin(fp8_dtype) (17 for E4M3, 31 for E5M2): a larger one can send every value,
+  amax included, to 0 (common.check_scaling_args refuses it).
 - cast: x.float() * scale, rounded to nearest even, saturating: |v| > fp8_max -> +-fp8_max,
   +-inf -> +-fp8_max, NaN -> NaN. That is what Triton's `.to(tl.float8e4nv)` / `.to(tl.float8e5)`
   do on Hopper. Eager `tensor.to(torch.float8_e4m3fn)` does not saturate (500 -> NaN), so we clamp first.
@@ -14,6 +20,8 @@ against them. DESIGN.md section 3 in code:
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,13 +43,41 @@ def check_fp8_dtype(fp8_dtype) -> None:
         )
 
 
+def min_scale(fp8_dtype: torch.dtype) -> float:
+    """The smallest scale: the smallest power of two p with fp8_max / p <= the largest float32.
+
+    2**-119 for E4M3 (448 = 1.75 * 2**8), 2**-112 for E5M2 (57344 = 1.75 * 2**15). A scale_inv is at most
+    1 / p, so fp8 * scale_inv never overflows to inf.
+    """
+    _, e = math.frexp(fp8_max(fp8_dtype))  # fp8_max = m * 2**e, m in [0.5, 1): m * 2**128 <= FLOAT32_MAX
+    return 2.0 ** (e - 128)
+
+
+def max_margin(fp8_dtype: torch.dtype) -> int:
+    """The largest margin that still maps amax to a nonzero FP8 value, power_of_2 rounding included.
+
+    With margin m (and the scale rounded down to a power of two) amax * scale lies in
+    (fp8_max / 2**(m + 1), fp8_max / 2**m]; it rounds to a nonzero code while fp8_max / 2**(m + 1) is at
+    least half the smallest subnormal s, i.e. while 2**m <= fp8_max / s: 17 for E4M3 (448 / 2**-9),
+    31 for E5M2 (57344 / 2**-16).
+    """
+    fi = torch.finfo(fp8_dtype)
+    smallest_subnormal = fi.smallest_normal * fi.eps
+    _, e = math.frexp(fp8_max(fp8_dtype) / smallest_subnormal)
+    return e - 1  # floor(log2(fp8_max / s))
+
+
 def scale_from_amax(
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
     margin: int = 0,
     power_of_2: bool = False,
 ) -> torch.Tensor:
-    """float32 scale(s) for the given amax(es), elementwise. Never inf, never NaN, never 0."""
+    """float32 scale(s) for the given amax(es), elementwise.
+
+    In [min_scale(fp8_dtype), largest float32] for a finite amax > 0; 1 for amax == 0; NaN for an inf or
+    NaN amax. Never inf, never 0.
+    """
     amax = amax.float()
     # Spelled out as torch evaluates `fp8_max / amax` (reciprocal, then multiply: two float32 roundings),
     # so that the kernels can reproduce it bit for bit.
@@ -54,8 +90,9 @@ def scale_from_amax(
         # Multiplying by it is exact, so the only rounding left is the cast.
         _, exponent = torch.frexp(scale)
         scale = torch.where(scale > 0, torch.ldexp(torch.ones_like(scale), exponent - 1), scale)
-    good = torch.isfinite(amax) & (amax > 0)
-    return torch.where(good, scale, torch.ones_like(scale))
+    scale = torch.clamp(scale, min=min_scale(fp8_dtype))
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
 def cast_to_fp8_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -22,12 +22,13 @@ from .common import (
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
+    fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     use_triton,
 )
-from .reference import cast_to_fp8_ref, fp8_max, scale_from_amax as scale_from_amax_ref
+from .reference import cast_to_fp8_ref, scale_from_amax as scale_from_amax_ref
 
 MAX_SINGLE_K = 8192  # rows up to this long are cast from registers
 LOOP_BLOCK_K = 4096  # column block of the two-pass loop for longer rows
@@ -44,6 +45,7 @@ def _rowwise_kernel(
     stride_xr,
     margin_div,  # 2.0**margin
     FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -58,7 +60,7 @@ def _rowwise_kernel(
         mask = row_mask[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)  # (ROWS,)
-        scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
         y = clamp_keep_nan(x * scale[:, None], FP8_MAX)
         tl.store(d_rows + cols[None, :], y.to(data_ptr.dtype.element_ty), mask=mask)
     else:
@@ -68,7 +70,7 @@ def _rowwise_kernel(
             x = tl.load(x_rows + k + cols[None, :], mask=mask, other=0.0)
             bits = tl.maximum(bits, abs_bits(x))
         amax = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
-        scale = scale_from_amax(amax, FP8_MAX, margin_div, POWER_OF_2)
+        scale = scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
         for k in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (cols[None, :] + k < K)
             x = tl.load(x_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -97,7 +99,7 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
         K,
         x2.stride(0),
         margin_div(margin),
-        FP8_MAX=fp8_max(fp8_dtype),
+        **fp8_constants(fp8_dtype),
         POWER_OF_2=power_of_2,
         ROWS=rows,
         BLOCK_K=block_k,

@@ -472,7 +472,7 @@ def fp8_transformer_layer(d, heads, kv_heads, head_dim, ffn):
 
     return ops.Sequential(
         ops.Residual(), ops.RMSNorm(d), ops.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False),
-        ops.Attention(heads, head_dim, kv_heads, causal=True), ops.Linear(heads * head_dim, d, bias=False),
+        ops.Attention(heads, head_dim, num_kv_heads=kv_heads, causal=True), ops.Linear(heads * head_dim, d, bias=False),
         ops.AddResidual(),
         ops.Residual(), ops.RMSNorm(d), ops.Linear(d, 2 * ffn, bias=False), ops.SwiGLU(),
         ops.Linear(ffn, d, bias=False), ops.AddResidual(),

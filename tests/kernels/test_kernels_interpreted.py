@@ -2,7 +2,7 @@
 
 The interpreter's float conversions are made hardware-faithful by tests/kernels/conftest.py; the GPU tier
 (test_gpu_kernels.py) repeats the comparisons on the hardware. FP8 outputs, scale_inv and amax are compared
-as bits (an amax that is NaN only as NaN: its payload is the input's).
+as bits, NaNs where helpers.assert_outputs says (an amax's NaN; data under a NaN scale) as NaN-ness.
 """
 
 import importlib
@@ -98,7 +98,7 @@ def test_quantize_dtypes_layouts_scaling(dtype, layout, margin, power_of_2):
 
 @pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan"), 1e-38])
 def test_quantize_degenerate_amax(fill):
-    # amax 0, inf, NaN -> scale 1; a tiny amax -> the largest float32 scale.
+    # amax 0 -> scale 1; inf, NaN -> scale NaN (NaN data); a tiny amax -> the largest float32 scale.
     x = torch.full((5, 7), fill)
     x[0, 0] = 0.0
     for fp8_dtype in FP8:
@@ -192,7 +192,7 @@ def test_rowwise_shapes(shape, fp8_dtype):
 def test_rowwise_dtypes_layouts(dtype, layout, margin, power_of_2):
     x = make_x((6, 33), dtype, layout)
     x[2] = 0.0  # an all-zero row: scale 1
-    x[3, 1] = float("nan")  # a NaN row: scale 1, NaN kept
+    x[3, 1] = float("nan")  # a NaN row and an inf row: scale NaN, the row NaN (test_scale.py)
     x[4, 2] = float("inf")
     for fp8_dtype in FP8:
         got = row_m._quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
