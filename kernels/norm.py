@@ -1,17 +1,17 @@
 """RMSNorm and LayerNorm: forward, backward, and forward straight to FP8 (per-tensor scaling).
 
-rmsnorm_fwd(x, weight, eps) -> (y, rstd)
-layernorm_fwd(x, weight, bias, eps) -> (y, mean, rstd)
-rmsnorm_fp8(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
-    -> (data, data_t, scale_inv, amax, rstd)
-layernorm_fp8(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
+norm_fwd(x, weight, bias, eps, rms) -> (y, mean, rstd)
+norm_fp8(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
     -> (data, data_t, scale_inv, amax, mean, rstd)
-rmsnorm_fp8_scaled(x, weight, eps, scale, fp8_dtype, with_transpose)
-    -> (data, data_t, scale_inv, amax, rstd)
-layernorm_fp8_scaled(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
-    -> (data, data_t, scale_inv, amax, mean, rstd)
-rmsnorm_bwd(dy, x, weight, rstd) -> (dx, dweight)
-layernorm_bwd(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
+norm_bwd(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
+
+rms=True is RMSNorm (no bias: one is refused), rms=False LayerNorm (bias optional). A custom op cannot
+return None, so RMSNorm's mean output is an empty (0,) float32 tensor; norm_bwd takes mean None for
+RMSNorm and returns an empty (0,) dbias of weight's dtype then. norm_fp8's scale: None for current
+scaling (the scale derived on the device from max|y|, with margin and power_of_2), or a one-element
+float32 tensor on x's device (delayed or static scaling; margin and power_of_2 are ignored); amax = max|y|
+either way (what a delayed-scaling history records). Each op runs its launcher norm_*_triton (the op's
+arguments, plus config: tile overrides) on a CUDA tensor and its reference norm_*_ref elsewhere.
 
 x is (..., N), normalised over its last dim: M = x.numel() // N rows. y and dx have x's shape and dtype;
 mean and rstd are (M,) float32; dweight/dbias have weight's dtype (accumulated in float32). All
@@ -26,8 +26,8 @@ bit-exact with the references (tests/kernels/test_norm.py); the stats themselves
 (exactly, where every partial sum is exact).
 
 FP8 outputs: y is first rounded to x.dtype, then amax'ed and cast exactly like kernels/quantize.py does,
-so rmsnorm_fp8(x, ...) == quantize_tensorwise(rmsnorm_fwd(x)[0], ...) bit for bit. y itself is never written.
-Two launches, no host sync, for current (`*_fp8`) and delayed (`*_fp8_scaled`, scale given) scaling alike:
+so norm_fp8(x, ...) == quantize_tensorwise(norm_fwd(x)[0], ...) bit for bit. y itself is never written.
+Two launches, no host sync, for current (scale None) and delayed (scale given) scaling alike:
 the row kernel computes the stats and the amax of y (stats written, y not; for delayed scaling amax feeds the
 history); the tile kernel recomputes y from x and the stats, takes the scale (derived from the amax on the
 device, common.scale_from_amax, or the given one), casts, writes data and data_t; program 0 writes
@@ -81,7 +81,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
+from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype
 from .reference import scale_from_amax as scale_from_amax_ref
 
 # Tile shapes (registers per thread on sm_90, from ptxas, in brackets; none spill). Row kernels: a tile of
@@ -580,14 +580,22 @@ def _launch_rows(x2, weight, bias, eps, is_rms, y, amax, config):
     return mean, rstd
 
 
-def _fwd_triton(x, weight, bias, eps, is_rms, config=None):
+def _contig(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _no_mean(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm's mean output: an empty (0,) float32 tensor (a custom op cannot return None)."""
+    return torch.empty((0,), dtype=torch.float32, device=x.device)
+
+
+def norm_fwd_triton(x, weight, bias, eps, rms, config=None):
+    """norm_fwd on the GPU: (y (x.shape, x.dtype), mean (M,) fp32 or (0,) for RMSNorm, rstd (M,) fp32)."""
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean, rstd = _launch_rows(
-        x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, is_rms, y, None, config
-    )
-    return y, mean, rstd
+    mean, rstd = _launch_rows(x2, weight.contiguous(), _contig(bias), eps, rms, y, None, config)
+    return y, _no_mean(x) if mean is None else mean, rstd
 
 
 def _fp8_outputs(x, fp8_dtype, with_transpose):
@@ -639,12 +647,15 @@ def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margi
     return scale_inv
 
 
-def _fp8_triton(x, weight, bias, eps, is_rms, fp8_dtype, scale, margin, power_of_2, with_transpose, config=None):
-    """Current scaling (scale None) or a given scale; (data, data_t, scale_inv, amax, mean, rstd)."""
+def norm_fp8_triton(
+    x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None
+):
+    """norm_fp8 on the GPU, current scaling (scale None) or a given scale: two launches, no host sync.
+    (data, data_t (N, M) or (0,), scale_inv, amax, mean (M,) or (0,) for RMSNorm, rstd)."""
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
     w = weight.contiguous()
-    b = None if bias is None else bias.contiguous()
+    b = _contig(bias)
     data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     if scale is not None:
@@ -654,14 +665,17 @@ def _fp8_triton(x, weight, bias, eps, is_rms, fp8_dtype, scale, margin, power_of
     # row kernel could cast as it goes: its FP8 store changes the register layout Triton picks for the row
     # (16 elements a thread instead of 16 bytes), with it the order of the row sums, and the stats then
     # differ from the forward's in the last bit (measured on the H100: rstd in 28 of 129 fp16 rows).
-    mean, rstd = _launch_rows(x2, w, b, eps, is_rms, None, amax, config)
+    mean, rstd = _launch_rows(x2, w, b, eps, rms, None, amax, config)
     scale_inv = _launch_tiles(
         x2, w, b, mean, rstd, amax, scale, data, data_t, with_transpose, margin, power_of_2, config
     )
-    return data, data_t, scale_inv, amax, mean, rstd
+    return data, data_t, scale_inv, amax, _no_mean(x) if mean is None else mean, rstd
 
 
-def _bwd_triton(dy, x, weight, mean, rstd, is_rms, config=None):
+def norm_bwd_triton(dy, x, weight, mean, rstd, config=None):
+    """norm_bwd on the GPU (mean None: RMSNorm): (dx (x.shape, x.dtype), dweight (N,), dbias (N,) or (0,)
+    for RMSNorm, in weight.dtype). Partial column sums per program, summed by torch (no atomics)."""
+    is_rms = mean is None
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
     dy2 = _rows_2d(dy, N)
@@ -702,53 +716,8 @@ def _bwd_triton(dy, x, weight, mean, rstd, is_rms, config=None):
             enable_fp_fusion=False,
         )
     dw = dw_part.sum(0).to(weight.dtype)
-    db = None if is_rms else db_part.sum(0).to(weight.dtype)
+    db = weight.new_empty((0,)) if is_rms else db_part.sum(0).to(weight.dtype)
     return dx, dw, db
-
-
-# Launchers by name (tests call these directly, also on CPU tensors under TRITON_INTERPRET=1).
-
-
-def _rmsnorm_fwd_triton(x, weight, eps, config=None):
-    y, _, rstd = _fwd_triton(x, weight, None, eps, True, config)
-    return y, rstd
-
-
-def _layernorm_fwd_triton(x, weight, bias, eps, config=None):
-    return _fwd_triton(x, weight, bias, eps, False, config)
-
-
-def _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None):
-    data, data_t, scale_inv, amax, _, rstd = _fp8_triton(
-        x, weight, None, eps, True, fp8_dtype, None, margin, power_of_2, with_transpose, config
-    )
-    return data, data_t, scale_inv, amax, rstd
-
-
-def _layernorm_fp8_triton(
-    x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None
-):
-    return _fp8_triton(x, weight, bias, eps, False, fp8_dtype, None, margin, power_of_2, with_transpose, config)
-
-
-def _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose=False, config=None):
-    data, data_t, scale_inv, amax, _, rstd = _fp8_triton(
-        x, weight, None, eps, True, fp8_dtype, scale, 0, False, with_transpose, config
-    )
-    return data, data_t, scale_inv, amax, rstd
-
-
-def _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False, config=None):
-    return _fp8_triton(x, weight, bias, eps, False, fp8_dtype, scale, 0, False, with_transpose, config)
-
-
-def _rmsnorm_bwd_triton(dy, x, weight, rstd, config=None):
-    dx, dw, _ = _bwd_triton(dy, x, weight, None, rstd, True, config)
-    return dx, dw
-
-
-def _layernorm_bwd_triton(dy, x, weight, mean, rstd, config=None):
-    return _bwd_triton(dy, x, weight, mean, rstd, False, config)
 
 
 # ---- checks -----------------------------------------------------------------------------------------
@@ -764,16 +733,32 @@ def _check_vec(v, name, N, x, op):
         raise ValueError(f"{op}: {name} is on {v.device} but x is on {x.device}")
 
 
-def _check_fwd(op, x, weight, bias, eps) -> None:
+def _check_fwd(op, x, weight, bias, eps, rms) -> None:
     check_hp_input(x, op)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x must have a non-empty last dim to normalise over, got shape {tuple(x.shape)}")
     N = x.shape[-1]
     _check_vec(weight, "weight", N, x, op)
+    if not isinstance(rms, bool):
+        raise TypeError(f"{op}: rms must be a bool (True: RMSNorm, False: LayerNorm), got {type(rms).__name__}")
     if bias is not None:
+        if rms:
+            raise ValueError(f"{op}: rms=True (RMSNorm) takes no bias, got a bias of shape {tuple(bias.shape)}")
         _check_vec(bias, "bias", N, x, op)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0.0 <= eps < math.inf):
         raise ValueError(f"{op}: eps must be a finite float >= 0, got {eps!r}")
+
+
+def _check_fp8(op, x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose) -> None:
+    """A given scale ignores margin and power_of_2 (they are not checked then)."""
+    _check_fwd(op, x, weight, bias, eps, rms)
+    if scale is None:
+        check_scaling_args(fp8_dtype, margin, power_of_2, op)
+    else:
+        check_scale(scale, x, op)
+        check_fp8_dtype(fp8_dtype)
+    if not isinstance(with_transpose, bool):
+        raise TypeError(f"{op}: with_transpose must be a bool, got {type(with_transpose).__name__}")
 
 
 def _check_stat(t, name, M, x, op):
@@ -788,227 +773,105 @@ def _check_stat(t, name, M, x, op):
 
 
 def _check_bwd(op, dy, x, weight, mean, rstd) -> None:
-    _check_fwd(op, x, weight, None, 0.0)
+    _check_fwd(op, x, weight, None, 0.0, mean is None)
     check_hp_input(dy, op, "dy")
     if dy.shape != x.shape:
         raise ValueError(f"{op}: dy must have the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
     if dy.device != x.device:
         raise ValueError(f"{op}: dy is on {dy.device} but x is on {x.device}")
-    M = x.numel() // x.shape[-1]
+    M = _rows(x)
     if mean is not None:
         _check_stat(mean, "mean", M, x, op)
     _check_stat(rstd, "rstd", M, x, op)
-
-
-def _check_transpose_flag(with_transpose, op):
-    if not isinstance(with_transpose, bool):
-        raise TypeError(f"{op}: with_transpose must be a bool, got {type(with_transpose).__name__}")
 
 
 def _rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _check_fp8(op, x, weight, bias, eps, fp8_dtype, with_transpose, margin=0, power_of_2=False, scale=None):
-    """The checks of the *_fp8 ops (current scaling) and, with scale, of the *_fp8_scaled ones."""
-    _check_fwd(op, x, weight, bias, eps)
-    if scale is None:
-        check_scaling_args(fp8_dtype, margin, power_of_2, op)
-    else:
-        check_scale(scale, x, op)
-        check_fp8_dtype(fp8_dtype)
-    _check_transpose_flag(with_transpose, op)
-
-
-def _fake_fp8(x, fp8_dtype, with_transpose, n_stats):
-    """Fake outputs of an FP8 norm: (data, data_t, scale_inv, amax) and n_stats (M,) float32 row stats
-    (rstd for RMSNorm; mean and rstd for LayerNorm)."""
-    N, M = x.shape[-1], _rows(x)
-    data = x.new_empty(x.shape, dtype=fp8_dtype)
-    data_t = x.new_empty((N, M) if with_transpose else (0,), dtype=fp8_dtype)
-    scalars = (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
-    return (data, data_t, *scalars, *(x.new_empty((M,), dtype=torch.float32) for _ in range(n_stats)))
+def _fake_stats(x, rms):
+    """(mean (M,) or (0,) for RMSNorm, rstd (M,)), float32."""
+    M = _rows(x)
+    return x.new_empty((0 if rms else M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 
 
 # ---- public ops -------------------------------------------------------------------------------------
 
 
-@custom_op("float8::rmsnorm_fwd")
-def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (x.shape, x.dtype), rstd (M,) fp32): y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps)."""
-    _check_fwd("rmsnorm_fwd", x, weight, None, eps)
-    if use_triton(x, writes_fp8=False):
-        return _rmsnorm_fwd_triton(x, weight, eps)
-    return rmsnorm_fwd_ref(x, weight, eps)
-
-
-@rmsnorm_fwd.register_fake
-def _(x, weight, eps):
-    _check_fwd("rmsnorm_fwd", x, weight, None, eps)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return y, x.new_empty((_rows(x),), dtype=torch.float32)
-
-
-@custom_op("float8::layernorm_fwd")
-def layernorm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
+@custom_op("float8::norm_fwd")
+def norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y (x.shape, x.dtype), mean (M,) fp32, rstd (M,) fp32): y = (x - mean) * rstd * weight + bias."""
-    _check_fwd("layernorm_fwd", x, weight, bias, eps)
-    if use_triton(x, writes_fp8=False):
-        return _layernorm_fwd_triton(x, weight, bias, eps)
-    return layernorm_fwd_ref(x, weight, bias, eps)
+    """(y (x.shape, x.dtype), mean (M,) fp32 or (0,) for RMSNorm, rstd (M,) fp32).
 
-
-@layernorm_fwd.register_fake
-def _(x, weight, bias, eps):
-    _check_fwd("layernorm_fwd", x, weight, bias, eps)
-    M = _rows(x)
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        x.new_empty((M,), dtype=torch.float32),
-        x.new_empty((M,), dtype=torch.float32),
-    )
-
-
-@custom_op("float8::rmsnorm_fp8")
-def rmsnorm_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    fp8_dtype: torch.dtype,
-    margin: int = 0,
-    power_of_2: bool = False,
-    with_transpose: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm straight to FP8, current per-tensor scaling.
-
-    (data (x.shape) fp8, data_t (N, M) fp8 or (0,) without with_transpose, scale_inv () fp32,
-    amax () fp32 = max|y|, rstd (M,) fp32).
+    rms=True: y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps), no bias. rms=False: y = (x - mean) *
+    rstd * weight + bias (bias optional), rstd = 1/sqrt(var + eps).
     """
-    _check_fp8("rmsnorm_fp8", x, weight, None, eps, fp8_dtype, with_transpose, margin, power_of_2)
-    if use_triton(x):
-        return _rmsnorm_fp8_triton(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
-    return rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin, power_of_2, with_transpose)
+    _check_fwd("norm_fwd", x, weight, bias, eps, rms)
+    if use_triton(x, writes_fp8=False):
+        return norm_fwd_triton(x, weight, bias, eps, rms)
+    return norm_fwd_ref(x, weight, bias, eps, rms)
 
 
-@rmsnorm_fp8.register_fake
-def _(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    _check_fp8("rmsnorm_fp8", x, weight, None, eps, fp8_dtype, with_transpose, margin, power_of_2)
-    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=1)
+@norm_fwd.register_fake
+def _(x, weight, bias, eps, rms):
+    _check_fwd("norm_fwd", x, weight, bias, eps, rms)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), *_fake_stats(x, rms))
 
 
-@custom_op("float8::layernorm_fp8")
-def layernorm_fp8(
+@custom_op("float8::norm_fp8")
+def norm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     eps: float,
+    rms: bool,
     fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
     margin: int = 0,
     power_of_2: bool = False,
     with_transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm straight to FP8, current per-tensor scaling.
+    """norm_fwd straight to FP8, per-tensor scaling: y is never written in high precision.
 
-    (data, data_t (N, M) or (0,), scale_inv () fp32, amax () fp32 = max|y|, mean (M,) fp32, rstd (M,) fp32).
+    scale None: current scaling (scale from max|y|, margin, power_of_2); else a one-element fp32 scale on
+    x's device (delayed or static scaling; margin and power_of_2 ignored). Returns (data (x.shape) fp8,
+    data_t (N, M) fp8 or (0,) without with_transpose, scale_inv () fp32, amax () fp32 = max|y| (for a
+    delayed-scaling history), mean (M,) fp32 or (0,) for RMSNorm, rstd (M,) fp32).
     """
-    _check_fp8("layernorm_fp8", x, weight, bias, eps, fp8_dtype, with_transpose, margin, power_of_2)
+    _check_fp8("norm_fp8", x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose)
     if use_triton(x):
-        return _layernorm_fp8_triton(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
-    return layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin, power_of_2, with_transpose)
+        return norm_fp8_triton(x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return norm_fp8_ref(x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
-@layernorm_fp8.register_fake
-def _(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    _check_fp8("layernorm_fp8", x, weight, bias, eps, fp8_dtype, with_transpose, margin, power_of_2)
-    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=2)
+@norm_fp8.register_fake
+def _(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    _check_fp8("norm_fp8", x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
+    scalars = (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
+    return (data, data_t, *scalars, *_fake_stats(x, rms))
 
 
-@custom_op("float8::rmsnorm_fp8_scaled")
-def rmsnorm_fp8_scaled(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    with_transpose: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm straight to FP8 with a given scale (delayed scaling): the forward's stats launch, then the cast.
-
-    (data, data_t (N, M) or (0,), scale_inv () fp32 = 1/scale, amax () fp32 = max|y| for the history, rstd).
-    """
-    _check_fp8("rmsnorm_fp8_scaled", x, weight, None, eps, fp8_dtype, with_transpose, scale=scale)
-    if use_triton(x):
-        return _rmsnorm_fp8_scaled_triton(x, weight, eps, scale, fp8_dtype, with_transpose)
-    return rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose)
-
-
-@rmsnorm_fp8_scaled.register_fake
-def _(x, weight, eps, scale, fp8_dtype, with_transpose=False):
-    _check_fp8("rmsnorm_fp8_scaled", x, weight, None, eps, fp8_dtype, with_transpose, scale=scale)
-    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=1)
-
-
-@custom_op("float8::layernorm_fp8_scaled")
-def layernorm_fp8_scaled(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    eps: float,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    with_transpose: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm straight to FP8 with a given scale: (data, data_t, scale_inv, amax, mean, rstd)."""
-    _check_fp8("layernorm_fp8_scaled", x, weight, bias, eps, fp8_dtype, with_transpose, scale=scale)
-    if use_triton(x):
-        return _layernorm_fp8_scaled_triton(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
-    return layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose)
-
-
-@layernorm_fp8_scaled.register_fake
-def _(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
-    _check_fp8("layernorm_fp8_scaled", x, weight, bias, eps, fp8_dtype, with_transpose, scale=scale)
-    return _fake_fp8(x, fp8_dtype, with_transpose, n_stats=2)
-
-
-@custom_op("float8::rmsnorm_bwd")
-def rmsnorm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (x.shape, x.dtype), dweight (N,) weight.dtype) for y = x * rstd * weight."""
-    _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
-    if use_triton(x, writes_fp8=False):
-        return _rmsnorm_bwd_triton(dy, x, weight, rstd)
-    return rmsnorm_bwd_ref(dy, x, weight, rstd)
-
-
-@rmsnorm_bwd.register_fake
-def _(dy, x, weight, rstd):
-    _check_bwd("rmsnorm_bwd", dy, x, weight, None, rstd)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
-
-
-@custom_op("float8::layernorm_bwd")
-def layernorm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+@custom_op("float8::norm_bwd")
+def norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) for y = (x - mean) * rstd * w + b."""
-    _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
+    """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) from the forward's stats.
+
+    mean None: RMSNorm, and dbias is an empty (0,) tensor of weight.dtype.
+    """
+    _check_bwd("norm_bwd", dy, x, weight, mean, rstd)
     if use_triton(x, writes_fp8=False):
-        return _layernorm_bwd_triton(dy, x, weight, mean, rstd)
-    return layernorm_bwd_ref(dy, x, weight, mean, rstd)
+        return norm_bwd_triton(dy, x, weight, mean, rstd)
+    return norm_bwd_ref(dy, x, weight, mean, rstd)
 
 
-@layernorm_bwd.register_fake
+@norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd):
-    _check_bwd("layernorm_bwd", dy, x, weight, mean, rstd)
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        torch.empty_like(weight),
-        torch.empty_like(weight),
-    )
+    _check_bwd("norm_bwd", dy, x, weight, mean, rstd)
+    dbias = weight.new_empty((0,) if mean is None else weight.shape)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), dbias
 
 
 # ---- references: the same float32 formulas in plain PyTorch ----------------------------------------
@@ -1065,56 +928,35 @@ def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
     return y
 
 
-def quantize_y_ref(y_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, with_transpose: bool):
-    """(data, data_t or (0,), scale_inv, amax) of y (any shape, rows = all but the last dim) at `scale`."""
+def quantize_y_ref(y_hp, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    """(data (y's shape), data_t (N, M) or (0,), scale_inv, amax = max|y|) of y (rows: all but the last dim)
+    at `scale`, or (scale None) at the current scale scale_from_amax(max|y|, margin, power_of_2)."""
     N = y_hp.shape[-1]
+    amax = amax_ref(y_hp)
+    if scale is None:
+        scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
     scale = scale.reshape(()).float()
     data = cast_to_fp8_ref(y_hp, scale, fp8_dtype)
     if with_transpose:
         data_t = data.reshape(-1, N).t().clone(memory_format=torch.contiguous_format)
     else:
         data_t = torch.empty((0,), dtype=fp8_dtype, device=y_hp.device)
-    return data, data_t, scale.reciprocal(), amax_ref(y_hp)
+    return data, data_t, scale.reciprocal(), amax
 
 
-def rmsnorm_fwd_ref(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    _, rstd = norm_stats_ref(x, eps, True)
-    return norm_apply_ref(x, weight, None, None, rstd).to(x.dtype).reshape(x.shape), rstd
+def norm_fwd_ref(x, weight, bias, eps, rms):
+    mean, rstd = norm_stats_ref(x, eps, rms)
+    y = norm_apply_ref(x, weight, bias, mean, rstd).to(x.dtype).reshape(x.shape)
+    return y, _no_mean(x) if mean is None else mean, rstd
 
 
-def layernorm_fwd_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float):
-    mean, rstd = norm_stats_ref(x, eps, False)
-    return norm_apply_ref(x, weight, bias, mean, rstd).to(x.dtype).reshape(x.shape), mean, rstd
-
-
-def quantize_y_current_ref(y_hp, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    """quantize_y_ref at the current scale: scale_from_amax(max|y|)."""
-    scale = scale_from_amax_ref(amax_ref(y_hp), fp8_dtype, margin, power_of_2)
-    return quantize_y_ref(y_hp, scale, fp8_dtype, with_transpose)
-
-
-def rmsnorm_fp8_ref(x, weight, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    y, rstd = rmsnorm_fwd_ref(x, weight, eps)
-    return (*quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_transpose), rstd)
-
-
-def layernorm_fp8_ref(x, weight, bias, eps, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    y, mean, rstd = layernorm_fwd_ref(x, weight, bias, eps)
-    return (*quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_transpose), mean, rstd)
-
-
-def rmsnorm_fp8_scaled_ref(x, weight, eps, scale, fp8_dtype, with_transpose=False):
-    y, rstd = rmsnorm_fwd_ref(x, weight, eps)
-    return (*quantize_y_ref(y, scale, fp8_dtype, with_transpose), rstd)
-
-
-def layernorm_fp8_scaled_ref(x, weight, bias, eps, scale, fp8_dtype, with_transpose=False):
-    y, mean, rstd = layernorm_fwd_ref(x, weight, bias, eps)
-    return (*quantize_y_ref(y, scale, fp8_dtype, with_transpose), mean, rstd)
+def norm_fp8_ref(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    y, mean, rstd = norm_fwd_ref(x, weight, bias, eps, rms)
+    return (*quantize_y_ref(y, fp8_dtype, scale, margin, power_of_2, with_transpose), mean, rstd)
 
 
 def norm_bwd_ref(dy, x, weight, mean, rstd):
-    """(dx (x.shape, x.dtype), dweight, dbias or None (weight.dtype)) from given stats (mean None: RMSNorm)."""
+    """(dx (x.shape, x.dtype), dweight, dbias (weight.dtype)) from given stats; mean None: RMSNorm, dbias (0,)."""
     N = x.shape[-1]
     xf = x.reshape(-1, N).float()
     dyf = dy.reshape(-1, N).float()
@@ -1124,7 +966,7 @@ def norm_bwd_ref(dy, x, weight, mean, rstd):
         xhat = xf * r
         c1 = _div_n((g * xhat).sum(-1), N)
         dx = (g - xhat * c1[:, None]) * r
-        db = None
+        db = weight.new_empty((0,))
     else:
         xhat = (xf - mean[:, None]) * r
         c1 = _div_n((g * xhat).sum(-1), N)
@@ -1133,12 +975,3 @@ def norm_bwd_ref(dy, x, weight, mean, rstd):
         db = dyf.sum(0).to(weight.dtype)
     dw = (dyf * xhat).sum(0).to(weight.dtype)
     return dx.to(x.dtype).reshape(x.shape), dw, db
-
-
-def rmsnorm_bwd_ref(dy, x, weight, rstd):
-    dx, dw, _ = norm_bwd_ref(dy, x, weight, None, rstd)
-    return dx, dw
-
-
-def layernorm_bwd_ref(dy, x, weight, mean, rstd):
-    return norm_bwd_ref(dy, x, weight, mean, rstd)

@@ -6,7 +6,7 @@ What is compared how:
   is exact (test_exact_inputs_everything_bit_exact).
 - Everything after the stats runs the same float32 operations in the same order (no FMA contraction:
   test_no_fma_contraction_in_ptx), so given the kernel's own stats, y, the FP8 data and data_t, scale_inv
-  and amax equal the references bit for bit (norm_apply_ref + quantize_y_ref / quantize_y_current_ref).
+  and amax equal the references bit for bit (norm_apply_ref + quantize_y_ref).
 - Fused == unfused: the FP8 ops' stats are the forward's bits because their first launch is the forward's
   compiled kernel (test_fp8_stats_come_from_the_forward_kernel): on the GPU the order of a row sum follows
   the register layout Triton picks per compiled kernel, which the interpreter cannot show.
@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import float8.kernels.norm as nm
+from float8.kernels.reference import fp8_max
 from float8.kernels.cast_transpose import _cast_transpose_triton, _quantize_transpose_tensorwise_triton
 
 from .helpers import FP8, assert_bits, needs_interpreter
@@ -83,41 +84,39 @@ def exact_inputs(shape, dtype, kind, seed=0):
 # ---- thin dispatch over rms / ln ---------------------------------------------------------------------
 
 
-def fwd_triton(kind, x, w, b, config=None):
+def mean_or_none(kind, mean):
+    """The ops' mean output as the helpers below hand it on: None for RMSNorm, whose ops return an empty
+    (0,) float32 tensor there (checked here)."""
     if kind == "rms":
-        y, rstd = nm._rmsnorm_fwd_triton(x, w, EPS, config)
-        return y, None, rstd
-    return nm._layernorm_fwd_triton(x, w, b, EPS, config)
+        assert mean.shape == (0,) and mean.dtype == torch.float32, mean
+        return None
+    return mean
+
+
+def fwd_triton(kind, x, w, b, config=None):
+    """(y, mean or None, rstd)."""
+    y, mean, rstd = nm.norm_fwd_triton(x, w, b, EPS, kind == "rms", config)
+    return y, mean_or_none(kind, mean), rstd
 
 
 def fwd_ref(kind, x, w, b):
-    if kind == "rms":
-        y, rstd = nm.rmsnorm_fwd_ref(x, w, EPS)
-        return y, None, rstd
-    return nm.layernorm_fwd_ref(x, w, b, EPS)
+    y, mean, rstd = nm.norm_fwd_ref(x, w, b, EPS, kind == "rms")
+    return y, mean_or_none(kind, mean), rstd
 
 
-def fp8_triton(kind, x, w, b, fp8_dtype, margin, power_of_2, with_t, config=None):
+def fp8_triton(kind, x, w, b, fp8_dtype, scale=None, margin=0, power_of_2=False, with_t=False, config=None):
     """(data, data_t, scale_inv, amax), mean or None, rstd."""
-    if kind == "rms":
-        *out, rstd = nm._rmsnorm_fp8_triton(x, w, EPS, fp8_dtype, margin, power_of_2, with_t, config)
-        return out, None, rstd
-    *out, mean, rstd = nm._layernorm_fp8_triton(x, w, b, EPS, fp8_dtype, margin, power_of_2, with_t, config)
-    return out, mean, rstd
-
-
-def fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t, config=None):
-    if kind == "rms":
-        *out, rstd = nm._rmsnorm_fp8_scaled_triton(x, w, EPS, scale, fp8_dtype, with_t, config)
-        return out, None, rstd
-    *out, mean, rstd = nm._layernorm_fp8_scaled_triton(x, w, b, EPS, scale, fp8_dtype, with_t, config)
-    return out, mean, rstd
+    *out, mean, rstd = nm.norm_fp8_triton(x, w, b, EPS, kind == "rms", fp8_dtype, scale, margin, power_of_2, with_t, config)
+    return out, mean_or_none(kind, mean), rstd
 
 
 def bwd_triton(kind, dy, x, w, mean, rstd, config=None):
+    """(dx, dweight, dbias or None for RMSNorm, whose op returns an empty (0,) dbias of w's dtype)."""
+    dx, dw, db = nm.norm_bwd_triton(dy, x, w, mean, rstd, config)
     if kind == "rms":
-        return (*nm._rmsnorm_bwd_triton(dy, x, w, rstd, config), None)
-    return nm._layernorm_bwd_triton(dy, x, w, mean, rstd, config)
+        assert db.shape == (0,) and db.dtype == w.dtype, db
+        db = None
+    return dx, dw, db
 
 
 def assert_outputs(ours, ref, names=FP8_NAMES):
@@ -181,11 +180,11 @@ def test_forward(kind, dtype, shape, config):
 @pytest.mark.parametrize("shape, dtype, config", CASES, ids=CASE_IDS)
 def test_fp8_current_scaling(kind, dtype, fp8_dtype, with_t, margin, power_of_2, shape, config):
     x, w, b = inputs(shape, dtype, kind)
-    out, mean, rstd = fp8_triton(kind, x, w, b, fp8_dtype, margin, power_of_2, with_t, config)
+    out, mean, rstd = fp8_triton(kind, x, w, b, fp8_dtype, None, margin, power_of_2, with_t, config)
     _, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
     assert_stats_close(mean, rstd, mean_ref, rstd_ref)
     y = y_from_stats(x, w, b, mean, rstd)
-    assert_outputs(out, nm.quantize_y_current_ref(y, fp8_dtype, margin, power_of_2, with_t))
+    assert_outputs(out, nm.quantize_y_ref(y, fp8_dtype, None, margin, power_of_2, with_t))
     # Fused == unfused: the same stats as the high-precision forward (same row kernel, same tile).
     _, mean_fwd, rstd_fwd = fwd_triton(kind, x, w, b, config)
     assert_bits(rstd, rstd_fwd, "rstd vs the forward's")
@@ -202,12 +201,13 @@ def test_fp8_given_scale(kind, dtype, fp8_dtype, with_t, shape, config):
     x, w, b = inputs(shape, dtype, kind)
     y_ref, mean_ref, rstd_ref = fwd_ref(kind, x, w, b)
     # Saturates the top half of |y|, and is not a power of two: the products round.
-    scale = (nm.fp8_max(fp8_dtype) / (0.5 * y_ref.float().abs().max()) * 1.37).reshape(1)
-    out, mean, rstd = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t, config)
+    scale = (fp8_max(fp8_dtype) / (0.5 * y_ref.float().abs().max()) * 1.37).reshape(1)
+    # margin and power_of_2 are ignored with a given scale
+    out, mean, rstd = fp8_triton(kind, x, w, b, fp8_dtype, scale, 3, True, with_t, config)
     assert_stats_close(mean, rstd, mean_ref, rstd_ref)
     y = y_from_stats(x, w, b, mean, rstd)
-    assert_outputs(out, nm.quantize_y_ref(y, scale, fp8_dtype, with_t))
-    assert out[0].float().abs().max() == nm.fp8_max(fp8_dtype)  # saturation was exercised
+    assert_outputs(out, nm.quantize_y_ref(y, fp8_dtype, scale, with_transpose=with_t))
+    assert out[0].float().abs().max() == fp8_max(fp8_dtype)  # saturation was exercised
     _, mean_fwd, rstd_fwd = fwd_triton(kind, x, w, b, config)
     assert_fwd_bits(kind, (y, mean, rstd), (y, mean_fwd, rstd_fwd))  # fused == unfused
 
@@ -222,21 +222,10 @@ def test_exact_inputs_everything_bit_exact(kind, dtype, shape):
     x, w, b = exact_inputs(shape, dtype, kind)
     assert_fwd_bits(kind, fwd_triton(kind, x, w, b), fwd_ref(kind, x, w, b))
     fp8_dtype = FP8[shape[0] % 2]
-    scale = torch.tensor(7.3)
-    if kind == "rms":
-        got = nm._rmsnorm_fp8_triton(x, w, EPS, fp8_dtype, 1, False, True)
-        ref = nm.rmsnorm_fp8_ref(x, w, EPS, fp8_dtype, 1, False, True)
-        got_s = nm._rmsnorm_fp8_scaled_triton(x, w, EPS, scale, fp8_dtype, True)
-        ref_s = nm.rmsnorm_fp8_scaled_ref(x, w, EPS, scale, fp8_dtype, True)
-        names = (*FP8_NAMES, "rstd")
-    else:
-        got = nm._layernorm_fp8_triton(x, w, b, EPS, fp8_dtype, 1, False, True)
-        ref = nm.layernorm_fp8_ref(x, w, b, EPS, fp8_dtype, 1, False, True)
-        got_s = nm._layernorm_fp8_scaled_triton(x, w, b, EPS, scale, fp8_dtype, True)
-        ref_s = nm.layernorm_fp8_scaled_ref(x, w, b, EPS, scale, fp8_dtype, True)
-        names = (*FP8_NAMES, "mean", "rstd")
-    assert_outputs(got, ref, names)
-    assert_outputs(got_s, ref_s, names)
+    names = (*FP8_NAMES, "mean", "rstd")
+    for scale in (None, torch.tensor(7.3)):
+        args = (x, w, b, EPS, kind == "rms", fp8_dtype, scale, 1, False, True)
+        assert_outputs(nm.norm_fp8_triton(*args), nm.norm_fp8_ref(*args), names)
 
 
 @needs_interpreter
@@ -246,13 +235,12 @@ def test_backward(kind, dtype, shape, config):
     x, w, b = inputs(shape, dtype, kind)
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     _, mean, rstd = fwd_ref(kind, x, w, b)
-    dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd, config)
+    ours = nm.norm_bwd_triton(dy, x, w, mean, rstd, config)
     ref = nm.norm_bwd_ref(dy, x, w, mean, rstd)
-    for name, ours, r in zip(("dx", "dweight", "dbias"), (dx, dw, db), ref):
-        if r is None:
-            assert ours is None
-            continue
+    for name, ours, r in zip(("dx", "dweight", "dbias"), ours, ref):
         assert ours.dtype == r.dtype and ours.shape == r.shape and ours.is_contiguous(), name
+        if r.numel() == 0:  # RMSNorm's dbias
+            continue
         assert max_rel_err(ours, r) <= hp_rtol(dtype), name
 
 
@@ -298,10 +286,10 @@ def test_equals_norm_then_quantize_kernels(kind, fp8_dtype):
     """norm -> FP8 in one op gives the bits of the high-precision norm followed by kernels/cast_transpose."""
     x, w, b = inputs((17, 128), torch.bfloat16, kind)
     y, _, _ = fwd_triton(kind, x, w, b)
-    out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, 1, True, True)
+    out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, None, 1, True, True)
     assert_outputs(out, _quantize_transpose_tensorwise_triton(y, fp8_dtype, 1, True))
     scale = torch.tensor([0.37])
-    out, _, _ = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, True)
+    out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, scale, with_t=True)
     assert_outputs(out, _cast_transpose_triton(y, scale, fp8_dtype))
 
 
@@ -375,8 +363,8 @@ def test_fp8_stats_come_from_the_forward_kernel(monkeypatch, kind, shape, dtype,
         rows.launches.clear()
         fwd_triton(kind, xx, w, b, config)
         for fp8_dtype, with_t in [(torch.float8_e4m3fn, True), (torch.float8_e5m2, False)]:
-            fp8_triton(kind, xx, w, b, fp8_dtype, 1, True, with_t, config)
-            fp8_scaled_triton(kind, xx, w, b, torch.tensor([3.0]), fp8_dtype, with_t, config)
+            fp8_triton(kind, xx, w, b, fp8_dtype, None, 1, True, with_t, config)
+            fp8_triton(kind, xx, w, b, fp8_dtype, torch.tensor([3.0]), with_t=with_t, config=config)
         (fwd_key, fwd_write), *fp8 = rows.launches
         assert fwd_write == 1 and len(fp8) == 4 and all(wy == 0 for _, wy in fp8)
         for key, _ in fp8:
@@ -390,6 +378,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import float8.kernels.norm as nm
+from float8.kernels.reference import fp8_max
 from tests.kernels.sm90_lowering import signature_of
 
 calls = []
@@ -402,10 +391,10 @@ for dtype in (torch.bfloat16, torch.float32):
     for N in (96, 4096, 9000):
         x = torch.randn(64, N).to(dtype); w = torch.randn(N).to(dtype)
         for b in (None, w):
-            nm._layernorm_fwd_triton(x, w, b, 1e-5) if b is not None else nm._rmsnorm_fwd_triton(x, w, 1e-5)
-            nm._fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e4m3fn, None, 0, False, True)
-            nm._fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e5m2, torch.tensor([2.0]), 0, False, False)
-            nm._bwd_triton(x, x, w, None if b is None else torch.zeros(64), torch.ones(64), b is None)
+            nm.norm_fwd_triton(x, w, b, 1e-5, b is None)
+            nm.norm_fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e4m3fn, None, 0, False, True)
+            nm.norm_fp8_triton(x, w, b, 1e-5, b is None, torch.float8_e5m2, torch.tensor([2.0]), 0, False, False)
+            nm.norm_bwd_triton(x, x, w, None if b is None else torch.zeros(64), torch.ones(64))
 out, seen = [], set()
 for fn, a, k in calls:
     sig, consts, attrs, options = signature_of(fn, a, k)
@@ -464,29 +453,29 @@ def test_nonfinite_row(kind, value):
     given scale only that row holds NaNs (RMSNorm of an inf row: rstd 0, y = inf * 0 there, 0 elsewhere)."""
     x, w, b = inputs((7, 33), torch.float32, kind)
     x[3, 5] = value
-    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, 0, False, True, SMALL)
+    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, None, 0, False, True, SMALL)
     others = torch.arange(7) != 3
     assert torch.isfinite(rstd[others]).all() and (mean is None or torch.isfinite(mean[others]).all())
     assert out[3].isnan() and out[2].isnan()
     assert out[0].float().isnan().all() and out[1].float().isnan().all()
     y = y_from_stats(x, w, b, mean, rstd)
-    assert_outputs(out, nm.quantize_y_current_ref(y, torch.float8_e4m3fn, 0, False, True))
-    out, _, _ = fp8_scaled_triton(kind, x, w, b, torch.tensor([3.0]), torch.float8_e4m3fn, True, SMALL)
+    assert_outputs(out, nm.quantize_y_ref(y, torch.float8_e4m3fn, None, 0, False, True))
+    out, _, _ = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, torch.tensor([3.0]), with_t=True, config=SMALL)
     assert out[0][3].float().isnan().any() and not out[0][others].float().isnan().any() and out[3].isnan()
 
 
 @needs_interpreter
 def test_layernorm_without_bias():
     x, w, _ = inputs((7, 33), torch.bfloat16, "ln")
-    y, mean, rstd = nm._layernorm_fwd_triton(x, w, None, EPS)
+    y, mean, rstd = fwd_triton("ln", x, w, None)
     assert_bits(y, y_from_stats(x, w, None, mean, rstd), "y")
-    assert_stats_close(mean, rstd, *nm.layernorm_fwd_ref(x, w, None, EPS)[1:])
+    assert_stats_close(mean, rstd, *fwd_ref("ln", x, w, None)[1:])
     scale = torch.tensor([20.0])
-    *out, mean, rstd = nm._layernorm_fp8_scaled_triton(x, w, None, EPS, scale, torch.float8_e4m3fn, True, SMALL)
+    out, mean, rstd = fp8_triton("ln", x, w, None, torch.float8_e4m3fn, scale, with_t=True, config=SMALL)
     y = y_from_stats(x, w, None, mean, rstd)
-    assert_outputs(out, nm.quantize_y_ref(y, scale, torch.float8_e4m3fn, True))
+    assert_outputs(out, nm.quantize_y_ref(y, torch.float8_e4m3fn, scale, with_transpose=True))
     dy = torch.randn(7, 33).to(torch.bfloat16)
-    for o, r in zip(nm._layernorm_bwd_triton(dy, x, w, mean, rstd), nm.layernorm_bwd_ref(dy, x, w, mean, rstd)):
+    for o, r in zip(nm.norm_bwd_triton(dy, x, w, mean, rstd), nm.norm_bwd_ref(dy, x, w, mean, rstd)):
         assert max_rel_err(o, r) <= 2.0**-7
 
 
@@ -517,10 +506,10 @@ def test_non_contiguous_rows(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_rows(kind):
     x, w, b = inputs((0, 16), torch.bfloat16, kind)
-    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, 0, False, True)
+    out, mean, rstd = fp8_triton(kind, x, w, b, torch.float8_e4m3fn, None, 0, False, True)
     assert out[0].shape == (0, 16) and out[1].shape == (16, 0) and rstd.shape == (0,)
     assert out[2].item() == 1.0 and out[3].item() == 0.0
-    out, _, _ = fp8_scaled_triton(kind, x, w, b, torch.tensor([4.0]), torch.float8_e5m2, False)
+    out, _, _ = fp8_triton(kind, x, w, b, torch.float8_e5m2, torch.tensor([4.0]))
     assert out[1].shape == (0,) and out[2].item() == 0.25 and out[3].item() == 0.0
     dx, dw, db = bwd_triton(kind, x, x, w, mean, rstd)
     assert dx.shape == (0, 16) and not dw.any() and dw.dtype == w.dtype
@@ -532,24 +521,32 @@ def test_empty_rows(kind):
 def op_cases():
     x, w, b = inputs((4, 3, 32), torch.bfloat16, "ln")
     x32 = x.float()
-    _, mean, rstd = nm.layernorm_fwd_ref(x, w, b, EPS)
+    _, mean, rstd = nm.norm_fwd_ref(x, w, b, EPS, False)
     e4, e5 = FP8
     s = torch.tensor([2.5])
     return [
-        ("rmsnorm_fwd", (x, w, EPS), nm.rmsnorm_fwd_ref),
-        ("layernorm_fwd", (x, w, b, EPS), nm.layernorm_fwd_ref),
-        ("layernorm_fwd", (x32, w, None, EPS), nm.layernorm_fwd_ref),
-        ("rmsnorm_fp8", (x, w, EPS, e4, 1, True, True), nm.rmsnorm_fp8_ref),
-        ("layernorm_fp8", (x, w, b, EPS, e5, 0, False, False), nm.layernorm_fp8_ref),
-        ("rmsnorm_fp8_scaled", (x32, w, EPS, s, e4, False), nm.rmsnorm_fp8_scaled_ref),
-        ("layernorm_fp8_scaled", (x, w, b, EPS, s.reshape(()), e5, True), nm.layernorm_fp8_scaled_ref),
-        ("rmsnorm_bwd", (x, x32, w, rstd), nm.rmsnorm_bwd_ref),
-        ("layernorm_bwd", (x, x, w, mean, rstd), nm.layernorm_bwd_ref),
+        ("norm_fwd", (x, w, None, EPS, True), nm.norm_fwd_ref),
+        ("norm_fwd", (x, w, b, EPS, False), nm.norm_fwd_ref),
+        ("norm_fwd", (x32, w, None, EPS, False), nm.norm_fwd_ref),
+        ("norm_fp8", (x, w, None, EPS, True, e4, None, 1, True, True), nm.norm_fp8_ref),
+        ("norm_fp8", (x, w, b, EPS, False, e5, None, 0, False, False), nm.norm_fp8_ref),
+        ("norm_fp8", (x32, w, None, EPS, True, e4, s, 0, False, False), nm.norm_fp8_ref),
+        ("norm_fp8", (x, w, b, EPS, False, e5, s.reshape(()), 0, False, True), nm.norm_fp8_ref),
+        ("norm_bwd", (x, x32, w, None, rstd), nm.norm_bwd_ref),
+        ("norm_bwd", (x, x, w, mean, rstd), nm.norm_bwd_ref),
     ]
 
 
 OP_CASES = op_cases()
 OP_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(OP_CASES)]
+
+
+def test_the_ops():
+    # One op per job, rms a flag, a given scale or None: three ops, no others under float8:: from norm.py.
+    assert {name for name, _, _ in OP_CASES} == {"norm_fwd", "norm_fp8", "norm_bwd"}
+    for old in ("rmsnorm_fwd", "layernorm_fwd", "rmsnorm_fp8", "layernorm_fp8", "rmsnorm_fp8_scaled",
+                "layernorm_fp8_scaled", "rmsnorm_bwd", "layernorm_bwd"):
+        assert not hasattr(nm, old) and not hasattr(torch.ops.float8, old), old
 
 
 @pytest.mark.parametrize("name, args, ref", OP_CASES, ids=OP_IDS)
@@ -559,6 +556,7 @@ def test_public_op_on_cpu_is_the_reference(name, args, ref):
     assert len(got) == len(want)
     for i, (o, r) in enumerate(zip(got, want)):
         assert_bits(o, r, f"{name} output {i}")
+    assert_bits(getattr(nm, name)(*args)[0], want[0], f"{name}, the eager call")
 
 
 @pytest.mark.parametrize("name, args, ref", OP_CASES, ids=OP_IDS)
@@ -572,13 +570,17 @@ def test_fake_shapes():
     with FakeTensorMode():
         x = torch.empty(2, 5, 48, dtype=torch.bfloat16)
         w = torch.empty(48, dtype=torch.bfloat16)
-        out = nm.layernorm_fp8(x, w, w, EPS, torch.float8_e4m3fn, 0, False, True)
+        out = nm.norm_fp8(x, w, w, EPS, False, torch.float8_e4m3fn, None, 0, False, True)
         assert [tuple(t.shape) for t in out] == [(2, 5, 48), (48, 10), (), (), (10,), (10,)]
         assert out[0].dtype == out[1].dtype == torch.float8_e4m3fn
-        out = nm.rmsnorm_fp8_scaled(x, w, EPS, torch.empty(1), torch.float8_e5m2, False)
-        assert [tuple(t.shape) for t in out] == [(2, 5, 48), (0,), (), (), (10,)]
-        dx, dw = nm.rmsnorm_bwd(x, x, w.float(), torch.empty(10))
-        assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+        out = nm.norm_fp8(x, w, None, EPS, True, torch.float8_e5m2, torch.empty(1), with_transpose=False)
+        assert [tuple(t.shape) for t in out] == [(2, 5, 48), (0,), (), (), (0,), (10,)]
+        y, mean, rstd = nm.norm_fwd(x, w, None, EPS, True)
+        assert y.shape == x.shape and mean.shape == (0,) and rstd.shape == (10,)
+        dx, dw, db = nm.norm_bwd(x, x, w.float(), None, torch.empty(10))
+        assert dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32 and db.shape == (0,)
+        _, _, db = nm.norm_bwd(x, x, w, torch.empty(10), torch.empty(10))
+        assert db.shape == (48,)
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -587,42 +589,54 @@ def test_fake_shapes():
 def test_weight_shape_mismatch_names_both_shapes():
     x, w, b = inputs((4, 3, 32), torch.bfloat16, "ln")
     for call in (
-        lambda: nm.rmsnorm_fwd(x, w[:31], EPS),
-        lambda: nm.layernorm_fp8(x, w[:31], b, EPS, torch.float8_e4m3fn),
-        lambda: nm.rmsnorm_fp8_scaled(x, w.reshape(2, 16), EPS, torch.ones(1), torch.float8_e4m3fn),
+        lambda: nm.norm_fwd(x, w[:31], None, EPS, True),
+        lambda: nm.norm_fp8(x, w[:31], b, EPS, False, torch.float8_e4m3fn),
+        lambda: nm.norm_fp8(x, w.reshape(2, 16), None, EPS, True, torch.float8_e4m3fn, torch.ones(1)),
     ):
         with pytest.raises(ValueError, match=r"\(4, 3, 32\)") as e:
             call()
         assert "(31,)" in str(e.value) or "(2, 16)" in str(e.value)
     with pytest.raises(ValueError, match=r"bias.*\(4, 3, 32\).*\(7,\)"):
-        nm.layernorm_fwd(x, w, b[:7], EPS)
+        nm.norm_fwd(x, w, b[:7], EPS, False)
 
 
 def test_bad_input_types():
     x, w, b = inputs((4, 32), torch.float32, "ln")
-    _, mean, rstd = nm.layernorm_fwd_ref(x, w, b, EPS)
+    _, mean, rstd = nm.norm_fwd_ref(x, w, b, EPS, False)
+    e4 = torch.float8_e4m3fn
     with pytest.raises(TypeError, match="int32"):
-        nm.rmsnorm_fwd(x.to(torch.int32), w, EPS)
+        nm.norm_fwd(x.to(torch.int32), w, None, EPS, True)
     with pytest.raises(TypeError, match="weight"):
-        nm.layernorm_fwd(x, w.to(torch.int64), b, EPS)
+        nm.norm_fwd(x, w.to(torch.int64), b, EPS, False)
+    with pytest.raises(ValueError, match=r"norm_fwd: rms=True \(RMSNorm\) takes no bias"):
+        nm.norm_fwd(x, w, b, EPS, True)
+    with pytest.raises(ValueError, match=r"norm_fp8: rms=True \(RMSNorm\) takes no bias"):
+        nm.norm_fp8(x, w, b, EPS, True, e4)
+    with pytest.raises(TypeError, match="rms must be a bool"):
+        nm.norm_fwd(x, w, None, EPS, 1)
     with pytest.raises(TypeError, match="FP8"):
-        nm.rmsnorm_fp8(x.to(torch.float8_e4m3fn), w, EPS, torch.float8_e4m3fn)
+        nm.norm_fp8(x.to(e4), w, None, EPS, True, e4)
     with pytest.raises(TypeError, match="fp8_dtype"):
-        nm.rmsnorm_fp8(x, w, EPS, torch.bfloat16)
+        nm.norm_fp8(x, w, None, EPS, True, torch.bfloat16)
     with pytest.raises(ValueError, match="margin"):
-        nm.layernorm_fp8(x, w, b, EPS, torch.float8_e4m3fn, -1)
+        nm.norm_fp8(x, w, b, EPS, False, e4, None, -1)
+    with pytest.raises(ValueError, match=r"margin 18 is too large for torch.float8_e4m3fn"):
+        nm.norm_fp8(x, w, b, EPS, False, e4, margin=18)
+    nm.norm_fp8(x, w, b, EPS, False, e4, torch.ones(1), margin=18)  # ignored with a given scale
     with pytest.raises(TypeError, match="scale"):
-        nm.rmsnorm_fp8_scaled(x, w, EPS, torch.ones(1, dtype=torch.float64), torch.float8_e4m3fn)
+        nm.norm_fp8(x, w, None, EPS, True, e4, torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="eps"):
-        nm.rmsnorm_fwd(x, w, -1.0)
+        nm.norm_fwd(x, w, None, -1.0, True)
     with pytest.raises(ValueError, match="dy"):
-        nm.layernorm_bwd(x[:2], x, w, mean, rstd)
+        nm.norm_bwd(x[:2], x, w, mean, rstd)
     with pytest.raises(ValueError, match=r"rstd.*\(4,\).*\(3,\)"):
-        nm.rmsnorm_bwd(x, x, w, rstd[:3])
+        nm.norm_bwd(x, x, w, None, rstd[:3])
     with pytest.raises(TypeError, match="mean"):
-        nm.layernorm_bwd(x, x, w, mean.double(), rstd)
+        nm.norm_bwd(x, x, w, mean.double(), rstd)
+    with pytest.raises(ValueError, match=r"mean must have shape \(4,\)"):
+        nm.norm_bwd(x, x, w, torch.empty(0), rstd)  # RMSNorm's backward takes mean None, not (0,)
     with pytest.raises(ValueError, match="last dim"):
-        nm.rmsnorm_fwd(torch.empty(3, 0), torch.empty(0), EPS)
+        nm.norm_fwd(torch.empty(3, 0), torch.empty(0), None, EPS, True)
 
 
 # ---- GPU tier ---------------------------------------------------------------------------------------
@@ -651,23 +665,36 @@ def test_gpu_against_references(kind, shape, dtype):
     assert max_rel_err(y, y_ref) <= hp_rtol(dtype)
 
     for fp8_dtype, margin, p2, with_t in [(FP8[0], 0, False, True), (FP8[1], 1, True, False)]:
-        out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, margin, p2, with_t)
+        out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, None, margin, p2, with_t)
         y8 = y_from_stats(x, w, b, m8, r8)
-        assert_outputs(out, nm.quantize_y_current_ref(y8, fp8_dtype, margin, p2, with_t))
+        assert_outputs(out, nm.quantize_y_ref(y8, fp8_dtype, None, margin, p2, with_t))
         # The forward's own compiled row kernel: the same stats, so fused == unfused bit for bit.
         assert_fwd_bits(kind, (y8, m8, r8), (y, mean, rstd))
-        scale = torch.tensor([0.9 * nm.fp8_max(fp8_dtype)], device="cuda") / y_ref.float().abs().max()
-        out, m8, r8 = fp8_scaled_triton(kind, x, w, b, scale, fp8_dtype, with_t)
+        scale = torch.tensor([0.9 * fp8_max(fp8_dtype)], device="cuda") / y_ref.float().abs().max()
+        out, m8, r8 = fp8_triton(kind, x, w, b, fp8_dtype, scale, with_t=with_t)
         y8 = y_from_stats(x, w, b, m8, r8)
-        assert_outputs(out, nm.quantize_y_ref(y8, scale, fp8_dtype, with_t))
+        assert_outputs(out, nm.quantize_y_ref(y8, fp8_dtype, scale, with_transpose=with_t))
         assert_fwd_bits(kind, (y8, m8, r8), (y, mean, rstd))
 
     dy = torch.randn(shape, device="cuda").to(dtype)
     dx, dw, db = bwd_triton(kind, dy, x, w, mean, rstd)
     for name, ours, r in zip(("dx", "dweight", "dbias"), (dx, dw, db), nm.norm_bwd_ref(dy, x, w, mean, rstd)):
-        if r is not None:
+        if ours is not None:
             # dweight sums 16384 rows in float32 in another order: 1e-5 of the largest element.
             assert max_rel_err(ours, r) <= max(hp_rtol(dtype), 1e-5), name
+
+    # The ops' CUDA dispatch: the launchers' bits.
+    rms = kind == "rms"
+    for got, want in [
+        (nm.norm_fwd(x, w, b, EPS, rms), nm.norm_fwd_triton(x, w, b, EPS, rms)),
+        (nm.norm_fp8(x, w, b, EPS, rms, FP8[0], None, 1, True, True),
+         nm.norm_fp8_triton(x, w, b, EPS, rms, FP8[0], None, 1, True, True)),
+        (nm.norm_fp8(x, w, b, EPS, rms, FP8[1], scale), nm.norm_fp8_triton(x, w, b, EPS, rms, FP8[1], scale)),
+        (nm.norm_bwd(dy, x, w, mean, rstd), nm.norm_bwd_triton(dy, x, w, mean, rstd)),
+    ]:  # fmt: skip
+        for i, (o, r) in enumerate(zip(got, want)):
+            assert o.device == x.device
+            assert_bits(o, r, f"op output {i}")
 
 
 @pytest.mark.gpu
