@@ -1,15 +1,18 @@
-"""Activations, forward and backward, optionally writing FP8 directly: the fused kernels of DESIGN.md 4.
+"""Activations, forward and backward, optionally writing FP8 directly (per-tensor scaling).
 
     act_fwd(x, kind, bias=None) -> y                                        y = act(x + bias), x.dtype
-    act_fp8(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False)
-        -> (data, data_t, scale_inv, amax)          current per-tensor scaling of act(x + bias)
-    act_fp8_scaled(x, kind, bias, scale, fp8_dtype, with_transpose=False)
-        -> (data, data_t, scale_inv, amax)          a given scale (delayed scaling); amax for the history
+    act_fp8(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
+        -> (data, data_t, scale_inv, amax)          act(x + bias) in FP8
     act_bwd(dy, x, kind, bias=None) -> dx                                   dx = dy * act'(x + bias), x.dtype
-    dact_dbias_cast_transpose(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False)
-        -> (dx_data, dx_data_t, scale_inv, amax, dbias)
-    dbias_cast_transpose(dy, fp8_dtype, margin=0, power_of_2=False)
-        -> (data, data_t, scale_inv, amax, dbias)   the same with kind "identity": a bias's backward
+    dact_fp8(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True,
+             with_dbias=True)
+        -> (data, data_t, scale_inv, amax, dbias)   dx in FP8, and dbias; kind "identity" with x = dy is a
+                                                    bias's backward
+
+scale None is current scaling (the scale derived on the device from the amax, with margin and power_of_2);
+a one-element float32 tensor is a given scale (delayed or static scaling; margin and power_of_2 ignored),
+and amax is still computed (for a delayed-scaling history). Each op runs its launcher *_triton (the op's
+arguments, plus config: the transposing pass's tile) on a CUDA tensor and its reference *_ref elsewhere.
 
 Kinds: "identity", "relu", "gelu" (erf form, torch.nn.functional.gelu's default), "gelu_tanh"
 (approximate="tanh"), "silu", "swiglu". SwiGLU takes x (..., 2H) and gives (..., H):
@@ -42,11 +45,14 @@ kernels to a few float32 ulps, and bit for bit for identity and relu.
 
 Each current-scaling op is two launches of one kernel, no host sync: pass 1 computes act in registers
 and folds max|act| into an amax buffer (the backward also writes per-program column sums for dbias,
-unless with_dbias=False); pass 2 recomputes act, reads the amax, computes the scale, and writes FP8 (both
-layouts with with_transpose, through TRANSPOSE_CONFIG tiles transposed through shared memory, so both
-stores are coalesced); its program 0 writes scale_inv = 1 / scale. Recomputing costs a second read of x
-(and dy) but never writes act in high precision. The backward's pair (silu, silu') comes from one IEEE
-reciprocal per element (_logistic): with three divisions it was bound by arithmetic, not by memory.
+unless with_dbias=False); pass 2 (MODE "current") recomputes act, reads the amax, computes the scale, and
+writes FP8 (both layouts with with_transpose, through TRANSPOSE_CONFIG tiles transposed through shared
+memory, so both stores are coalesced; data alone through row tiles); its program 0 writes scale_inv =
+1 / scale. Recomputing costs a second read of x (and dy) but never writes act in high precision. With a
+given scale (MODE "delayed") the forward is one launch that casts and folds the amax as it goes; the
+backward keeps pass 1 (amax, dbias) and casts in pass 2 at the scale it loads. The backward's pair
+(silu, silu') comes from one IEEE reciprocal per element (_logistic): with three divisions it was bound
+by arithmetic, not by memory.
 """
 
 from __future__ import annotations
@@ -61,9 +67,9 @@ import triton.language as tl
 from .common import (
     abs_bits,
     atomic_amax,
+    check_flag,
     check_hp_input,
-    check_scale,
-    check_scaling_args,
+    check_tensorwise_args,
     clamp_keep_nan,
     custom_op,
     fp8_constants,
@@ -71,7 +77,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, fp8_max
+from .reference import amax_ref, cast_to_fp8_ref
 from .reference import scale_from_amax as scale_from_amax_ref
 
 KINDS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "swiglu")
@@ -310,11 +316,12 @@ def _act_bwd_kernel(
     dy_ptr,  # (B, S, N) hp, contiguous
     x_ptr,  # (B, S, N_IN) hp, contiguous (unused for identity); N_IN = 2N for swiglu, else N
     bias_ptr,  # (N_IN,) hp (HAS_BIAS), else unused
-    dx_ptr,  # (B, S, N_IN): x.dtype (MODE "hp") or fp8 (MODE "current"); unused in MODE "amax"
+    dx_ptr,  # (B, S, N_IN): x.dtype (MODE "hp") or fp8 (MODE "current", "delayed"); unused in MODE "amax"
     dx_t_ptr,  # (B, N_IN, S) fp8 (WITH_T), else unused
     dbias_ptr,  # (B * tiles_s, N_IN) fp32: per-program column sums of dx (DBIAS), else unused
+    scale_ptr,  # (1,) fp32: the given scale (MODE "delayed"), else unused
     amax_ptr,  # () fp32, zeroed: receives max|dx| ("amax"); holds it ("current")
-    scale_inv_ptr,  # () fp32: 1 / scale ("current")
+    scale_inv_ptr,  # () fp32: 1 / scale ("current", "delayed")
     S,
     N,
     tiles_s,
@@ -322,7 +329,7 @@ def _act_bwd_kernel(
     margin_div,  # 2.0**margin ("current")
     KIND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,  # "hp": store dx; "amax": fold max|dx| (and dbias partials); "current": store FP8
+    MODE: tl.constexpr,  # "hp": store dx; "amax": fold max|dx| (and dbias partials); "current" / "delayed": store FP8
     WITH_T: tl.constexpr,
     DBIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -340,6 +347,8 @@ def _act_bwd_kernel(
             bias_b = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     if MODE == "current":
         scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
+    elif MODE == "delayed":
+        scale = tl.load(scale_ptr)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
     # dbias: elementwise sums over the row tiles, reduced across rows once at the end (not per tile)
     dbias_a = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
@@ -382,7 +391,7 @@ def _act_bwd_kernel(
                 amax_acc = tl.maximum(amax_acc, abs_bits(db))
                 if DBIAS:
                     dbias_b += db
-        if MODE == "current":
+        if MODE == "current" or MODE == "delayed":
             qa = _fp8(da, scale, FP8_MAX, dx_ptr.dtype.element_ty)
             tl.store(dx_ptr + out, qa, mask=mask)
             if KIND == "swiglu":
@@ -403,7 +412,7 @@ def _act_bwd_kernel(
             tl.store(part, tl.sum(dbias_a, axis=0), mask=col_ok)
             if KIND == "swiglu":
                 tl.store(part + N, tl.sum(dbias_b, axis=0), mask=col_ok)
-    if MODE == "current":
+    if MODE == "current" or MODE == "delayed":
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
 
 
@@ -439,10 +448,11 @@ def _n_out(n_in: int, kind: str) -> int:
     return n_in // 2 if kind == "swiglu" else n_in
 
 
-def _launch_fwd(
+def launch_fwd(
     x, kind, bias, y, y_t, scale, amax, scale_inv, *,
     mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
 ):  # fmt: skip
+    """One pass of _act_fwd_kernel over x (contiguous) in `mode`; None for what the mode does not use."""
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
@@ -469,10 +479,12 @@ def _launch_fwd(
     )
 
 
-def _launch_bwd(
-    dy, x, kind, bias, dx, dx_t, dbias_parts, amax, scale_inv, *,
+def launch_bwd(
+    dy, x, kind, bias, dx, dx_t, dbias_parts, scale, amax, scale_inv, *,
     mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
 ):  # fmt: skip
+    """One pass of _act_bwd_kernel over dy, x (contiguous) in `mode`; None for what the mode does not use.
+    dbias_parts (mode "amax"): a dbias_partials buffer."""
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
@@ -483,6 +495,7 @@ def _launch_bwd(
         dx if dx is not None else dy,
         dx_t if dx_t is not None else dy,
         dbias_parts if dbias_parts is not None else amax,
+        scale if scale is not None else amax,
         amax,
         scale_inv,
         S if dy.numel() else 0,
@@ -499,7 +512,12 @@ def _launch_bwd(
         POWER_OF_2=power_of_2,
         **meta,
     )
-    return B * tiles_s
+
+
+def dbias_partials(dy: torch.Tensor, n_in: int) -> torch.Tensor:
+    """(programs, N_IN) float32: one row of column sums per program of launch_bwd's "amax" pass over dy."""
+    _, tiles_s, _, _ = _tiles(*_geometry(dy, False), dy.shape[-1], False, iterate=True)
+    return torch.empty((tiles_s, n_in), dtype=torch.float32, device=dy.device)
 
 
 def _out_shape(x: torch.Tensor, kind: str):
@@ -514,77 +532,77 @@ def _contig(t):
     return None if t is None else t.contiguous()
 
 
-def _act_fwd_triton(x, kind, bias=None, out_dtype=None):
+def _fp8_outputs(shape, fp8_dtype, with_transpose, device):
+    """(data shape, data_t (..., N, M) or (0,)) FP8, amax () zeroed and scale_inv () float32."""
+    return (
+        torch.empty(shape, dtype=fp8_dtype, device=device),
+        torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=device),
+        torch.zeros((), dtype=torch.float32, device=device),
+        torch.empty((), dtype=torch.float32, device=device),
+    )
+
+
+def _fp8_mode(scale, margin, power_of_2):
+    """(mode, scale (1,) or None, margin, power_of_2) of an FP8 pass: "current" (scale None) or "delayed"
+    (margin and power_of_2 unused: the constexprs of the existing specialization)."""
+    if scale is None:
+        return "current", None, margin, power_of_2
+    return "delayed", scale.reshape(1).float(), 0, False
+
+
+def act_fwd_triton(x, kind, bias=None, out_dtype=None):
     """act(x + bias) in out_dtype (default x.dtype; float32 gives the kernel's registers unrounded)."""
     x, bias = x.contiguous(), _contig(bias)
     y = torch.empty(_out_shape(x, kind), dtype=out_dtype or x.dtype, device=x.device)
     unused = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_fwd(x, kind, bias, y, None, None, unused, unused, mode="hp", transpose=False)
+    launch_fwd(x, kind, bias, y, None, None, unused, unused, mode="hp", transpose=False)
     return y
 
 
-def _act_fp8_triton(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False, config=None):
+def act_fp8_triton(
+    x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None
+):
+    """act_fp8: current scaling in two passes (amax; cast), a given scale in one (cast, amax folded in)."""
     x, bias = x.contiguous(), _contig(bias)
-    shape = _out_shape(x, kind)
-    data = torch.empty(shape, dtype=fp8_dtype, device=x.device)
-    data_t = torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False)
-    _launch_fwd(
-        x, kind, bias, data, data_t if with_transpose else None, None, amax, scale_inv,
-        mode="current", transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+    data, data_t, amax, scale_inv = _fp8_outputs(_out_shape(x, kind), fp8_dtype, with_transpose, x.device)
+    mode, scale, margin, power_of_2 = _fp8_mode(scale, margin, power_of_2)
+    if mode == "current":
+        launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False)
+    launch_fwd(
+        x, kind, bias, data, data_t if with_transpose else None, scale, amax, scale_inv,
+        mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
         config=config,
     )  # fmt: skip
     return data, data_t, scale_inv, amax
 
 
-def _act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_transpose=False):
-    x, bias = x.contiguous(), _contig(bias)
-    shape = _out_shape(x, kind)
-    data = torch.empty(shape, dtype=fp8_dtype, device=x.device)
-    data_t = torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_fwd(
-        x, kind, bias, data, data_t if with_transpose else None, scale.reshape(1).float(), amax, scale_inv,
-        mode="delayed", transpose=with_transpose, fp8_dtype=fp8_dtype,
-    )  # fmt: skip
-    return data, data_t, scale_inv, amax
-
-
-def _act_bwd_triton(dy, x, kind, bias=None, out_dtype=None):
+def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None):
+    """dy * act'(x + bias) in out_dtype (default x.dtype)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     dx = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     unused = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_bwd(dy, x, kind, bias, dx, None, None, unused, unused, mode="hp", transpose=False)
+    launch_bwd(dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False)
     return dx
 
 
-def _dact_dbias_cast_transpose_triton(
-    dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True, config=None
-):
+def dact_fp8_triton(
+    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
+    config=None,
+):  # fmt: skip
+    """dact_fp8 in two passes: amax (and dbias partials, summed by torch), then the cast at the current or
+    the given scale, in both layouts (transposing tiles) or in data alone (row tiles)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
-    n_in = x.shape[-1]
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    data_t = torch.empty(_t_shape(x.shape), dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    # Pass 1 (row-wise tiles, no transpose): amax and per-program dbias partials, summed below.
-    _, tiles_s, _, _ = _tiles(*_geometry(dy, False), dy.shape[-1], False, iterate=True)
-    parts = torch.empty((tiles_s, n_in), dtype=torch.float32, device=x.device) if with_dbias else None
-    _launch_bwd(dy, x, kind, bias, None, None, parts, amax, scale_inv, mode="amax", transpose=False)
-    _launch_bwd(
-        dy, x, kind, bias, data, data_t, None, amax, scale_inv,
-        mode="current", transpose=True, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
+    data, data_t, amax, scale_inv = _fp8_outputs(x.shape, fp8_dtype, with_transpose, x.device)
+    parts = dbias_partials(dy, x.shape[-1]) if with_dbias else None
+    launch_bwd(dy, x, kind, bias, None, None, parts, None, amax, scale_inv, mode="amax", transpose=False)
+    mode, scale, margin, power_of_2 = _fp8_mode(scale, margin, power_of_2)
+    launch_bwd(
+        dy, x, kind, bias, data, data_t if with_transpose else None, None, scale, amax, scale_inv,
+        mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
         config=config,
     )  # fmt: skip
     dbias = parts.sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias
-
-
-def _dbias_cast_transpose_triton(dy, fp8_dtype, margin=0, power_of_2=False):
-    return _dact_dbias_cast_transpose_triton(dy, dy, "identity", None, fp8_dtype, margin, power_of_2)
 
 
 # ---- input checks -----------------------------------------------------------------------------------
@@ -630,7 +648,7 @@ def act_fwd(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> 
     """act(x + bias) in x.dtype; (..., N) -> (..., N), or (..., 2H) -> (..., H) for swiglu."""
     _check("act_fwd", x, kind, bias)
     if use_triton(x, writes_fp8=False):
-        return _act_fwd_triton(x, kind, bias)
+        return act_fwd_triton(x, kind, bias)
     return act_fwd_ref(x, kind, bias)
 
 
@@ -640,13 +658,19 @@ def _(x, kind, bias=None):
     return x.new_empty(_out_shape(x, kind))
 
 
-def _fp8_fake(x, kind, fp8_dtype, with_transpose):
-    shape = _out_shape(x, kind)
+def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy=None):
+    _check(op, x, kind, bias, dy=dy, transpose=with_transpose)
+    check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op)
+    check_flag(with_transpose, "with_transpose", op)
+
+
+def _fake_fp8(shape, fp8_dtype, with_transpose, like):
+    """Fake (data, data_t, scale_inv, amax) of an FP8 output of `shape`."""
     return (
-        x.new_empty(shape, dtype=fp8_dtype),
-        x.new_empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
+        like.new_empty(shape, dtype=fp8_dtype),
+        like.new_empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype),
+        like.new_empty((), dtype=torch.float32),
+        like.new_empty((), dtype=torch.float32),
     )
 
 
@@ -656,53 +680,28 @@ def act_fp8(
     kind: str,
     bias: Optional[torch.Tensor],
     fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
     margin: int = 0,
     power_of_2: bool = False,
     with_transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """act(x + bias) quantized with current per-tensor scaling: (data, data_t, scale_inv, amax).
+    """act(x + bias) quantized per tensor: (data, data_t, scale_inv, amax).
 
-    data (..., N) fp8; data_t (..., N, M) fp8 if with_transpose, else an empty (0,) fp8 tensor;
-    scale_inv () fp32; amax () fp32 = max|act(x + bias)|.
+    scale None: current scaling (margin, power_of_2), two launches; else a one-element fp32 scale on x's
+    device (delayed or static scaling; margin and power_of_2 ignored), one launch. data (..., N) fp8;
+    data_t (..., N, M) fp8 if with_transpose, else an empty (0,) fp8 tensor; scale_inv () fp32;
+    amax () fp32 = max|act(x + bias)|.
     """
-    _check("act_fp8", x, kind, bias, transpose=with_transpose)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "act_fp8")
+    _check_fp8("act_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
     if use_triton(x):
-        return _act_fp8_triton(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
-    return act_fp8_ref(x, kind, bias, fp8_dtype, margin, power_of_2, with_transpose)
+        return act_fp8_triton(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return act_fp8_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
 @act_fp8.register_fake
-def _(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    _check("act_fp8", x, kind, bias, transpose=with_transpose)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "act_fp8")
-    return _fp8_fake(x, kind, fp8_dtype, with_transpose)
-
-
-@custom_op("float8::act_fp8_scaled")
-def act_fp8_scaled(
-    x: torch.Tensor,
-    kind: str,
-    bias: Optional[torch.Tensor],
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    with_transpose: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """act(x + bias) cast with a given one-element fp32 scale: (data, data_t, scale_inv = 1/scale, amax)."""
-    _check("act_fp8_scaled", x, kind, bias, transpose=with_transpose)
-    check_scale(scale, x, "act_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    if use_triton(x):
-        return _act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_transpose)
-    return act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose)
-
-
-@act_fp8_scaled.register_fake
-def _(x, kind, bias, scale, fp8_dtype, with_transpose=False):
-    _check("act_fp8_scaled", x, kind, bias, transpose=with_transpose)
-    check_scale(scale, x, "act_fp8_scaled")
-    check_fp8_dtype(fp8_dtype)
-    return _fp8_fake(x, kind, fp8_dtype, with_transpose)
+def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    _check_fp8("act_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return _fake_fp8(_out_shape(x, kind), fp8_dtype, with_transpose, x)
 
 
 @custom_op("float8::act_bwd")
@@ -710,7 +709,7 @@ def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.T
     """dx = dy * act'(x + bias) in x.dtype, x's shape (2H columns for swiglu)."""
     _check("act_bwd", x, kind, bias, dy=dy)
     if use_triton(x, writes_fp8=False):
-        return _act_bwd_triton(dy, x, kind, bias)
+        return act_bwd_triton(dy, x, kind, bias)
     return act_bwd_ref(dy, x, kind, bias)
 
 
@@ -720,64 +719,40 @@ def _(dy, x, kind, bias=None):
     return x.new_empty(x.shape)
 
 
-def _dbias_fake(x, dy, fp8_dtype, with_dbias=True):
-    return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
-        x.new_empty(_t_shape(x.shape), dtype=fp8_dtype),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((x.shape[-1] if with_dbias else 0,), dtype=dy.dtype),
-    )
-
-
-@custom_op("float8::dact_dbias_cast_transpose")
-def dact_dbias_cast_transpose(
+@custom_op("float8::dact_fp8")
+def dact_fp8(
     dy: torch.Tensor,
     x: torch.Tensor,
     kind: str,
     bias: Optional[torch.Tensor],
     fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
     margin: int = 0,
     power_of_2: bool = False,
+    with_transpose: bool = True,
     with_dbias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused activation backward: dx = dy * act'(x + bias), quantized (current scaling), both layouts.
+    """The fused activation backward: dx = dy * act'(x + bias), quantized per tensor, and dbias.
 
-    Returns (dx_data (..., M, N_IN) fp8, dx_data_t (..., N_IN, M) fp8, scale_inv () fp32,
-    amax () fp32 = max|dx|, dbias (N_IN,) in dy.dtype = float32 row sums of dx). with_dbias=False skips
-    the sums (no bias to train) and returns an empty (0,) dbias.
+    Returns (data (..., M, N_IN) fp8, data_t (..., N_IN, M) fp8 or (0,) without with_transpose,
+    scale_inv () fp32, amax () fp32 = max|dx|, dbias (N_IN,) in dy.dtype = float32 row sums of dx).
+    scale None: current scaling (margin, power_of_2); else a one-element fp32 scale (delayed scaling;
+    margin and power_of_2 ignored). with_dbias=False skips the sums (no bias to train) and returns an
+    empty (0,) dbias. kind "identity" with x = dy is a bias's backward (dbias and dy's FP8 cast).
     """
-    _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
+    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy)
+    check_flag(with_dbias, "with_dbias", "dact_fp8")
     if use_triton(x):
-        return _dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin, power_of_2, with_dbias)
-    return dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, power_of_2, with_dbias)
+        return dact_fp8_triton(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias)
+    return dact_fp8_ref(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias)
 
 
-@dact_dbias_cast_transpose.register_fake
-def _(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True):
-    _check("dact_dbias_cast_transpose", x, kind, bias, dy=dy, transpose=True)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "dact_dbias_cast_transpose")
-    return _dbias_fake(x, dy, fp8_dtype, with_dbias)
-
-
-@custom_op("float8::dbias_cast_transpose")
-def dbias_cast_transpose(
-    dy: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A bias's backward fused with the quantization of dy: (data, data_t, scale_inv, amax, dbias = dy row sums)."""
-    _check("dbias_cast_transpose", dy, "identity", None, transpose=True)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "dbias_cast_transpose")
-    if use_triton(dy):
-        return _dbias_cast_transpose_triton(dy, fp8_dtype, margin, power_of_2)
-    return dbias_cast_transpose_ref(dy, fp8_dtype, margin, power_of_2)
-
-
-@dbias_cast_transpose.register_fake
-def _(dy, fp8_dtype, margin=0, power_of_2=False):
-    _check("dbias_cast_transpose", dy, "identity", None, transpose=True)
-    check_scaling_args(fp8_dtype, margin, power_of_2, "dbias_cast_transpose")
-    return _dbias_fake(dy, dy, fp8_dtype)
+@dact_fp8.register_fake
+def _(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True):
+    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy)
+    check_flag(with_dbias, "with_dbias", "dact_fp8")
+    dbias = dy.new_empty((x.shape[-1] if with_dbias else 0,))
+    return (*_fake_fp8(x.shape, fp8_dtype, with_transpose, x), dbias)
 
 
 # ---- references: pure torch, float32, the kernels' formulas op for op -------------------------------
@@ -864,36 +839,30 @@ def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None)
     return act_ref_fp32(x, kind, bias).to(x.dtype)
 
 
-def _quantize_ref(y, fp8_dtype, margin, power_of_2, with_transpose):
+def _quantize_ref(y, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    """(data, data_t (..., N, M) or (0,), scale_inv, amax) of the float32 y at `scale`, or at the current
+    scale (scale None)."""
     amax = amax_ref(y)
-    scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
+    if scale is None:
+        scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
+    scale = scale.reshape(()).float()
     data = cast_to_fp8_ref(y, scale, fp8_dtype)
     data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else data.new_empty((0,))
     return data, data_t, scale.reciprocal(), amax
 
 
-def act_fp8_ref(x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
-    return _quantize_ref(act_ref_fp32(x, kind, bias), fp8_dtype, margin, power_of_2, with_transpose)
-
-
-def act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_transpose=False):
-    y = act_ref_fp32(x, kind, bias)
-    scale = scale.reshape(()).float()
-    data = cast_to_fp8_ref(y, scale, fp8_dtype)
-    data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else data.new_empty((0,))
-    return data, data_t, scale.reciprocal(), amax_ref(y)
+def act_fp8_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    return _quantize_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
 def act_bwd_ref(dy, x, kind, bias=None):
     return dact_ref_fp32(dy, x, kind, bias).to(x.dtype)
 
 
-def dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin=0, power_of_2=False, with_dbias=True):
+def dact_fp8_ref(
+    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True
+):
     dx = dact_ref_fp32(dy, x, kind, bias)
-    data, data_t, scale_inv, amax = _quantize_ref(dx, fp8_dtype, margin, power_of_2, True)
+    data, data_t, scale_inv, amax = _quantize_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias
-
-
-def dbias_cast_transpose_ref(dy, fp8_dtype, margin=0, power_of_2=False):
-    return dact_dbias_cast_transpose_ref(dy, dy, "identity", None, fp8_dtype, margin, power_of_2)

@@ -123,6 +123,21 @@ def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
         raise TypeError(f"{op}: power_of_2 must be a bool, got {type(power_of_2).__name__}")
 
 
+def check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op: str) -> None:
+    """The FP8 arguments of a per-tensor op: scale None, current scaling (check_scaling_args); or a given
+    scale (check_scale), with which margin and power_of_2 are ignored (and not checked)."""
+    if scale is None:
+        check_scaling_args(fp8_dtype, margin, power_of_2, op)
+    else:
+        check_scale(scale, x, op)
+        check_fp8_dtype(fp8_dtype)
+
+
+def check_flag(value, name: str, op: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+
+
 def fp8_constants(fp8_dtype) -> dict:
     """The constexprs FP8_MAX and MIN_SCALE of a kernel casting to fp8_dtype (reference.fp8_max, .min_scale)."""
     return dict(FP8_MAX=fp8_max(fp8_dtype), MIN_SCALE=min_scale(fp8_dtype))

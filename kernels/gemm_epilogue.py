@@ -97,6 +97,21 @@ def _gemm_epilogue_kernel(
     atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(tl.where(mask, y, 0.0)), axis=1), axis=0))
 
 
+def gemm_epilogue_triton(a, sa, b, sb, bias, kind, config=None):
+    (m, k), n = a.shape, b.shape[1]
+    bm, bn, bk, group, warps, stages = config or CONFIGS[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    amax = torch.zeros((), dtype=torch.float32, device=a.device)
+    grid = (max(1, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    _gemm_epilogue_kernel[grid](
+        a, b, y, bias if bias is not None else y, sa, sb, amax, m, n, k,
+        KIND=kind, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        PROMOTE_K=min(PROMOTE_EVERY_K, bk),  # at most one dot's K (Triton requires it)
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y, amax
+
+
 def _check(a, sa, b, sb, bias, kind):
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm_epilogue: shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -116,23 +131,8 @@ def gemm_epilogue(a, sa, b, sb, bias: Optional[torch.Tensor] = None, kind: str =
     """(y bf16 (M, N), amax () fp32): the Triton kernel on CUDA, the reference elsewhere."""
     _check(a, sa, b, sb, bias, kind)
     if use_triton(a):
-        return _gemm_epilogue_triton(a, sa, b, sb, bias, kind, config)
+        return gemm_epilogue_triton(a, sa, b, sb, bias, kind, config)
     return gemm_epilogue_ref(a, sa, b, sb, bias, kind)
-
-
-def _gemm_epilogue_triton(a, sa, b, sb, bias, kind, config=None):
-    (m, k), n = a.shape, b.shape[1]
-    bm, bn, bk, group, warps, stages = config or CONFIGS[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    amax = torch.zeros((), dtype=torch.float32, device=a.device)
-    grid = (max(1, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
-    _gemm_epilogue_kernel[grid](
-        a, b, y, bias if bias is not None else y, sa, sb, amax, m, n, k,
-        KIND=kind, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        PROMOTE_K=min(PROMOTE_EVERY_K, bk),  # at most one dot's K (Triton requires it)
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return y, amax
 
 
 def gemm_epilogue_ref(a, sa, b, sb, bias=None, kind="identity"):

@@ -70,9 +70,9 @@ import triton.language as tl
 from .common import (
     abs_bits,
     atomic_amax,
+    check_flag,
     check_hp_input,
-    check_scale,
-    check_scaling_args,
+    check_tensorwise_args,
     clamp_keep_nan,
     custom_op,
     fp8_constants,
@@ -81,7 +81,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype
+from .reference import amax_ref, cast_to_fp8_ref
 from .reference import scale_from_amax as scale_from_amax_ref
 
 # Tile shapes (registers per thread on sm_90, from ptxas, in brackets; none spill). Row kernels: a tile of
@@ -750,15 +750,9 @@ def _check_fwd(op, x, weight, bias, eps, rms) -> None:
 
 
 def _check_fp8(op, x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose) -> None:
-    """A given scale ignores margin and power_of_2 (they are not checked then)."""
     _check_fwd(op, x, weight, bias, eps, rms)
-    if scale is None:
-        check_scaling_args(fp8_dtype, margin, power_of_2, op)
-    else:
-        check_scale(scale, x, op)
-        check_fp8_dtype(fp8_dtype)
-    if not isinstance(with_transpose, bool):
-        raise TypeError(f"{op}: with_transpose must be a bool, got {type(with_transpose).__name__}")
+    check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op)
+    check_flag(with_transpose, "with_transpose", op)
 
 
 def _check_stat(t, name, M, x, op):

@@ -49,11 +49,11 @@ def pipelines(a, sa, b, sb, bias, kind, config):
         if kind == "identity":  # amax pass + cast pass
             data, scale_inv, _ = (quantize._quantize_tensorwise_triton if cuda else quantize.quantize_tensorwise_ref)(y, E4M3)
         else:  # act recomputed in both passes of the fused activation kernel
-            data, _, scale_inv, _ = (act._act_fp8_triton if cuda else act.act_fp8_ref)(y, kind, None, E4M3)
+            data, _, scale_inv, _ = (act.act_fp8_triton if cuda else act.act_fp8_ref)(y, kind, None, E4M3)
         return data, scale_inv
 
     def triton_fused():
-        y, amax = G._gemm_epilogue_triton(a, sa, b, sb, bias, kind, config)
+        y, amax = G.gemm_epilogue_triton(a, sa, b, sb, bias, kind, config)
         return launch_cast(y, amax, E4M3, current=True)
 
     return {"cublas": cublas, "triton": triton_fused}
@@ -71,7 +71,7 @@ def run_shape(m, k, n, device, bench) -> dict:
     one = torch.ones((), device=device)
     rec["cublas_gemm_ms"] = bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=BF16))
     rec["triton_gemm_ms"] = {
-        "x".join(map(str, c)): bench(lambda c=c: G._gemm_epilogue_triton(a, one, b, one, None, "identity", c))
+        "x".join(map(str, c)): bench(lambda c=c: G.gemm_epilogue_triton(a, one, b, one, None, "identity", c))
         for c in configs
     }
     for kind in KINDS:

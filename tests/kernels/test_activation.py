@@ -131,9 +131,9 @@ def _current(fp8_dtype, margin, power_of_2):
 @pytest.mark.parametrize("kind", KINDS)
 def test_act_fwd_launcher(kind, case):
     x, bias, _ = inputs(case, kind)
-    ours32 = act._act_fwd_triton(x, kind, bias, out_dtype=F32)
+    ours32 = act.act_fwd_triton(x, kind, bias, out_dtype=F32)
     ref32 = act.act_ref_fp32(x, kind, bias)
-    ours = act._act_fwd_triton(x, kind, bias)
+    ours = act.act_fwd_triton(x, kind, bias)
     assert_bits(ours, ours32.to(x.dtype), "act_fwd in x.dtype = its float32 values rounded once")
     if kind in EXACT_KINDS:
         assert_bits(ours32, ref32, "act float32")
@@ -152,9 +152,9 @@ def test_act_fwd_launcher(kind, case):
 def test_act_fp8_launcher(kind, case):
     x, bias, _ = inputs(case, kind)
     _, _, _, fp8_dtype, with_t, margin, p2 = case
-    out = act._act_fp8_triton(x, kind, bias, fp8_dtype, margin, p2, with_t)
-    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, margin, p2, with_t)
-    ours32 = act._act_fwd_triton(x, kind, bias, out_dtype=F32)
+    out = act.act_fp8_triton(x, kind, bias, fp8_dtype, None, margin, p2, with_t)
+    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, None, margin, p2, with_t)
+    ours32 = act.act_fwd_triton(x, kind, bias, out_dtype=F32)
     assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, _current(fp8_dtype, margin, p2))
     if kind in EXACT_KINDS:
         for o, r, n in zip(out, ref, ("data", "data_t", "scale_inv", "amax")):
@@ -164,13 +164,13 @@ def test_act_fp8_launcher(kind, case):
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_act_fp8_scaled_launcher(kind, case):
+def test_act_fp8_given_scale_launcher(kind, case):
     x, bias, _ = inputs(case, kind)
     _, _, _, fp8_dtype, with_t, _, _ = case
     scale = torch.tensor([fp8_max(fp8_dtype) / 7.3])  # not a power of two; saturates the largest values
-    out = act._act_fp8_scaled_triton(x, kind, bias, scale, fp8_dtype, with_t)
-    ref = act.act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_t)
-    ours32 = act._act_fwd_triton(x, kind, bias, out_dtype=F32)
+    out = act.act_fp8_triton(x, kind, bias, fp8_dtype, scale, 3, True, with_t)  # margin, power_of_2 ignored
+    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, scale, with_transpose=with_t)
+    ours32 = act.act_fwd_triton(x, kind, bias, out_dtype=F32)
     assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, lambda amax: scale.reshape(()))
     if kind in EXACT_KINDS:
         for o, r, n in zip(out, ref, ("data", "data_t", "scale_inv", "amax")):
@@ -182,9 +182,9 @@ def test_act_fp8_scaled_launcher(kind, case):
 @pytest.mark.parametrize("kind", KINDS)
 def test_act_bwd_launcher(kind, case):
     x, bias, dy = inputs(case, kind)
-    ours32 = act._act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
+    ours32 = act.act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
     ref32 = act.dact_ref_fp32(dy, x, kind, bias)
-    ours = act._act_bwd_triton(dy, x, kind, bias)
+    ours = act.act_bwd_triton(dy, x, kind, bias)
     assert_bits(ours, ours32.to(x.dtype), "act_bwd in x.dtype = its float32 values rounded once")
     if kind in EXACT_KINDS:
         assert_bits(ours32, ref32, "dx float32")
@@ -209,15 +209,20 @@ def assert_dbias(dbias, ours32, dy_dtype, ref_dbias=None, tol=2.0**-20):
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_dact_dbias_cast_transpose_launcher(kind, case):
-    if len(case[0]) < 2:
-        pytest.skip("needs 2 dims")
+@pytest.mark.parametrize("given", [False, True], ids=["current", "given-scale"])
+def test_dact_fp8_launcher(kind, case, given):
+    # Both layouts (transposing tiles) or data alone (row tiles), as the case's with_transpose says.
     x, bias, dy = inputs(case, kind)
-    _, _, _, fp8_dtype, _, margin, p2 = case
-    out = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, fp8_dtype, margin, p2)
-    ref = act.dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, p2)
-    ours32 = act._act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
-    assert_fp8_outputs(out, ours32, ref, fp8_dtype, True, _current(fp8_dtype, margin, p2))
+    _, _, _, fp8_dtype, with_t, margin, p2 = case
+    if given:
+        scale = torch.tensor([fp8_max(fp8_dtype) / 3.1])  # saturates the largest gradients
+        scale_of_amax, margin, p2 = (lambda amax: scale.reshape(())), 5, True  # margin, power_of_2 ignored
+    else:
+        scale, scale_of_amax = None, _current(fp8_dtype, margin, p2)
+    out = act.dact_fp8_triton(dy, x, kind, bias, fp8_dtype, scale, margin, p2, with_t)
+    ref = act.dact_fp8_ref(dy, x, kind, bias, fp8_dtype, scale, margin, p2, with_t)
+    ours32 = act.act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
+    assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, scale_of_amax)
     assert_dbias(out[4], ours32, dy.dtype, ref[4])
     if kind in EXACT_KINDS:
         for o, r, n in zip(out[:4], ref[:4], ("data", "data_t", "scale_inv", "amax")):
@@ -226,11 +231,12 @@ def test_dact_dbias_cast_transpose_launcher(kind, case):
 
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES[1:4], ids=CASE_IDS[1:4])
-def test_dbias_cast_transpose_launcher(case):
+def test_bias_backward_launcher(case):
+    # kind "identity" with x = dy: dbias = the row sums of dy, and dy quantized, in one op.
     x, _, _ = inputs(case, "identity")
-    _, _, _, fp8_dtype, _, margin, p2 = case
-    out = act._dbias_cast_transpose_triton(x, fp8_dtype, margin, p2)
-    ref = act.dbias_cast_transpose_ref(x, fp8_dtype, margin, p2)
+    _, _, _, fp8_dtype, with_t, margin, p2 = case
+    out = act.dact_fp8_triton(x, x, "identity", None, fp8_dtype, None, margin, p2, with_t)
+    ref = act.dact_fp8_ref(x, x, "identity", None, fp8_dtype, None, margin, p2, with_t)
     for o, r, n in zip(out[:4], ref[:4], ("data", "data_t", "scale_inv", "amax")):
         assert_bits(o, r, n)
     assert_dbias(out[4], x.float(), x.dtype, ref[4])
@@ -241,25 +247,25 @@ def test_dbias_cast_transpose_launcher(case):
 def test_special_values_and_zero_amax(kind):
     # NaN, +-inf, -0.0 and huge values; then an activation that is 0 everywhere (amax 0 -> scale 1).
     x = make_x((4, 32), F32, seed=3, specials=True, scale=50.0)
-    ours32 = act._act_fwd_triton(x, kind, None, out_dtype=F32)
+    ours32 = act.act_fwd_triton(x, kind, None, out_dtype=F32)
     ref32 = act.act_ref_fp32(x, kind)
     assert_ulps_close(ours32, ref32, magnitude(kind, x, None), **ULPS_CPU, what="act float32")
-    out = act._act_fp8_triton(x, kind, None, E4M3, 0, False, True)
+    out = act.act_fp8_triton(x, kind, None, E4M3, None, 0, False, True)
     assert out[3].isnan() and out[2].isnan()  # a NaN in -> amax NaN -> scale NaN: all NaN
     assert out[0].float().isnan().all() and out[1].float().isnan().all()
-    ref = act.act_fp8_ref(x, kind, None, E4M3, 0, False, True)
+    ref = act.act_fp8_ref(x, kind, None, E4M3, None, 0, False, True)
     assert_fp8_outputs(out, ours32, ref, E4M3, True, _current(E4M3, 0, False))
     dy = make_x(out_shape(x.shape, kind), F32, seed=4, specials=True, scale=2.0)
-    d32 = act._act_bwd_triton(dy, x, kind, None, out_dtype=F32)
-    dout = act._dact_dbias_cast_transpose_triton(dy, x, kind, None, E5M2)
-    dref = act.dact_dbias_cast_transpose_ref(dy, x, kind, None, E5M2)
+    d32 = act.act_bwd_triton(dy, x, kind, None, out_dtype=F32)
+    dout = act.dact_fp8_triton(dy, x, kind, None, E5M2)
+    dref = act.dact_fp8_ref(dy, x, kind, None, E5M2)
     assert_fp8_outputs(dout, d32, dref, E5M2, True, _current(E5M2, 0, False))
     assert dout[0].float().isnan().all() and dout[2].isnan()  # the gradient never comes out finite
     # all zero activation
     neg = -(make_x((5, 32), F32, seed=5).abs() + 1)
     zero = neg if kind != "swiglu" else torch.cat([neg[:, :16].abs(), torch.zeros(5, 16)], -1)
     zkind = "relu" if kind != "swiglu" else kind
-    data, data_t, scale_inv, amax = act._act_fp8_triton(zero, zkind, None, E4M3, 0, False, True)
+    data, data_t, scale_inv, amax = act.act_fp8_triton(zero, zkind, None, E4M3, None, 0, False, True)
     assert amax.item() == 0.0 and scale_inv.item() == 1.0
     assert (data.float() == 0).all() and data_t.shape == (data.shape[1], data.shape[0])
 
@@ -267,14 +273,14 @@ def test_special_values_and_zero_amax(kind):
 @needs_interpreter
 def test_empty_and_noncontiguous_inputs():
     x = torch.empty(0, 34)
-    data, data_t, scale_inv, amax = act._act_fp8_triton(x, "swiglu", None, E4M3, 0, False, True)
+    data, data_t, scale_inv, amax = act.act_fp8_triton(x, "swiglu", None, E4M3, None, 0, False, True)
     assert data.shape == (0, 17) and data_t.shape == (17, 0) and amax.item() == 0 and scale_inv.item() == 1
-    out = act._dact_dbias_cast_transpose_triton(torch.empty(0, 17), x, "swiglu", None, E4M3)
+    out = act.dact_fp8_triton(torch.empty(0, 17), x, "swiglu", None, E4M3)
     assert out[0].shape == (0, 34) and out[1].shape == (34, 0) and (out[4] == 0).all() and out[4].shape == (34,)
     xt = make_x((34, 16), F32, layout="transposed", seed=6)  # (34, 16) view of a (16, 34) tensor
-    ref = act.act_fp8_ref(xt, "gelu_tanh", None, E5M2, 0, False, True)
-    out = act._act_fp8_triton(xt, "gelu_tanh", None, E5M2, 0, False, True)
-    ours32 = act._act_fwd_triton(xt, "gelu_tanh", None, out_dtype=F32)
+    ref = act.act_fp8_ref(xt, "gelu_tanh", None, E5M2, None, 0, False, True)
+    out = act.act_fp8_triton(xt, "gelu_tanh", None, E5M2, None, 0, False, True)
+    ours32 = act.act_fwd_triton(xt, "gelu_tanh", None, out_dtype=F32)
     assert_fp8_outputs(out, ours32, ref, E5M2, True, _current(E5M2, 0, False))
 
 
@@ -312,7 +318,7 @@ def test_against_float64_autograd(kind, impl):
     if impl == "ref":
         y, d = act.act_fwd_ref(x, kind, bias), act.act_bwd_ref(dy, x, kind, bias)
     else:
-        y, d = act._act_fwd_triton(x, kind, bias), act._act_bwd_triton(dy, x, kind, bias)
+        y, d = act.act_fwd_triton(x, kind, bias), act.act_bwd_triton(dy, x, kind, bias)
     # Forward: relative error < 1e-5 elementwise, the erf GELU's tail included (down to float32's
     # smallest normal: below it, precision goes), except gelu_tanh, whose float64 reference itself
     # cancels in 1 + tanh for v << 0.
@@ -331,13 +337,13 @@ def _gelu_impls(impl):
             lambda x: act.act_ref_fp32(x, "gelu"),
             lambda dy, x: act.dact_ref_fp32(dy, x, "gelu"),
             lambda x: act.act_fp8_ref(x, "gelu", None, E4M3),
-            lambda dy, x: act.dact_dbias_cast_transpose_ref(dy, x, "gelu", None, E5M2),
+            lambda dy, x: act.dact_fp8_ref(dy, x, "gelu", None, E5M2),
         )
     return (
-        lambda x: act._act_fwd_triton(x, "gelu", out_dtype=F32),
-        lambda dy, x: act._act_bwd_triton(dy, x, "gelu", out_dtype=F32),
-        lambda x: act._act_fp8_triton(x, "gelu", None, E4M3),
-        lambda dy, x: act._dact_dbias_cast_transpose_triton(dy, x, "gelu", None, E5M2),
+        lambda x: act.act_fwd_triton(x, "gelu", out_dtype=F32),
+        lambda dy, x: act.act_bwd_triton(dy, x, "gelu", out_dtype=F32),
+        lambda x: act.act_fp8_triton(x, "gelu", None, E4M3),
+        lambda dy, x: act.dact_fp8_triton(dy, x, "gelu", None, E5M2),
     )
 
 
@@ -384,12 +390,12 @@ def test_gelu_tail(impl):
     dy = make_x(x.shape, F32, seed=11, scale=1.0).to(device)
     y64, cdf, vpdf = _gelu_terms64(x)
     out = fp8(x)
-    assert_fp8_outputs(out, fwd(x), act._quantize_ref(y64.float(), E4M3, 0, False, False), E4M3, False,
+    assert_fp8_outputs(out, fwd(x), act._quantize_ref(y64.float(), E4M3), E4M3, False,
                        _current(E4M3, 0, False))  # fmt: skip
     assert out[0].view(torch.uint8).unique().numel() > 100  # the tail spans the FP8 codes
     d64 = (dy.double() * (cdf + vpdf)).float()
     out = dfp8(dy, x)
-    assert_fp8_outputs(out, bwd(dy, x), act._quantize_ref(d64, E5M2, 0, False, True), E5M2, True,
+    assert_fp8_outputs(out, bwd(dy, x), act._quantize_ref(d64, E5M2, with_transpose=True), E5M2, True,
                        _current(E5M2, 0, False))  # fmt: skip
 
 
@@ -403,12 +409,21 @@ def _op_calls(kind, case=CASES[2]):
     scale = torch.tensor([3.5])
     return [
         (act.act_fwd, (x, kind, bias), act.act_fwd_ref),
-        (act.act_fp8, (x, kind, bias, E4M3, 1, False, True), act.act_fp8_ref),
+        (act.act_fp8, (x, kind, bias, E4M3, None, 1, False, True), act.act_fp8_ref),
         (act.act_fp8, (x, kind, bias, E5M2), act.act_fp8_ref),
-        (act.act_fp8_scaled, (x, kind, bias, scale, E5M2, True), act.act_fp8_scaled_ref),
+        (act.act_fp8, (x, kind, bias, E5M2, scale, 0, False, True), act.act_fp8_ref),
         (act.act_bwd, (dy, x, kind, bias), act.act_bwd_ref),
-        (act.dact_dbias_cast_transpose, (dy, x, kind, bias, E4M3, 0, True), act.dact_dbias_cast_transpose_ref),
+        (act.dact_fp8, (dy, x, kind, bias, E4M3, None, 0, True), act.dact_fp8_ref),
+        (act.dact_fp8, (dy, x, kind, bias, E5M2, scale.reshape(()), 0, False, False), act.dact_fp8_ref),
+        (act.dact_fp8, (dy, x, kind, bias, E4M3, None, 1, False, False, False), act.dact_fp8_ref),
+        (act.dact_fp8, (x, x, "identity", None, E5M2), act.dact_fp8_ref),  # a bias's backward
     ]
+
+
+def test_the_ops():
+    assert {op.op._name for op, _, _ in _op_calls("relu")} == {"act_fwd", "act_fp8", "act_bwd", "dact_fp8"}
+    for old in ("act_fp8_scaled", "dact_dbias_cast_transpose", "dbias_cast_transpose"):
+        assert not hasattr(act, old) and not hasattr(torch.ops.float8, old), old
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -416,10 +431,7 @@ def test_custom_ops_on_cpu_are_the_refs(kind):
     for op, args, ref in _op_calls(kind):
         ours, theirs = op(*args), ref(*args)
         for o, r in zip(ours if isinstance(ours, tuple) else [ours], theirs if isinstance(theirs, tuple) else [theirs]):
-            assert_bits(o, r, op.__name__ if hasattr(op, "__name__") else str(op))
-    x = make_x((6, 40), BF16)
-    for o, r in zip(act.dbias_cast_transpose(x, E5M2, 0, False), act.dbias_cast_transpose_ref(x, E5M2)):
-        assert_bits(o, r, "dbias_cast_transpose")
+            assert_bits(o, r, op.__name__)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
@@ -427,7 +439,6 @@ def test_opcheck(kind):
     # .op: the registered custom op (an eager call of the plain function skips the dispatcher)
     for op, args, _ in _op_calls(kind, CASES[4]):
         torch.library.opcheck(op.op, args)
-    torch.library.opcheck(act.dbias_cast_transpose.op, (make_x((6, 40), BF16), E5M2, 0, False))
 
 
 TRANSPOSE_VARIANTS = [
@@ -445,13 +456,13 @@ def test_transposing_tile_variants_give_the_same_bits(kind, cfg):
     # exactly the bits of the reference, for odd shapes with partial tiles and a batch dim.
     x, bias, dy = inputs(((2, 70, 96), BF16, BF16), kind)
     # (the default tile's own bits are checked against the references by the launcher tests above)
-    out = act._act_fp8_triton(x, kind, bias, E4M3, 0, False, True, config=cfg)
+    out = act.act_fp8_triton(x, kind, bias, E4M3, None, 0, False, True, config=cfg)
     assert_bits(out[1], out[0].transpose(-2, -1).contiguous(), "data_t = data transposed")
-    default = act._act_fp8_triton(x, kind, bias, E4M3, 0, False, True)
+    default = act.act_fp8_triton(x, kind, bias, E4M3, None, 0, False, True)
     for o, d, n in zip(out, default, ("data", "data_t", "scale_inv", "amax")):
         assert_bits(o, d, f"{n}, variant vs default tile")
-    bwd = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E5M2, config=cfg)
-    bwd_default = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E5M2)
+    bwd = act.dact_fp8_triton(dy, x, kind, bias, E5M2, config=cfg)
+    bwd_default = act.dact_fp8_triton(dy, x, kind, bias, E5M2)
     for o, d, n in zip(bwd[:4], bwd_default[:4], ("dx", "dx_t", "scale_inv", "amax")):
         assert_bits(o, d, f"backward {n}, variant vs default tile")
     assert_bits(bwd[1], bwd[0].transpose(-2, -1).contiguous(), "dx_t = dx transposed")
@@ -462,14 +473,14 @@ def test_transposing_tile_variants_give_the_same_bits(kind, cfg):
 def test_backward_without_dbias(kind):
     # with_dbias=False (no bias to train): the same FP8 outputs, no sums, an empty dbias; the op agrees.
     x, bias, dy = inputs(((33, 80), BF16, None), kind)
-    full = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E4M3)
-    lean = act._dact_dbias_cast_transpose_triton(dy, x, kind, bias, E4M3, with_dbias=False)
+    full = act.dact_fp8_triton(dy, x, kind, bias, E4M3)
+    lean = act.dact_fp8_triton(dy, x, kind, bias, E4M3, with_dbias=False)
     for o, f, n in zip(lean[:4], full[:4], ("dx", "dx_t", "scale_inv", "amax")):
         assert_bits(o, f, n)
     assert lean[4].shape == (0,) and lean[4].dtype == dy.dtype
-    ref = act.dact_dbias_cast_transpose_ref(dy, x, kind, bias, E4M3, 0, False, False)
+    ref = act.dact_fp8_ref(dy, x, kind, bias, E4M3, None, 0, False, True, False)
     assert ref[4].shape == (0,)
-    torch.library.opcheck(act.dact_dbias_cast_transpose.op, (dy, x, kind, bias, E4M3, 0, False, False))
+    torch.library.opcheck(act.dact_fp8.op, (dy, x, kind, bias, E4M3, None, 0, False, True, False))
 
 
 def test_fused_equals_unfused_for_float32():
@@ -478,7 +489,7 @@ def test_fused_equals_unfused_for_float32():
 
     x, bias, _ = inputs(CASES[3], "swiglu")
     y = act.act_fwd(x, "swiglu", bias)
-    fused = act.act_fp8(x, "swiglu", bias, E5M2, 1, True, True)
+    fused = act.act_fp8(x, "swiglu", bias, E5M2, None, 1, True, True)
     for o, r in zip(fused, quantize_transpose_tensorwise(y, E5M2, 1, True)):
         assert_bits(o, r, "fused vs unfused")
     for o, r in zip((fused[0], fused[2], fused[3]), quantize_tensorwise(y, E5M2, 1, True)):
@@ -512,38 +523,53 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"\(4, 6\).*\(4, 6\).*\(4, 3\)"):
         act.act_bwd(torch.randn(4, 6), x, "swiglu")  # dy must have H columns
     with pytest.raises(ValueError, match="2 dims"):
-        act.act_fp8(torch.randn(6), "relu", None, E4M3, 0, False, True)
+        act.act_fp8(torch.randn(6), "relu", None, E4M3, None, 0, False, True)
     with pytest.raises(TypeError):
         act.act_fp8(x, "relu", None, torch.bfloat16)
     with pytest.raises(ValueError, match="margin"):
-        act.dact_dbias_cast_transpose(x, x, "relu", None, E4M3, -1)
+        act.dact_fp8(x, x, "relu", None, E4M3, None, -1)
+    with pytest.raises(ValueError, match=r"dact_fp8: margin 32 is too large for torch.float8_e5m2: at most 31"):
+        act.dact_fp8(x, x, "relu", None, E5M2, None, 32)
+    act.dact_fp8(x, x, "relu", None, E5M2, torch.ones(1), 32)  # ignored with a given scale
     with pytest.raises(ValueError, match="one element"):
-        act.act_fp8_scaled(x, "relu", None, torch.ones(2), E4M3)
+        act.act_fp8(x, "relu", None, E4M3, torch.ones(2))
+    with pytest.raises(TypeError, match="scale must be float32"):
+        act.dact_fp8(x, x, "relu", None, E4M3, torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2 dims"):
+        act.dact_fp8(torch.randn(6), torch.randn(6), "relu", None, E4M3)  # with_transpose=True by default
+    act.dact_fp8(torch.randn(6), torch.randn(6), "relu", None, E4M3, with_transpose=False)
+    with pytest.raises(TypeError, match="with_dbias must be a bool"):
+        act.dact_fp8(x, x, "relu", None, E4M3, None, 0, False, True, 1)
 
 
 # ---- GPU tier ---------------------------------------------------------------------------------------
 
 
 def _gpu_check_all(kind, x, bias, dy, fp8_dtype, margin=0, p2=False, with_t=True, dbias_tol=2.0**-16):
-    ours32 = act._act_fwd_triton(x, kind, bias, out_dtype=F32)
+    ours32 = act.act_fwd_triton(x, kind, bias, out_dtype=F32)
     assert_ulps_close(ours32, act.act_ref_fp32(x, kind, bias), magnitude(kind, x, bias), **ULPS_GPU, what="act")
     y = act.act_fwd(x, kind, bias)
     assert_bits(y, ours32.to(x.dtype), "act_fwd = its float32 values rounded")
-    out = act.act_fp8(x, kind, bias, fp8_dtype, margin, p2, with_t)
-    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, margin, p2, with_t)
+    out = act.act_fp8(x, kind, bias, fp8_dtype, None, margin, p2, with_t)
+    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, None, margin, p2, with_t)
     assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, _current(fp8_dtype, margin, p2))
     scale = torch.tensor([fp8_max(fp8_dtype) / 5.1], device=x.device)
-    out = act.act_fp8_scaled(x, kind, bias, scale, fp8_dtype, with_t)
-    ref = act.act_fp8_scaled_ref(x, kind, bias, scale, fp8_dtype, with_t)
-    assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, lambda amax: scale.reshape(()))
+    given = lambda amax: scale.reshape(())  # noqa: E731
+    out = act.act_fp8(x, kind, bias, fp8_dtype, scale, 0, False, with_t)
+    ref = act.act_fp8_ref(x, kind, bias, fp8_dtype, scale, 0, False, with_t)
+    assert_fp8_outputs(out, ours32, ref, fp8_dtype, with_t, given)
     del ours32, out, ref
-    d32 = act._act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
+    d32 = act.act_bwd_triton(dy, x, kind, bias, out_dtype=F32)
     assert_ulps_close(d32, act.dact_ref_fp32(dy, x, kind, bias), magnitude(kind, x, bias, dy), **ULPS_GPU, what="dx")
     assert_bits(act.act_bwd(dy, x, kind, bias), d32.to(x.dtype), "act_bwd = its float32 values rounded")
-    out = act.dact_dbias_cast_transpose(dy, x, kind, bias, fp8_dtype, margin, p2)
-    ref = act.dact_dbias_cast_transpose_ref(dy, x, kind, bias, fp8_dtype, margin, p2)
-    assert_fp8_outputs(out, d32, ref, fp8_dtype, True, _current(fp8_dtype, margin, p2))
-    assert_dbias(out[4], d32, dy.dtype, ref[4], tol=dbias_tol)
+    # current scaling in both layouts (transposing tiles) and in data alone (row tiles); a given scale
+    for s, t, scale_of_amax in [(None, True, _current(fp8_dtype, margin, p2)), (None, False, _current(fp8_dtype, margin, p2)),
+                                (scale, with_t, given)]:  # fmt: skip
+        out = act.dact_fp8(dy, x, kind, bias, fp8_dtype, s, margin, p2, t)
+        ref = act.dact_fp8_ref(dy, x, kind, bias, fp8_dtype, s, margin, p2, t)
+        assert_fp8_outputs(out, d32, ref, fp8_dtype, t, scale_of_amax)
+        assert_dbias(out[4], d32, dy.dtype, ref[4], tol=dbias_tol)
+        del out, ref
 
 
 @pytest.mark.gpu
@@ -569,7 +595,7 @@ def test_cuda_launches_vs_refs(kind, shape, dtype, bias_dtype, fp8_dtype, with_t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_swiglu_large_bf16():
-    # The MLP of DESIGN.md section 8: 16384 tokens, FFN 14336 (x is (16384, 2 * 14336) bf16, 0.9 GB).
+    # The MLP block's SwiGLU (float8/bench/suite.py): 16384 tokens, FFN 14336 (x is (16384, 2 * 14336) bf16, 0.9 GB).
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn((16384, 2 * 14336), generator=g, device="cuda").mul_(2).to(BF16)
     dy = torch.randn((16384, 14336), generator=g, device="cuda").to(BF16)
@@ -583,9 +609,27 @@ def test_cuda_transposing_tile_variants_give_the_same_bits(cfg):
     # Under the interpreter the three transposes are one numpy transpose; on the GPU they are three
     # different routes through shared memory (FP8 bytes, 16-bit lanes, float32 recast): same bits required.
     x, bias, dy = inputs(((3, 200, 320), BF16, BF16), "swiglu", device="cuda")
-    for o, d in zip(act._act_fp8_triton(x, "swiglu", bias, E4M3, 0, False, True, config=cfg),
-                    act._act_fp8_triton(x, "swiglu", bias, E4M3, 0, False, True)):
+    for o, d in zip(act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True, config=cfg),
+                    act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True)):
         assert_bits(o, d, "forward, variant vs default tile")
-    for o, d in zip(act._dact_dbias_cast_transpose_triton(dy, x, "swiglu", bias, E5M2, config=cfg)[:4],
-                    act._dact_dbias_cast_transpose_triton(dy, x, "swiglu", bias, E5M2)[:4]):
+    for o, d in zip(act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2, config=cfg)[:4],
+                    act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2)[:4]):
         assert_bits(o, d, "backward, variant vs default tile")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_row_tiles_give_the_transposing_tiles_bits(kind):
+    # Without with_transpose the FP8 pass runs on row tiles, another compiled kernel: the same bits required
+    # (every value is elementwise; a given scale too).
+    x, bias, dy = inputs(((3, 200, 320), BF16, BF16), kind, device="cuda")
+    for scale in (None, torch.tensor([17.0], device="cuda")):
+        rows, tiles = (act.act_fp8_triton(x, kind, bias, E4M3, scale, 0, False, t) for t in (False, True))
+        for o, d, n in zip(rows, tiles, ("data", "data_t", "scale_inv", "amax")):
+            if n != "data_t":
+                assert_bits(o, d, f"forward {n}, row tiles vs transposing tiles")
+        rows, tiles = (act.dact_fp8_triton(dy, x, kind, bias, E5M2, scale, 0, False, t) for t in (False, True))
+        for o, d, n in zip(rows, tiles, ("data", "data_t", "scale_inv", "amax", "dbias")):
+            if n != "data_t":
+                assert_bits(o, d, f"backward {n}, row tiles vs transposing tiles")
