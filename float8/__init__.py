@@ -8,15 +8,16 @@
 from float8 import gemm as _gemm  # noqa: F401  (registers mm/addmm)
 from float8 import native_ops as _native_ops  # noqa: F401  (registers views, copies, cat/split)
 from float8.dispatch import Float8FallbackWarning
-from float8.recipe import (
-    BlockwiseScaling,
-    DelayedScaling,
+from float8.quantizer import (
+    BlockwiseQuantizer,
     DelayedScalingState,
-    Format,
-    Recipe,
-    RowwiseScaling,
-    TensorwiseScaling,
+    Quantizer,
+    RowwiseQuantizer,
+    ScaleLayout,
+    StaticQuantizer,
+    TensorwiseQuantizer,
 )
+from float8.recipe import BlockwiseScaling, DelayedScaling, Format, Recipe, RowwiseScaling, TensorwiseScaling
 from float8.tensor import Float8Tensor
 
 __version__ = "0.1.0"
@@ -31,4 +32,10 @@ __all__ = [
     "BlockwiseScaling",
     "DelayedScaling",
     "DelayedScalingState",
+    "Quantizer",
+    "ScaleLayout",
+    "TensorwiseQuantizer",
+    "StaticQuantizer",
+    "RowwiseQuantizer",
+    "BlockwiseQuantizer",
 ]

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from float8 import dispatch
 from float8.kernels.reference import dequantize_ref
-from float8.tensor import Float8Tensor, _is_float8, requantize_into
+from float8.quantizer import requantize_into
+from float8.tensor import Float8Tensor, _is_float8
 
 aten = torch.ops.aten
 
@@ -215,6 +216,17 @@ def _fallback(func, args, kwargs):
     return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
 
 
+def _mixed(a, b) -> bool:
+    """One Float8Tensor operand and one plain tensor: the product of the dequantized operand and the plain
+    one, in high precision. This is what the backward pass of an FP8 GEMM between tensors that require
+    grad computes (grad @ b8.t()), so it runs natively, without the fallback's warning."""
+    return _is_float8(a) != _is_float8(b) and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+
+
+def _plain(t):
+    return t.dequantize() if _is_float8(t) else t
+
+
 @dispatch.implements([aten.mm.default])
 def _mm(func, args, kwargs):
     a, b = args[0], args[1]
@@ -222,6 +234,8 @@ def _mm(func, args, kwargs):
         out = fp8_mm(a, b)
         if out is not None:
             return out
+    elif _mixed(a, b):
+        return torch.mm(_plain(a), _plain(b))
     return _fallback(func, args, kwargs)
 
 
@@ -229,9 +243,17 @@ def _mm(func, args, kwargs):
 def _addmm(func, args, kwargs):
     bias, a, b = args[0], args[1], args[2]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    if _is_float8(a) and _is_float8(b) and not _is_float8(bias):
+    if _is_float8(bias):
+        return _fallback(func, args, kwargs)
+    if _is_float8(a) and _is_float8(b):
         simple = beta == 1 and alpha == 1
         out = fp8_mm(a, b, bias=bias if simple else None)
         if out is not None:
-            return out if simple else alpha * out + beta * bias
+            if simple:
+                return out
+            # beta == 0 ignores the input entirely (torch's rule: an inf or NaN there must not leak in).
+            out = out if alpha == 1 else alpha * out
+            return out if beta == 0 else out + beta * bias
+    elif _mixed(a, b):
+        return torch.addmm(bias, _plain(a), _plain(b), beta=beta, alpha=alpha)
     return _fallback(func, args, kwargs)

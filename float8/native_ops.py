@@ -14,7 +14,8 @@ import torch
 
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _check_whole, _is_float8, block_shape, requantize_into
+from float8.quantizer import requantize_into
+from float8.tensor import Float8Tensor, _is_float8, block_shape, check_whole, mark_written, share_writes
 
 aten = torch.ops.aten
 
@@ -44,7 +45,18 @@ def transpose_cache_after(how: str, src: Float8Tensor, derive=None):
 
 
 def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Float8Tensor:
-    return Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
+    out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
+    if _aliases(data, src):
+        share_writes(out, src)  # a view: writes through it must reach src's cache check, and back
+    return out
+
+
+def _aliases(data: torch.Tensor, src: Float8Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    ptr = data.untyped_storage().data_ptr()
+    cache = src._transpose_raw
+    return ptr == src._data.untyped_storage().data_ptr() or (cache is not None and ptr == cache.untyped_storage().data_ptr())
 
 
 def _fallback(func, args, kwargs):
@@ -99,7 +111,7 @@ def _copy_(func, args, kwargs):
     if not _is_float8(dst):
         dst.copy_(src.dequantize(dst.dtype if dst.dtype in HIGH_PRECISION_DTYPES else src.dtype))
         return dst
-    _check_whole(dst)
+    check_whole(dst)
     if (
         _is_float8(src)
         and src.fp8_dtype == dst.fp8_dtype
@@ -108,10 +120,14 @@ def _copy_(func, args, kwargs):
     ):
         # FP8 -> FP8 of the same format and layout: the bits and their scale travel together.
         with torch.no_grad():
-            dst._data.copy_(src._data)
+            bits = src._data
+            if _aliases(bits, dst):
+                bits = bits.clone()  # e.g. x8.copy_(x8.t()): the source is dst's own cache or data
+            dst._data.copy_(bits)
             dst._scale_inv.copy_(src._scale_inv)
             if dst._transpose is not None:
-                dst._transpose.copy_(src._transpose if src._transpose is not None else src._data.transpose(-2, -1))
+                dst._transpose_raw.copy_(bits.transpose(-2, -1))
+        mark_written(dst)
         return dst
     requantize_into(dst, src.dequantize() if _is_float8(src) else src)
     return dst

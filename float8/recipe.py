@@ -1,8 +1,9 @@
 """Scaling recipes: what granularity and format to quantize with. Frozen, validated, stateless.
 
 A recipe describes how the *next* FP8 tensor is made; it never owns or changes a tensor that exists
-(the scale-inverse travels with the FP8 bits, see float8/tensor.py). The one piece of state, the amax
-history of delayed scaling, lives in a `DelayedScalingState` owned by whoever quantizes (an op), and is
+(the scale-inverse travels with the FP8 bits, see float8/tensor.py). It builds the quantizers that do the
+work (`Recipe.quantizers()`, float8/quantizer.py). The one piece of state, the amax history of delayed
+scaling, lives in a `DelayedScalingState` (a quantizer) owned by whoever quantizes (an op), and is
 updated on the device with no host sync.
 
     Float8Tensor.quantize(x)                                   # per-tensor current scaling, E4M3
@@ -19,8 +20,7 @@ from typing import Union
 
 import torch
 
-from float8.kernels.cast import cast
-from float8.kernels.reference import fp8_max, scale_from_amax
+from float8.kernels.reference import fp8_max, max_margin
 
 
 class Format(enum.Enum):
@@ -36,10 +36,12 @@ class Format(enum.Enum):
 
     @property
     def forward_dtype(self) -> torch.dtype:
+        """The FP8 dtype of activations and weights."""
         return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def backward_dtype(self) -> torch.dtype:
+        """The FP8 dtype of gradients."""
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
@@ -102,7 +104,8 @@ class DelayedScaling:
 
     The scale used for step t comes from amaxes up to step t-1 (`amax_compute_algo` "max" over the last
     `history_len` steps, or "most_recent"). Non-finite amaxes are not recorded and keep the previous
-    scale; an all-zero history gives scale 1. Create a `DelayedScalingState` from it to quantize.
+    scale; a step with an empty history (the first) uses current scaling. Create a `DelayedScalingState`
+    from it to quantize (an op with a delayed recipe makes its own).
     """
 
     history_len: int = 16
@@ -119,58 +122,6 @@ class DelayedScaling:
 
 
 Scaling = Union[TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling]
-
-
-class DelayedScalingState(torch.nn.Module):
-    """The amax history and current scale of one delayed-scaled tensor, kept on its device.
-
-    Buffers (saved in state_dict, moved by .to()): `amax_history` (history_len,) float32, newest first,
-    and `scale` () float32, the scale the next cast will use. `quantize` casts with `scale` in one
-    kernel that also returns this tensor's amax, then updates history and scale with device ops only:
-    no .item(), no host sync, CUDA-graph safe.
-    """
-
-    def __init__(self, recipe: DelayedScaling = DelayedScaling(), device=None):
-        super().__init__()
-        if not isinstance(recipe, DelayedScaling):
-            raise TypeError(f"DelayedScalingState needs a DelayedScaling recipe, got {type(recipe).__name__}")
-        self.recipe = recipe
-        self.register_buffer("amax_history", torch.zeros(recipe.history_len, dtype=torch.float32, device=device))
-        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
-
-    def _apply(self, fn, *args, **kwargs):
-        # model.to(torch.bfloat16) must move the state, never round it: scales and amaxes stay float32.
-        super()._apply(fn, *args, **kwargs)
-        for name in ("amax_history", "scale"):
-            buf = getattr(self, name)
-            if buf.dtype != torch.float32:
-                setattr(self, name, buf.float())
-        return self
-
-    def cast(self, x: torch.Tensor, fp8_dtype: torch.dtype):
-        """Cast x with the current scale; returns (data, scale_inv) and updates the state."""
-        data, scale_inv, amax = cast(x, self.scale, fp8_dtype)
-        self.update(amax, fp8_dtype)
-        return data, scale_inv
-
-    @torch.no_grad()
-    def update(self, amax: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-        """Record one amax and compute the next scale, in place, on the device."""
-        finite = torch.isfinite(amax)
-        history = self.amax_history
-        recorded = torch.where(finite, amax.float(), torch.zeros_like(amax, dtype=torch.float32))
-        history.copy_(torch.roll(history, 1))
-        history[0] = recorded
-        if self.recipe.amax_compute_algo == "max":
-            reduced = history.amax()
-        else:
-            reduced = history[0]
-        candidate = scale_from_amax(reduced, fp8_dtype, self.recipe.margin, self.recipe.power_of_2)
-        # A NaN/inf amax keeps the previous scale rather than resetting it to 1.
-        self.scale.copy_(torch.where(finite, candidate, self.scale))
-
-    def extra_repr(self) -> str:
-        return repr(self.recipe)
 
 
 @dataclass(frozen=True)
@@ -209,22 +160,42 @@ class Recipe:
             s = getattr(self, role)
             if not isinstance(s, (TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling)):
                 raise TypeError(f"Recipe.{role} must be a scaling dataclass, got {type(s).__name__}")
+            fp8 = self.format.backward_dtype if role == "grad" else self.format.forward_dtype
+            if s.margin > max_margin(fp8):
+                raise ValueError(
+                    f"Recipe.{role} has margin {s.margin}, too large for {fp8}: every value would round to 0 "
+                    f"(the largest margin for this format is {max_margin(fp8)})"
+                )
+
+    def quantizers(self, *, device=None, amax_group=None):
+        """The (input, weight, grad) quantizers this recipe describes (float8.quantizer.LinearQuantizers).
+
+        Delayed scaling gives new DelayedScalingState modules on `device` (the caller owns their history);
+        amax_group: a process group over which per-tensor amaxes are reduced, or None.
+        """
+        from float8.quantizer import recipe_quantizers
+
+        return recipe_quantizers(self, device=device, amax_group=amax_group)
 
     @classmethod
     def tensorwise(cls, format: Format = Format.HYBRID) -> "Recipe":
+        """Per-tensor current scaling everywhere (the default recipe)."""
         return cls(format)
 
     @classmethod
     def delayed(cls, format: Format = Format.HYBRID, history_len: int = 16, amax_compute_algo: str = "max") -> "Recipe":
+        """Per-tensor delayed scaling (an amax history per role, kept by the op that quantizes) everywhere."""
         d = DelayedScaling(history_len, amax_compute_algo)
         return cls(format, d, d, d)
 
     @classmethod
     def rowwise(cls, format: Format = Format.E4M3) -> "Recipe":
+        """One scale per row for inputs, weights and gradients (E4M3: cuBLASLt's row-wise mode needs it)."""
         return cls(format, RowwiseScaling(), RowwiseScaling(), RowwiseScaling())
 
     @classmethod
     def blockwise(cls, format: Format = Format.E4M3) -> "Recipe":
+        """DeepSeek-V3 style blocks: 1x128 for inputs and gradients, 128x128 for weights."""
         return cls(format, BlockwiseScaling((1, 128)), BlockwiseScaling((128, 128)), BlockwiseScaling((1, 128)))
 
 
@@ -234,7 +205,6 @@ __all__ = [
     "RowwiseScaling",
     "BlockwiseScaling",
     "DelayedScaling",
-    "DelayedScalingState",
     "Recipe",
     "fp8_max",
 ]

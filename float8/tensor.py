@@ -18,7 +18,12 @@ The contract
   other memory layout an FP8 GEMM needs in the backward pass). It exists only when something will read
   it: ``quantize(..., with_transpose=True)`` with grad mode on. Under ``torch.no_grad()`` or
   ``torch.inference_mode()`` no transpose is ever allocated. Each op keeps, derives or drops it through
-  one helper, `float8.native_ops.transpose_cache_after`.
+  one helper, `float8.native_ops.transpose_cache_after`; a write into the bits by any route (a view, an
+  in-place op, ``fp8_data`` itself) leaves it in step or drops it: `transpose_in_step` below.
+- Non-finite values never come out finite: a tensor quantized from values holding NaN or inf
+  dequantizes to non-finite values, and so does every GEMM that reads it (docs/design.md §2, §3).
+- Quantizing goes through a quantizer (float8/quantizer.py); a tensor quantized from one that requires
+  grad requires grad, and gradients pass through quantize and dequantize unchanged.
 - Ops: `float8/native_ops.py` and `float8/gemm.py` implement views, transposes, copies, cat/split and
   FP8 GEMMs natively; every other op goes to the one fallback of `float8/dispatch.py` (high precision,
   a warning naming the op; in-place ops re-quantize and keep the type). A view that the scale layout
@@ -35,60 +40,10 @@ from typing import Optional, Union
 import torch
 
 from float8 import dispatch
-from float8.kernels import (
-    cast,
-    dequantize as dequantize_kernel,
-    quantize_blockwise,
-    quantize_rowwise,
-    quantize_tensorwise,
-    quantize_transpose_tensorwise,
-    cast_transpose,
-)
+from float8.kernels import dequantize as dequantize_kernel
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
-from float8.recipe import (
-    BlockwiseScaling,
-    DelayedScaling,
-    DelayedScalingState,
-    RowwiseScaling,
-    TensorwiseScaling,
-)
 
 Float8FallbackWarning = dispatch.Float8FallbackWarning
-
-
-def _transpose_wanted(with_transpose: bool, x: torch.Tensor) -> bool:
-    # No backward pass can read a transpose made under no_grad / inference_mode: never allocate one there.
-    return bool(with_transpose) and torch.is_grad_enabled() and x.dim() >= 2
-
-
-def _check_quantize_input(x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"Float8Tensor.quantize needs a torch.Tensor, got {type(x).__name__}")
-    if isinstance(x, Float8Tensor):
-        raise TypeError(
-            "Float8Tensor.quantize got a Float8Tensor; it is already FP8. Use .dequantize() first to "
-            "re-quantize with another scaling."
-        )
-    if x.dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(
-            f"Float8Tensor.quantize needs a float32, bfloat16 or float16 tensor, got {x.dtype}"
-        )
-
-
-def _scale_tensor(scale, device) -> torch.Tensor:
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"scale must be float32, got {scale.dtype}")
-        if scale.device != device:
-            raise ValueError(f"scale is on {scale.device} but the input is on {device}")
-        return scale.reshape(())
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        if not (scale > 0 and scale != float("inf")):
-            raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-        return torch.tensor(float(scale), dtype=torch.float32, device=device)
-    raise TypeError(f"scale must be a float32 tensor or a number, got {type(scale).__name__}")
 
 
 class Float8Tensor(torch.Tensor):
@@ -96,7 +51,7 @@ class Float8Tensor(torch.Tensor):
 
     _data: torch.Tensor
     _scale_inv: torch.Tensor
-    _transpose: Optional[torch.Tensor]
+    _transpose_raw: Optional[torch.Tensor]  # read through `_transpose`, which drops it once stale
 
     @staticmethod
     def __new__(
@@ -118,7 +73,9 @@ class Float8Tensor(torch.Tensor):
             self = cls._wrapper(data, nominal_dtype, requires_grad)
         self._data = data
         self._scale_inv = scale_inv
-        self._transpose = transpose
+        self._transpose_raw = transpose
+        self._writes = [0]  # shared by the Float8Tensors that alias these bits (share_writes); see below
+        self._t_stamp = _stamp(self)
         return self
 
     @classmethod
@@ -132,41 +89,24 @@ class Float8Tensor(torch.Tensor):
     def quantize(
         cls,
         x: torch.Tensor,
-        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        fp8_dtype: Optional[torch.dtype] = None,
         *,
         scale: Union[torch.Tensor, float, None] = None,
         scaling=None,
         with_transpose: bool = False,
     ) -> "Float8Tensor":
-        """Quantize a float32/bfloat16/float16 tensor to FP8.
+        """Quantize a float32/bfloat16/float16 tensor to FP8 (E4M3 unless fp8_dtype says otherwise).
 
-        scale: an explicit per-tensor float32 scale (static scaling); the cast kernel writes scale_inv.
+        scale: a per-tensor float32 scale (static scaling); the cast kernel writes scale_inv = 1 / scale.
         scaling: TensorwiseScaling() (default: current per-tensor scaling), RowwiseScaling(),
-            BlockwiseScaling(block), or a DelayedScalingState (whose history is updated on the device).
+            BlockwiseScaling(block), a DelayedScalingState (whose history is updated on the device), or any
+            quantizer of float8.quantizer. Every form goes through one quantizer (float8/quantizer.py).
         with_transpose: also write the transposed FP8 layout in the same kernel, for a backward pass.
             Ignored under no_grad/inference_mode, where no backward pass can read it.
+        If x requires grad, the result does too: gradients pass through the quantization as the identity
+        (straight-through estimator), and through dequantize() and FP8 GEMMs as their high-precision ones.
         """
-        return cls._quantize(x, fp8_dtype, scale, scaling, _transpose_wanted(with_transpose, x))
-
-    @classmethod
-    def _quantize(cls, x, fp8_dtype=torch.float8_e4m3fn, scale=None, scaling=None, with_transpose=False):
-        """`quantize` without the grad-mode rule for the transpose: for callers that know a backward pass
-        will read it (ops run their forward inside an autograd Function, where grad mode is off)."""
-        _check_quantize_input(x)
-        check_fp8_dtype(fp8_dtype)
-        want_t = bool(with_transpose) and x.dim() >= 2
-        transpose = None
-        if scale is not None:
-            if scaling is not None:
-                raise ValueError("pass either scale= (static scaling) or scaling=, not both")
-            s = _scale_tensor(scale, x.device)
-            if want_t:
-                data, transpose, scale_inv, _ = cast_transpose(x, s, fp8_dtype)
-            else:
-                data, scale_inv, _ = cast(x, s, fp8_dtype)
-        else:
-            data, scale_inv, transpose = _quantize_with(x, fp8_dtype, scaling or TensorwiseScaling(), want_t)
-        return cls(data, scale_inv, x.dtype, transpose)
+        return _quantizer.quantizer_from_args(fp8_dtype, scale, scaling).quantize(x, with_transpose=with_transpose)
 
     # ---- the public face ----------------------------------------------------------------------
     @property
@@ -181,17 +121,27 @@ class Float8Tensor(torch.Tensor):
 
     @property
     def fp8_dtype(self) -> torch.dtype:
+        """The FP8 format of the bits: torch.float8_e4m3fn or torch.float8_e5m2."""
         return self._data.dtype
 
     @property
     def transpose_cache(self) -> Optional[torch.Tensor]:
-        """The cached FP8 transpose (contiguous, (..., K, M)), or None."""
+        """The cached FP8 transpose (contiguous, (..., K, M)), or None (also once a write made it stale)."""
         return self._transpose
 
+    @property
+    def _transpose(self) -> Optional[torch.Tensor]:
+        """The transpose cache if it still matches the data; a stale one is dropped here (`transpose_in_step`)."""
+        return transpose_in_step(self)
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """fp8_data.float() * scale_inv (broadcast over its blocks), as a plain tensor of `dtype` (default:
+        the nominal dtype). Differentiable when this tensor requires grad (the gradient passes unchanged)."""
         dtype = dtype or self.dtype
         if dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(f"dequantize returns float32, bfloat16 or float16, not {dtype}")
+        if self.requires_grad and torch.is_grad_enabled():
+            return _DequantizeSTE.apply(self, dtype)
         return dequantize_kernel(self._data, self._scale_inv, dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -208,7 +158,7 @@ class Float8Tensor(torch.Tensor):
         handler = dispatch.lookup(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
+        return dispatch.fallback(func, args, kwargs, _is_float8, _quantizer.requantize_into)
 
     # ---- torch.compile / FSDP / serialization -------------------------------------------------
     def __tensor_flatten__(self):
@@ -224,10 +174,22 @@ class Float8Tensor(torch.Tensor):
             inner_tensors["_data"], inner_tensors["_scale_inv"], nominal_dtype, inner_tensors.get("_transpose")
         )
 
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        cache = self._transpose
+        out = Float8Tensor(
+            self._data.clone(), self._scale_inv.clone(), self.dtype, None if cache is None else cache.clone(),
+            self.requires_grad,
+        )
+        memo[id(self)] = out
+        return out
+
     def __reduce_ex__(self, protocol):
         # The FP8 bits travel as uint8: plain pickle of a float8 tensor fails in torch 2.13
         # ("UntypedStorage has no attribute dtype"); torch.save is fine either way.
-        t = None if self._transpose is None else self._transpose.view(torch.uint8)
+        cache = self._transpose
+        t = None if cache is None else cache.view(torch.uint8)
         return (
             _rebuild_float8_tensor,
             (self._data.view(torch.uint8), self.fp8_dtype, self._scale_inv, self.dtype, t, self.requires_grad),
@@ -294,56 +256,7 @@ def block_shape(data_shape, scale_shape) -> tuple:
     return tuple(blocks)
 
 
-def scaling_of(t: Float8Tensor):
-    """The granularity a Float8Tensor was quantized with, read off its scale layout."""
-    s, shape = t._scale_inv, t._data.shape
-    if s.dim() == 0:
-        return TensorwiseScaling()
-    blocks = block_shape(shape, s.shape)
-    if all(b == 1 for b in blocks[:-1]) and s.shape[-1] == 1:
-        return RowwiseScaling()
-    if blocks[-1] == 128 and all(b == 1 for b in blocks[:-1]):
-        return BlockwiseScaling((1, 128))
-    if len(blocks) == 2 and blocks == (128, 128):
-        return BlockwiseScaling((128, 128))
-    raise ValueError(f"no scaling recipe matches a scale_inv of shape {tuple(s.shape)} for data {tuple(shape)}")
-
-
-def _quantize_with(x, fp8_dtype, scaling, want_t):
-    """(data, scale_inv, transpose or None) for one of the scaling recipes."""
-    if isinstance(scaling, TensorwiseScaling):
-        if want_t:
-            data, t, scale_inv, _ = quantize_transpose_tensorwise(x, fp8_dtype, scaling.margin, scaling.power_of_2)
-            return data, scale_inv, t
-        data, scale_inv, _ = quantize_tensorwise(x, fp8_dtype, scaling.margin, scaling.power_of_2)
-        return data, scale_inv, None
-    if isinstance(scaling, DelayedScalingState):
-        if scaling.scale.device != x.device:
-            raise ValueError(f"DelayedScalingState lives on {scaling.scale.device} but the input is on {x.device}")
-        if want_t:
-            data, t, scale_inv, amax = cast_transpose(x, scaling.scale, fp8_dtype)
-            scaling.update(amax, fp8_dtype)
-            return data, scale_inv, t
-        data, scale_inv = scaling.cast(x, fp8_dtype)
-        return data, scale_inv, None
-    if isinstance(scaling, RowwiseScaling):
-        data, scale_inv = quantize_rowwise(x, fp8_dtype, scaling.margin, scaling.power_of_2)
-    elif isinstance(scaling, BlockwiseScaling):
-        rows, cols = scaling.block
-        data, scale_inv = quantize_blockwise(x, rows, cols, fp8_dtype, scaling.margin, scaling.power_of_2)
-    elif isinstance(scaling, DelayedScaling):
-        raise TypeError(
-            "DelayedScaling is a recipe without state; quantize with scaling=DelayedScalingState(recipe), "
-            "which keeps the amax history"
-        )
-    else:
-        raise TypeError(f"scaling must be a float8 scaling recipe or DelayedScalingState, got {type(scaling).__name__}")
-    # Per-row and block layouts have no fused transposing kernel yet: the copy is made here, once.
-    t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if want_t else None
-    return data, scale_inv, t
-
-
-def _check_whole(dst: Float8Tensor) -> None:
+def check_whole(dst: Float8Tensor) -> None:
     """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
     base's transpose) with the rest, which a write through the part would silently corrupt."""
     d = dst._data
@@ -355,18 +268,62 @@ def _check_whole(dst: Float8Tensor) -> None:
         )
 
 
-def requantize_into(dst: Float8Tensor, src: torch.Tensor) -> None:
-    """Write high-precision `src` into FP8 `dst` in place: same FP8 dtype and granularity, fresh scale.
+# ---- the transpose cache stays in step with the data, or is dropped ---------------------------------
+# The cache is stamped, when it is made or re-derived, with (writes, version of the bits, version of the
+# cache); a read that finds any of them moved drops it, and the GEMM that needs the other layout makes it
+# again from the bits. Two kinds of write are caught:
+# - raw writes into `t.fp8_data` or into the cache (`t.t().fp8_data` *is* it): they move the tensors'
+#   version counters;
+# - writes through the library (in-place ops, copy_) into any Float8Tensor that aliases the bits (a view:
+#   `t.view(-1).add_(1)`): they bump `_writes`, a counter shared by all Float8Tensors made as views of one
+#   another (share_writes). Counters are needed here because views made inside __torch_dispatch__ run
+#   below autograd and do not share the base's version counter.
 
-    dst's buffers are written, not replaced, so views and optimizer references stay valid. A cached
-    transpose is re-derived from the new bits. dst must be a whole tensor, not a slice of one.
-    """
-    _check_whole(dst)
-    if tuple(src.shape) != tuple(dst.shape):
-        src = src.expand(dst.shape)
-    fresh = Float8Tensor.quantize(src.to(dst.dtype), dst.fp8_dtype, scaling=scaling_of(dst))
-    with torch.no_grad():
-        dst._data.copy_(fresh._data)
-        dst._scale_inv.copy_(fresh._scale_inv)
-        if dst._transpose is not None:
-            dst._transpose.copy_(fresh._data.transpose(-2, -1))
+
+def _stamp(t: "Float8Tensor"):
+    data, cache = t._data, t._transpose_raw
+    if cache is None or data.is_inference() or cache.is_inference() or torch.compiler.is_compiling():
+        return None  # inference tensors keep no version counter; a traced graph has no counters to read
+    return (t._writes[0], data._version, cache._version)
+
+
+def transpose_in_step(t: Float8Tensor) -> Optional[torch.Tensor]:
+    """t's transpose cache, or None after dropping it if a write moved the bits or the cache since it was
+    made. The one place that decides whether a cache is still valid."""
+    cache = t._transpose_raw
+    if cache is None or t._t_stamp is None or torch.compiler.is_compiling():
+        return cache
+    if (t._writes[0], t._data._version, cache._version) != t._t_stamp:
+        t._transpose_raw = t._t_stamp = None
+        return None
+    return cache
+
+
+def share_writes(view: Float8Tensor, src: Float8Tensor) -> Float8Tensor:
+    """Make `view`, which aliases src's bits, count its writes with src's (and the other way round)."""
+    view._writes = src._writes
+    view._t_stamp = _stamp(view)
+    return view
+
+
+def mark_written(t: Float8Tensor) -> None:
+    """After the library wrote t's bits (and re-derived t's own cache): every alias's cache is now stale,
+    t's own is in step."""
+    t._writes[0] += 1
+    t._t_stamp = _stamp(t)
+
+
+class _DequantizeSTE(torch.autograd.Function):
+    """dequantize() of a Float8Tensor that requires grad: the gradient passes unchanged (as its dtype)."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = t.dtype
+        return dequantize_kernel(t._data, t._scale_inv, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+from float8 import quantizer as _quantizer  # noqa: E402  (quantizer.py imports this module)

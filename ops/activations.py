@@ -1,42 +1,44 @@
 """Activations share one base; each subclass only names its kernel kind.
 
 Forward: followed by a Linear, the activation kernel writes FP8 (and the transpose, if the Linear's
-backward reads it) directly. Backward: preceded by a Linear, dact and the gradient's FP8 cast-transpose
-run in one kernel (with dbias too, when a Bias sits between them: see ops/fusion.py).
+backward reads it) directly, when the Linear's input quantizer `fuses`. Backward: preceded by a Linear,
+dact and the gradient's FP8 cast-transpose run in one kernel (with dbias too, when a Bias sits between
+them: see ops/fusion.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from float8.kernels import activation as K
-from float8.ops.base import BasicOp, OpContext, is_delayed, plain, wrap_fp8
+from float8.kernels.activation import act_bwd, act_fp8, act_fwd, dact_fp8
+from float8.ops.base import BasicOp, OpContext, plain
 
 
 class Activation(BasicOp):
+    """Base of the elementwise activations: y = act(x (+ bias, when fused with a Bias before it)).
+
+    x: (..., N) float32/bfloat16/float16; y: x's shape and dtype (SwiGLU: (..., N/2)), or FP8 for a Linear
+    after it in a Sequential. Computed in float32 registers.
+    """
+
     kind: str = ""
 
-    def __init__(self, recipe=None):
+    def __init__(self, *, recipe=None):
         super().__init__()
         self.set_recipe(recipe)
 
     def activation_forward(self, ctx: OpContext, x, out_request, bias=None):
         x = plain(x)
-        if out_request is None:
-            y = K.act_fwd(x, self.kind, bias)
-        elif is_delayed(out_request):
-            st = out_request.scaling
-            data, data_t, scale_inv, amax = K.act_fp8_scaled(
-                x, self.kind, bias, st.scale, out_request.fp8_dtype, out_request.with_transpose
+        r = out_request
+        if r is not None and r.fuses:
+            data, data_t, scale_inv, amax = act_fp8(
+                x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose
             )
-            st.update(amax, out_request.fp8_dtype)
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
+            y = r.finish(data, data_t, scale_inv, amax, x.dtype)
         else:
-            s = out_request.scaling
-            data, data_t, scale_inv, _ = K.act_fp8(
-                x, self.kind, bias, out_request.fp8_dtype, s.margin, s.power_of_2, out_request.with_transpose
-            )
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
+            y = act_fwd(x, self.kind, bias)
+            if r is not None:
+                y = r.quantize(y)
         ctx.saved, ctx.bias = x, bias  # x before the bias: the backward kernel adds it again
         return y
 
@@ -45,16 +47,17 @@ class Activation(BasicOp):
         x, bias = ctx.saved, ctx.bias
         ctx.saved = ctx.bias = None
         dy = plain(dy)
-        if dx_request is not None and not is_delayed(dx_request):
-            s = dx_request.scaling
-            data, data_t, scale_inv, _, dbias = K.dact_dbias_cast_transpose(
-                dy, x, self.kind, bias, dx_request.fp8_dtype, s.margin, s.power_of_2, want_dbias
-            )
-            return wrap_fp8(dx_request, data, data_t, scale_inv, dy.dtype), dbias if want_dbias else None
-        dx = K.act_bwd(dy, x, self.kind, bias)
+        r = dx_request
+        if r is not None and r.fuses:
+            data, data_t, scale_inv, amax, dbias = dact_fp8(
+                dy, x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose,
+                want_dbias,
+            )  # fmt: skip
+            return r.finish(data, data_t, scale_inv, amax, dy.dtype), dbias if want_dbias else None
+        dx = act_bwd(dy, x, self.kind, bias)
         dbias = dx.sum(0, dtype=torch.float32) if want_dbias else None
-        if dx_request is not None:
-            dx = dx_request.quantize(dx)
+        if r is not None:
+            dx = r.quantize(dx)
         return dx, dbias
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
@@ -68,22 +71,26 @@ class Activation(BasicOp):
 class GELU(Activation):
     """GELU, erf form (torch.nn.functional.gelu's default); approximate="tanh" for the tanh form."""
 
-    def __init__(self, approximate: str = "none", recipe=None):
+    def __init__(self, *, approximate: str = "none", recipe=None):
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
         self.kind = "gelu" if approximate == "none" else "gelu_tanh"
-        super().__init__(recipe)
+        super().__init__(recipe=recipe)
 
 
 class ReLU(Activation):
+    """max(x, 0), elementwise (NaN stays NaN, -0.0 stays -0.0, like torch.relu)."""
+
     kind = "relu"
 
 
 class SiLU(Activation):
+    """x * sigmoid(x), elementwise."""
+
     kind = "silu"
 
 
 class SwiGLU(Activation):
-    """silu(x[..., :H]) * x[..., H:] for input (..., 2H): output (..., H)."""
+    """silu(x[..., :H]) * x[..., H:] for input (..., 2H): output (..., H) (gate first, then the linear half)."""
 
     kind = "swiglu"

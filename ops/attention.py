@@ -14,7 +14,14 @@ from float8.ops.base import BasicOp, OpContext, plain
 
 
 class Attention(BasicOp):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int = None, causal: bool = True):
+    """Scaled dot-product attention over a packed [q | k | v] activation (high precision, SDPA).
+
+    Input (..., batch, seq, (num_heads + 2 * num_kv_heads) * head_dim), output (..., batch, seq,
+    num_heads * head_dim), in the input's dtype. Options, keyword-only: num_kv_heads (grouped KV heads,
+    default num_heads), causal (default True).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:

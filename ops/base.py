@@ -1,9 +1,10 @@
 """The basic-op protocol: a small class with `op_forward(ctx, x, out_request)` / `op_backward(ctx, dy, dx_request)`.
 
 Ops tell each other what they want, so an FP8 tensor is written once, by the kernel that makes the data:
-- forward: `input_request()` of the next op says "give me FP8 of this format and scaling (with its
-  transpose, if my backward will read it)". An op that can (norms, activations, Quantize) writes FP8
-  directly in its own kernel; one that cannot returns high precision and the consumer quantizes.
+- forward: `input_request()` of the next op is a `QuantRequest` (float8/quantizer.py): "give me FP8 from
+  this quantizer (with its transpose, if my backward will read it)". An op with a fused kernel (norms,
+  activations) writes FP8 directly when the quantizer `fuses`; otherwise it writes high precision and
+  calls `request.quantize`.
 - backward: `grad_request()` of the previous op says the same of the gradient it receives; activation and
   bias backwards then fuse dact/dbias with the FP8 cast-transpose of the gradient.
 
@@ -13,30 +14,16 @@ backward can fuse across ops (ops/fusion.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 
-from float8 import DelayedScaling, DelayedScalingState, Float8Tensor, Recipe
-from float8.recipe import BlockwiseScaling, RowwiseScaling, TensorwiseScaling
-
+from float8 import Float8Tensor, Recipe
+from float8.quantizer import QuantRequest
 
 # The recipe of ops given none: a frozen dataclass, so sharing one instance shares no state. Built once:
 # a Recipe() per access cost ~3 us, several times per Linear call.
 DEFAULT_RECIPE = Recipe()
-
-
-@dataclass(frozen=True)
-class QuantRequest:
-    """The FP8 form a consumer wants its input (or gradient) in."""
-
-    fp8_dtype: torch.dtype
-    scaling: Union[TensorwiseScaling, DelayedScalingState]
-    with_transpose: bool
-
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
-        return Float8Tensor._quantize(x, self.fp8_dtype, scaling=self.scaling, with_transpose=self.with_transpose)
 
 
 class OpContext:
@@ -119,32 +106,4 @@ def plain(x: torch.Tensor) -> torch.Tensor:
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-def scaling_state(recipe_scaling, fp8_dtype, owner: torch.nn.Module, name: str, device):
-    """The scaling to quantize with: the recipe's dataclass, or for delayed scaling the op's own state module."""
-    if isinstance(recipe_scaling, DelayedScaling):
-        state = getattr(owner, name, None)
-        if state is None or state.recipe != recipe_scaling:
-            state = DelayedScalingState(recipe_scaling, device=device)
-            owner.add_module(name, state)
-        elif state.scale.device != device:
-            state.to(device)
-        return state
-    return recipe_scaling
-
-
-def per_tensor(scaling) -> bool:
-    """Whether a scaling writes one scale per tensor (so an FP8 transpose is the same bits transposed)."""
-    return isinstance(scaling, (TensorwiseScaling, DelayedScalingState, DelayedScaling))
-
-
-__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "RowwiseScaling", "BlockwiseScaling"]
-
-
-def wrap_fp8(request: QuantRequest, data, data_t, scale_inv, nominal_dtype) -> Float8Tensor:
-    """A Float8Tensor from a fused kernel's outputs (the transpose only if it was asked for and written)."""
-    t = data_t if request.with_transpose and data_t is not None and data_t.numel() == data.numel() else None
-    return Float8Tensor(data, scale_inv, nominal_dtype, t)
-
-
-def is_delayed(request: Optional[QuantRequest]) -> bool:
-    return request is not None and isinstance(request.scaling, DelayedScalingState)
+__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain"]

@@ -3,32 +3,41 @@ cast-transpose when the op before it (a Linear) wants the gradient in FP8."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from float8 import Float8Tensor
-from float8.kernels.activation import dbias_cast_transpose
-from float8.ops.base import BasicOp, OpContext, is_delayed, plain, wrap_fp8
+from float8.kernels.activation import dact_fp8
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
+
+
+def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]):
+    """(dx, dbias in float32 sums cast to dy's dtype) of y = x + bias, for dy2 (rows, N) high precision:
+    dx is FP8 as `dx_request` asks (dbias and the cast-transpose in one kernel where its quantizer fuses)."""
+    r = dx_request
+    if r is not None and r.fuses:
+        data, data_t, scale_inv, amax, dbias = dact_fp8(
+            dy2, dy2, "identity", None, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose, True
+        )
+        return r.finish(data, data_t, scale_inv, amax, dy2.dtype), dbias
+    dbias = dy2.sum(0, dtype=torch.float32)
+    return (dy2 if r is None else r.quantize(dy2)), dbias
 
 
 class Bias(BasicOp):
-    def __init__(self, size: int, device=None, dtype=None, recipe=None):
+    """y = x + bias over the last dim. x: (..., size); `bias`: (size,), zeros at start.
+
+    parameter: an existing Parameter to use as the bias (a Linear's own, inside its expansion).
+    """
+
+    def __init__(self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None):
         super().__init__()
-        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        if parameter is None:
+            parameter = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        elif tuple(parameter.shape) != (size,):
+            raise ValueError(f"Bias({size}) got a parameter of shape {tuple(parameter.shape)}")
+        self.bias = parameter
         self.set_recipe(recipe)
-
-    @classmethod
-    def sharing(cls, parameter: torch.nn.Parameter, owner: BasicOp) -> "Bias":
-        """A Bias op over an existing parameter (Linear's own bias): nothing is copied or registered twice."""
-        op = cls.__new__(cls)
-        BasicOp.__init__(op)
-        op.__dict__["_shared_owner"] = owner
-        op._parameters["bias"] = parameter
-        return op
-
-    @property
-    def recipe(self):
-        owner = self.__dict__.get("_shared_owner")
-        return owner.recipe if owner is not None else super().recipe
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
@@ -38,10 +47,7 @@ class Bias(BasicOp):
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         dy2 = plain(dy).reshape(-1, dy.shape[-1])
-        if dx_request is not None and not is_delayed(dx_request):
-            fmt = dx_request.scaling
-            data, data_t, scale_inv, _, dbias = dbias_cast_transpose(dy2, dx_request.fp8_dtype, fmt.margin, fmt.power_of_2)
-            dx = wrap_fp8(dx_request, data, data_t, scale_inv, dy.dtype)
-            return dx, [dbias.to(self.bias.dtype)]
-        dbias = dy2.sum(0, dtype=torch.float32).to(self.bias.dtype)
-        return dy, [dbias]
+        dx, dbias = bias_backward(dy2, dx_request)
+        if dx_request is None:
+            dx = dy  # unchanged, in its own shape
+        return dx, [dbias.to(self.bias.dtype)]

@@ -2,31 +2,256 @@
 
     y = float8.ops.functional.linear(x, weight, bias, recipe=Recipe())
 
-A functional call keeps no state between calls: the weight is quantized on every call (an op keeps its
-FP8 weight until the weight changes), and delayed-scaling recipes are refused (their history must live
-somewhere: use the op).
+`linear` is the stateless primitive: `linear_fwd` / `linear_bwd` are its two halves, and the `Linear` op
+(ops/linear.py) is a weight cache and three long-lived quantizers around the same two calls. A
+functional call keeps no state between calls: the weight is quantized on every call, and delayed-scaling
+recipes are refused (their history must live somewhere: use the op).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from float8 import DelayedScaling, Recipe
+from float8 import DelayedScaling, Float8Tensor, Recipe
+from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
+from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
-from float8.ops.base import BasicOp
-from float8.ops.bias import Bias
-from float8.ops.linear import Linear
+from float8.ops.base import BasicOp, plain
+from float8.ops.bias import bias_backward
 from float8.ops.norms import LayerNorm, RMSNorm
-from float8.ops.sequential import run_ops
+
+
+__all__ = [
+    "LinearSaved",
+    "check_fp8_weight_grad",
+    "check_linear_args",
+    "fp8_pays_off",
+    "gelu",
+    "grad_request",
+    "layer_norm",
+    "linear",
+    "linear_bwd",
+    "linear_fwd",
+    "linear_fwd_high_precision",
+    "quantize_weight",
+    "relu",
+    "rms_norm",
+    "silu",
+    "swiglu",
+]
+
+
+# ---- linear: the primitive --------------------------------------------------------------------------
+
+
+@dataclass
+class LinearSaved:
+    """What a Linear's forward keeps for its backward: a typed record, one per call.
+
+    layout: the input quantizer's `ScaleLayout` when the GEMMs ran in FP8; None when they ran in high
+        precision (the small-layer policy). It picks the backward's GEMMs.
+    x: the input in the layout the weight-gradient GEMM reads (FP8 column-major for per-tensor scaling,
+        the transposed quantization for per-row, the Float8Tensor for blocks, plain in high precision).
+    w: the weight operand of the input-gradient GEMM.
+    """
+
+    layout: Optional[ScaleLayout]
+    x: Optional[object]
+    w: Optional[object]
+    x_dtype: torch.dtype
+    need_wgrad: bool
+    need_dgrad: bool
+
+
+def check_fp8_weight_grad(weight: torch.Tensor) -> None:
+    """An FP8-only weight has no high-precision master to apply a gradient to: refuse to train it."""
+    if isinstance(weight, Float8Tensor) and weight.requires_grad:
+        raise ValueError(
+            "the weight is an FP8-only Float8Tensor that requires grad, but there is no high-precision master "
+            "weight for an optimizer to update (its gradient would be lost). Freeze it "
+            "(weight.requires_grad_(False)), or keep a high-precision weight and let the op quantize it."
+        )
+
+
+def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bool):
+    """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
+
+    Per-tensor: one kernel writes both layouts. Per-row: the transposed operand is quantized along its own
+    rows. Blocks: the forward copy serves both (their GEMMs dequantize)."""
+    if isinstance(weight, Float8Tensor):
+        return weight, (weight if for_backward else None)
+    with torch.no_grad():
+        w = weight.detach()
+        if quantizer.layout is ScaleLayout.TENSOR:
+            w8 = quantizer._quantize(w, for_backward)
+            return w8, (w8 if for_backward else None)
+        w8 = quantizer._quantize(w, False)
+        if not for_backward:
+            return w8, None
+        if quantizer.layout is ScaleLayout.BLOCK:
+            return w8, w8
+        return w8, quantizer._quantize(w.t(), False).t()
+
+
+def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bool, need_dgrad: bool,
+               fast_accum: bool):  # fmt: skip
+    """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
+
+    x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
+    or None (added in the GEMM epilogue). The input is quantized by `quantizers.input`, and saved only in
+    the layout the weight-gradient GEMM reads.
+    """
+    out_dtype = x2.dtype
+    qi = quantizers.input
+    layout = qi.layout
+    if layout is ScaleLayout.BLOCK:
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, False)
+        y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
+        saved_x = x8 if need_wgrad else None
+    elif layout is ScaleLayout.TENSOR:
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad)
+        y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
+        # Saved for the weight gradient: the column-major layout only (half the bytes of both).
+        saved_x = column_major_only(x8) if need_wgrad else None
+    else:
+        xh = plain(x2)
+        x8 = qi._quantize(xh, False)
+        y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
+        saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
+    return y, LinearSaved(layout, saved_x, wd if need_dgrad else None, out_dtype, need_wgrad, need_dgrad)
+
+
+def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):
+    """The same in x2's dtype (the small-layer policy: GEMMs too small for FP8 to win)."""
+    w = weight.to(x2.dtype)
+    saved = LinearSaved(None, x2 if need_wgrad else None, w if need_dgrad else None, x2.dtype, need_wgrad, need_dgrad)
+    return F.linear(x2, w, bias), saved
+
+
+def grad_request(saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool):
+    """What the backward wants its output gradient as (FP8 from the op before, fused with dact/dbias), or
+    None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too."""
+    if quantizers.grad.layout is not ScaleLayout.TENSOR:
+        return None
+    if saved is not None and saved.layout is not ScaleLayout.TENSOR:
+        return None
+    return QuantRequest(quantizers.grad, saved.need_wgrad if saved is not None else weight_requires_grad)
+
+
+def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dtype: torch.dtype):
+    """(dx or None, dw or None) of `linear_fwd` for dy2 (M, N) (high precision or FP8 from the op after)."""
+    qg = quantizers.grad
+    dx = dw = None
+    if saved.layout is None:
+        dyh = plain(dy2)
+        if saved.need_dgrad:
+            dx = dyh @ saved.w
+        if saved.need_wgrad:
+            dw = (dyh.t() @ saved.x).to(weight_dtype)
+    elif saved.layout is ScaleLayout.BLOCK:
+        dyh = qg._quantize(plain(dy2), False).dequantize()
+        if saved.need_dgrad:
+            dx = dyh @ saved.w.dequantize(dyh.dtype)
+        if saved.need_wgrad:
+            dw = (dyh.t().float() @ saved.x.dequantize(torch.float32)).to(weight_dtype)
+    elif saved.layout is ScaleLayout.TENSOR:
+        dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
+        if saved.need_dgrad:
+            dx = _mm(dy8, saved.w, out_dtype=saved.x_dtype, pad=True)
+        if saved.need_wgrad:
+            dw = _mm(operand(dy8, transposed=True), saved.x, out_dtype=weight_dtype, pad=True)
+    else:
+        dyh = plain(dy2)
+        if saved.need_dgrad:
+            dx = _mm(qg._quantize(dyh, False), saved.w, out_dtype=saved.x_dtype, pad=True)
+        if saved.need_wgrad:
+            dw = _mm(qg._quantize(dyh.t(), False), saved.x, out_dtype=weight_dtype, pad=True)
+    return dx, dw
+
+
+def fp8_pays_off(recipe: Recipe, tokens: int, in_features: int, out_features: int, device: torch.device) -> bool:
+    """The small-layer policy: FP8 unless, on CUDA, the GEMMs do fewer than recipe.min_fp8_gemm_flops FLOPs
+    (2*M*K*N). The CPU path always runs FP8 (it exists to be exact)."""
+    return device.type != "cuda" or 2 * tokens * in_features * out_features >= recipe.min_fp8_gemm_flops
+
+
+def check_linear_args(x, weight, bias, name: str = "linear") -> None:
+    """ValueError/TypeError naming the problem for inputs of the wrong rank, shape or kind."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} takes tensors, got x: {type(x).__name__}, weight: {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: x must be (..., {weight.shape[1]}) for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers, fast_accum):
+        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
+        x2 = x.reshape(-1, x.shape[-1])
+        w8, wd = quantize_weight(weight, quantizers.weight, need_dgrad)
+        b = None if bias is None else bias.to(x.dtype)
+        y, saved = linear_fwd(x2, w8, wd, b, quantizers, need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=fast_accum)
+        ctx.saved, ctx.quantizers, ctx.need_dbias = saved, quantizers, need_dbias
+        ctx.x_shape, ctx.w_dtype, ctx.b_dtype = x.shape, weight.dtype, None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, q = ctx.saved, ctx.quantizers
+        ctx.saved = None
+        dy2 = plain(dy).reshape(-1, dy.shape[-1])
+        dbias = None
+        if ctx.need_dbias:
+            dy2, dbias = bias_backward(dy2, grad_request(saved, q, saved.need_wgrad))
+            dbias = dbias.to(ctx.b_dtype)
+        dx, dw = linear_bwd(dy2, saved, q, ctx.w_dtype)
+        if isinstance(dx, Float8Tensor):
+            dx = dx.dequantize()
+        return (None if dx is None else dx.reshape(ctx.x_shape)), dw, dbias, None, None
 
 
 def _stateless(recipe: Optional[Recipe]) -> Recipe:
     recipe = recipe or Recipe()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a float8.Recipe, got {type(recipe).__name__}")
     if any(isinstance(getattr(recipe, r), DelayedScaling) for r in ("input", "weight", "grad")):
         raise ValueError("functional forms keep no amax history: use the op classes for delayed scaling")
     return recipe
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, recipe: Optional[Recipe] = None):
+    """y = x @ weight.t() + bias with FP8 fprop/dgrad/wgrad GEMMs (the stateless primitive of ops.Linear).
+
+    x: (..., K) float32/bfloat16/float16 (or a Float8Tensor); weight: (N, K), high precision or an FP8-only
+    Float8Tensor (which must not require grad); bias: (N,) or None. y: (..., N) in x's dtype. The weight is
+    quantized on every call; on CUDA, GEMMs below recipe.min_fp8_gemm_flops run in x's dtype.
+    """
+    recipe = _stateless(recipe)
+    check_linear_args(x, weight, bias)
+    tokens = x.numel() // max(1, x.shape[-1])
+    fp8 = isinstance(weight, Float8Tensor) or isinstance(x, Float8Tensor)
+    if not fp8 and not fp8_pays_off(recipe, tokens, weight.shape[1], weight.shape[0], x.device):
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if torch.is_grad_enabled():
+        check_fp8_weight_grad(weight)
+    return _LinearFunction.apply(x, weight, bias, recipe.quantizers(), recipe.fprop_fast_accum)
+
+
+# ---- norms and activations: the op classes, run once ---------------------------------------------------
+
+
+def _run(ops, x):
+    from float8.ops.sequential import run_ops  # sequential -> linear -> this module: imported when called
+
+    return run_ops(ops, x)
 
 
 def _bound(op: BasicOp, **params) -> BasicOp:
@@ -37,43 +262,42 @@ def _bound(op: BasicOp, **params) -> BasicOp:
     return op
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None):
-    """x @ weight.t() + bias with FP8 fprop/dgrad/wgrad GEMMs."""
-    op = Linear.__new__(Linear)
-    BasicOp.__init__(op)
-    op.in_features, op.out_features = weight.shape[1], weight.shape[0]
-    op.__dict__["_w8_cache"] = None
-    op.__dict__["_expansion"] = None
-    op._parameters["weight"] = weight
-    op._parameters["bias"] = None
-    op.set_recipe(_stateless(recipe))
-    ops = [op] if bias is None else [op, Bias.sharing(bias, op)]
-    return run_ops(ops, x)
+def _check_norm_weight(weight, name: str) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise ValueError(f"{name}: weight must be 1-D (normalized_shape,), got {getattr(weight, 'shape', weight)}")
 
 
 def rms_norm(x, weight, eps: float = 1e-6):
-    op = RMSNorm(weight.shape[0], eps, device="meta")
-    return run_ops([_bound(op, weight=weight)], x)
+    """RMSNorm over the last dim of x (..., N) with weight (N,): see ops.RMSNorm."""
+    _check_norm_weight(weight, "rms_norm")
+    op = RMSNorm(weight.shape[0], eps=eps, device="meta")
+    return _run([_bound(op, weight=weight)], x)
 
 
 def layer_norm(x, weight, bias=None, eps: float = 1e-5):
-    op = LayerNorm(weight.shape[0], eps, device="meta")
+    """LayerNorm over the last dim of x (..., N) with weight (N,) and bias (N,) or None: see ops.LayerNorm."""
+    _check_norm_weight(weight, "layer_norm")
+    op = LayerNorm(weight.shape[0], eps=eps, device="meta")
     if bias is None:
         bias = torch.zeros_like(weight)  # no bias: a constant zero one, which receives no gradient
-    return run_ops([_bound(op, weight=weight, bias=bias)], x)
+    return _run([_bound(op, weight=weight, bias=bias)], x)
 
 
 def gelu(x, approximate: str = "none"):
-    return run_ops([GELU(approximate)], x)
+    """GELU of x (erf form, or approximate="tanh"): see ops.GELU."""
+    return _run([GELU(approximate=approximate)], x)
 
 
 def relu(x):
-    return run_ops([ReLU()], x)
+    """ReLU of x: see ops.ReLU."""
+    return _run([ReLU()], x)
 
 
 def silu(x):
-    return run_ops([SiLU()], x)
+    """SiLU of x: see ops.SiLU."""
+    return _run([SiLU()], x)
 
 
 def swiglu(x):
-    return run_ops([SwiGLU()], x)
+    """silu(x[..., :H]) * x[..., H:] for x (..., 2H): see ops.SwiGLU."""
+    return _run([SwiGLU()], x)

@@ -20,7 +20,7 @@ class Quantize(BasicOp):
     wants FP8) so the gradient carries FP8 rounding like the forward activation.
     """
 
-    def __init__(self, forward: bool = True, backward: bool = False, recipe=None):
+    def __init__(self, *, forward: bool = True, backward: bool = False, recipe=None):
         super().__init__()
         self.quantize_forward, self.quantize_backward = forward, backward
         self.set_recipe(recipe)
@@ -41,6 +41,8 @@ class Quantize(BasicOp):
 
 
 class Identity(BasicOp):
+    """y = x, and dx = dy: a placeholder op."""
+
     def op_forward(self, ctx, x, out_request=None):
         return x
 
@@ -75,6 +77,9 @@ class Reshape(BasicOp):
 
 
 class Dropout(BasicOp):
+    """Zero each element with probability p in training mode and scale the rest by 1 / (1 - p); the
+    identity in eval mode. x: any shape and dtype; the mask is drawn in float32."""
+
     def __init__(self, p: float = 0.1):
         super().__init__()
         if not 0 <= p < 1:

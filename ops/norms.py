@@ -1,24 +1,51 @@
 """LayerNorm and RMSNorm. Followed by a Linear, the norm kernel writes FP8 (and the transpose the Linear's
-backward needs) directly: the normalized activations never exist in high precision."""
+backward needs) directly, when the Linear's input quantizer `fuses` (per-tensor scaling): the normalized
+activations never exist in high precision."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from float8.kernels import norm as K
-from float8.ops.base import BasicOp, OpContext, QuantRequest, is_delayed, plain, wrap_fp8
+from float8.kernels.norm import norm_bwd, norm_fp8, norm_fwd
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
 
 
-def _check(x, n, name):
-    if x.shape[-1] != n:
-        raise ValueError(f"{name}({n}) got input of shape {tuple(x.shape)}: the last dim must be {n}")
+def _check_size(normalized_shape, name: str) -> int:
+    if isinstance(normalized_shape, bool) or not isinstance(normalized_shape, int) or normalized_shape <= 0:
+        raise ValueError(f"{name} normalizes over the last dim: normalized_shape must be a positive int, got {normalized_shape!r}")
+    return normalized_shape
 
 
-class RMSNorm(BasicOp):
-    def __init__(self, normalized_shape: int, eps: float = 1e-6, device=None, dtype=None, recipe=None):
+def norm_forward(x, weight, bias, eps: float, rms: bool, out_request: Optional[QuantRequest]):
+    """(y, mean or None, rstd): y high precision, or FP8 as `out_request` asks (in the norm kernel itself
+    when its quantizer fuses; else the quantizer casts the high-precision output)."""
+    if out_request is not None and out_request.fuses:
+        r = out_request
+        data, data_t, scale_inv, amax, mean, rstd = norm_fp8(
+            x, weight, bias, eps, rms, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose
+        )
+        y = r.finish(data, data_t, scale_inv, amax, x.dtype)
+    else:
+        y, mean, rstd = norm_fwd(x, weight, bias, eps, rms)
+        if out_request is not None:
+            y = out_request.quantize(y)
+    return y, (None if rms else mean), rstd
+
+
+class _Norm(BasicOp):
+    """What RMSNorm and LayerNorm share: normalize over the last dim, then scale (and shift)."""
+
+    rms: bool = True
+
+    def __init__(self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None):
         super().__init__()
-        self.normalized_shape, self.eps = normalized_shape, eps
+        self.normalized_shape = _check_size(normalized_shape, type(self).__name__)
+        self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
+        if not self.rms:
+            self.bias = torch.nn.Parameter(torch.zeros(normalized_shape, device=device, dtype=dtype))
         self.set_recipe(recipe)
 
     def extra_repr(self) -> str:
@@ -26,68 +53,45 @@ class RMSNorm(BasicOp):
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
-        _check(x, self.normalized_shape, "RMSNorm")
-        w = self.weight.to(x.dtype)
-        if out_request is None:
-            y, rstd = K.rmsnorm_fwd(x, w, self.eps)
-        elif is_delayed(out_request):
-            st = out_request.scaling
-            data, data_t, scale_inv, amax, rstd = K.rmsnorm_fp8_scaled(
-                x, w, self.eps, st.scale, out_request.fp8_dtype, out_request.with_transpose
+        if x.shape[-1] != self.normalized_shape:
+            raise ValueError(
+                f"{type(self).__name__}({self.normalized_shape}) got input of shape {tuple(x.shape)}: the last "
+                f"dim must be {self.normalized_shape}"
             )
-            st.update(amax, out_request.fp8_dtype)
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
-        else:
-            s = out_request.scaling
-            data, data_t, scale_inv, _, rstd = K.rmsnorm_fp8(
-                x, w, self.eps, out_request.fp8_dtype, s.margin, s.power_of_2, out_request.with_transpose
-            )
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
-        ctx.saved = (x, rstd)
-        return y
-
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
-        x, rstd = ctx.saved
-        ctx.saved = None
-        dx, dw = K.rmsnorm_bwd(plain(dy), x, self.weight.to(x.dtype), rstd)
-        return dx, [dw.to(self.weight.dtype)]
-
-
-class LayerNorm(BasicOp):
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, device=None, dtype=None, recipe=None):
-        super().__init__()
-        self.normalized_shape, self.eps = normalized_shape, eps
-        self.weight = torch.nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(normalized_shape, device=device, dtype=dtype))
-        self.set_recipe(recipe)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
-
-    def op_forward(self, ctx: OpContext, x, out_request=None):
-        x = plain(x)
-        _check(x, self.normalized_shape, "LayerNorm")
-        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
-        if out_request is None:
-            y, mean, rstd = K.layernorm_fwd(x, w, b, self.eps)
-        elif is_delayed(out_request):
-            st = out_request.scaling
-            data, data_t, scale_inv, amax, mean, rstd = K.layernorm_fp8_scaled(
-                x, w, b, self.eps, st.scale, out_request.fp8_dtype, out_request.with_transpose
-            )
-            st.update(amax, out_request.fp8_dtype)
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
-        else:
-            s = out_request.scaling
-            data, data_t, scale_inv, _, mean, rstd = K.layernorm_fp8(
-                x, w, b, self.eps, out_request.fp8_dtype, s.margin, s.power_of_2, out_request.with_transpose
-            )
-            y = wrap_fp8(out_request, data, data_t, scale_inv, x.dtype)
+        b = None if self.rms else self.bias.to(x.dtype)
+        y, mean, rstd = norm_forward(x, self.weight.to(x.dtype), b, self.eps, self.rms, out_request)
         ctx.saved = (x, mean, rstd)
         return y
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         x, mean, rstd = ctx.saved
         ctx.saved = None
-        dx, dw, db = K.layernorm_bwd(plain(dy), x, self.weight.to(x.dtype), mean, rstd)
-        return dx, [dw.to(self.weight.dtype), db.to(self.bias.dtype)]
+        dx, dw, db = norm_bwd(plain(dy), x, self.weight.to(x.dtype), mean, rstd)
+        grads = [dw.to(self.weight.dtype)] if self.rms else [dw.to(self.weight.dtype), db.to(self.bias.dtype)]
+        return dx, grads
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x**2, last dim) + eps) * weight.
+
+    x: (..., normalized_shape), float32/bfloat16/float16; y: x's shape and dtype (or FP8 for a Linear after
+    it in a Sequential). `weight`: (normalized_shape,), ones at start. Statistics in float32.
+    """
+
+    rms = True
+
+    def __init__(self, normalized_shape: int, *, eps: float = 1e-6, device=None, dtype=None, recipe=None):
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe)
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, over the last dim (biased variance, like torch).
+
+    x: (..., normalized_shape), float32/bfloat16/float16; y: x's shape and dtype (or FP8 for a Linear after
+    it in a Sequential). `weight` (ones) and `bias` (zeros): (normalized_shape,). Statistics in float32.
+    """
+
+    rms = False
+
+    def __init__(self, normalized_shape: int, *, eps: float = 1e-5, device=None, dtype=None, recipe=None):
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe)

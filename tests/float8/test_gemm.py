@@ -90,8 +90,13 @@ def test_block_scaled_gemm_falls_back_with_a_warning():
     assert torch.allclose(out, ref)
 
 
-def test_mixed_fp8_and_plain_falls_back_with_a_warning():
+def test_mixed_fp8_and_plain_runs_in_high_precision_on_the_dequantized_operand():
+    # What the backward of an FP8 GEMM between tensors that require grad computes (grad @ b8.t()): native,
+    # no fallback warning (the suite turns Float8FallbackWarning into an error).
     a = Float8Tensor.quantize(torch.randn(16, 32))
-    with pytest.warns(Float8FallbackWarning, match="aten.mm"):
-        out = a @ torch.randn(32, 16)
+    p = torch.randn(32, 16)
+    out = a @ p
     assert type(out) is torch.Tensor
+    assert torch.equal(out, a.dequantize() @ p)
+    bias = torch.randn(16)
+    assert torch.equal(torch.addmm(bias, p.t(), a.t()), torch.addmm(bias, p.t(), a.dequantize().t()))

@@ -45,7 +45,10 @@ def test_delayed_scaling_uses_the_previous_scale_and_records_amax():
     state = DelayedScalingState(DelayedScaling(history_len=3, amax_compute_algo="max"))
     x1, x2, x3 = torch.randn(8, 8) * 2, torch.randn(8, 8) * 10, torch.randn(8, 8) * 0.5
     q1 = Float8Tensor.quantize(x1, scaling=state)
-    assert q1.scale_inv.item() == 1.0  # first step: the initial scale 1
+    # First step, empty history: current scaling (not scale 1), and its amax is recorded.
+    first = 1 / scale_from_amax(x1.abs().amax(), E4M3)
+    assert_same_bits(q1.scale_inv, first)
+    assert_same_bits(q1.fp8_data, Float8Tensor.quantize(x1).fp8_data)
     assert state.amax_history[0] == x1.abs().amax()
     q2 = Float8Tensor.quantize(x2, scaling=state)
     assert_same_bits(q2.scale_inv, 1 / scale_from_amax(x1.abs().amax(), E4M3))
@@ -53,7 +56,7 @@ def test_delayed_scaling_uses_the_previous_scale_and_records_amax():
     # "max" over the history: x2's amax still rules at step 3
     assert_same_bits(q3.scale_inv, 1 / scale_from_amax(x2.abs().amax(), E4M3))
     # The scale belongs to the data: updating the state changed no existing tensor.
-    assert q1.scale_inv.item() == 1.0
+    assert_same_bits(q1.scale_inv, first)
     assert torch.equal(state.amax_history, torch.stack([x3, x2, x1]).abs().amax(dim=(1, 2)))
 
 
@@ -62,11 +65,14 @@ def test_delayed_most_recent_and_nonfinite_amax_keeps_the_scale():
     Float8Tensor.quantize(torch.full((4, 4), 10.0), scaling=state)
     good = state.scale.clone()
     assert_same_bits(good, scale_from_amax(torch.tensor(10.0), E4M3))
-    bad = torch.full((4, 4), 1.0)
-    bad[0, 0] = math.nan
-    Float8Tensor.quantize(bad, scaling=state)
-    assert_same_bits(state.scale, good)  # NaN amax: not recorded, the previous scale stays
-    assert state.amax_history[0] == 0
+    history = state.amax_history.clone()
+    for poison in (math.nan, math.inf, -math.inf):
+        bad = torch.full((4, 4), 1.0)
+        bad[0, 0] = poison
+        q = Float8Tensor.quantize(bad, scaling=state)
+        assert_same_bits(state.scale, good)  # a non-finite amax is not recorded: the previous scale stays
+        assert_same_bits(state.amax_history, history)
+        assert q.dequantize().isnan().all()  # and the tensor of that step is not finite
     Float8Tensor.quantize(torch.full((4, 4), 2.0), scaling=state)
     assert_same_bits(state.scale, scale_from_amax(torch.tensor(2.0), E4M3))
 

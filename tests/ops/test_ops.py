@@ -79,7 +79,7 @@ def test_linear_saves_its_input_as_fp8_and_quantizes_the_weight_once_per_step():
     lin = ops.Linear(64, 32, bias=False)
     ctx = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(ctx, torch.randn(16, 64))
-    x8, w8, _ = ctx.saved
+    x8, w8 = ctx.saved.x, ctx.saved.w
     # The input is kept as FP8, 1 byte per element, in the one layout the weight gradient reads
     # (column-major): no bf16 copy, and no second FP8 layout.
     assert x8.data.dtype == torch.float8_e4m3fn and x8.transpose is None
@@ -87,21 +87,21 @@ def test_linear_saves_its_input_as_fp8_and_quantizes_the_weight_once_per_step():
     assert isinstance(w8, Float8Tensor) and w8.transpose_cache is not None
     again = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(again, torch.randn(16, 64))
-    assert again.saved[1] is w8  # same weight version: the FP8 copy is reused (micro-batches)
+    assert again.saved.w is w8  # same weight version: the FP8 copy is reused (micro-batches)
     with torch.no_grad():
         lin.weight.mul_(0.5)  # an optimizer step bumps the version
     third = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(third, torch.randn(16, 64))
-    assert third.saved[1] is not w8
+    assert third.saved.w is not w8
 
 
 def test_no_transpose_under_no_grad_or_inference_mode():
     lin = ops.Linear(64, 32, bias=False)
     for mode in (torch.no_grad, torch.inference_mode):
-        lin.__dict__["_w8_cache"] = None
+        lin.refresh_fp8_weight()
         with mode():
             lin(torch.randn(8, 64))
-        w8 = lin.__dict__["_w8_cache"][1]
+        w8 = lin._weight_cache.w8
         assert w8.transpose_cache is None
 
 
@@ -162,7 +162,7 @@ def test_norms_against_fp64(rms):
 
 ACTS = [
     (ops.GELU(), lambda v: F.gelu(v)),
-    (ops.GELU("tanh"), lambda v: F.gelu(v, approximate="tanh")),
+    (ops.GELU(approximate="tanh"), lambda v: F.gelu(v, approximate="tanh")),
     (ops.ReLU(), F.relu),
     (ops.SiLU(), F.silu),
     (ops.SwiGLU(), lambda v: F.silu(v[..., : v.shape[-1] // 2]) * v[..., v.shape[-1] // 2 :]),
@@ -291,7 +291,9 @@ def test_a_high_precision_linear_asks_for_a_high_precision_gradient():
     ctx = OpContext(RunState(grad=True, lead=(8,)))
     seq[0].op_forward(ctx, torch.randn(8, 64))
     assert seq[0].grad_request(ctx) is not None  # ran in FP8 (CPU): wants FP8
-    ctx.saved = (None, None, "hp")
+    from float8.ops.functional import LinearSaved
+
+    ctx.saved = LinearSaved(None, None, None, torch.float32, True, True)  # a run of the high-precision path
     assert seq[0].grad_request(ctx) is None
 
 

@@ -5,7 +5,7 @@ import torch
 
 import float8.ops as ops
 from float8 import Float8Tensor, Recipe
-from float8.recipe import DelayedScalingState
+from float8 import DelayedScalingState
 
 
 def test_indexing_iteration_and_to():
@@ -74,7 +74,7 @@ def test_no_grad_forward_keeps_nothing_and_makes_no_transpose():
     with torch.no_grad():
         y = seq(torch.randn(4, 32, dtype=torch.bfloat16))
     assert y.grad_fn is None
-    assert seq[1].__dict__["_w8_cache"][1].transpose_cache is None
+    assert seq[1]._weight_cache.w8.transpose_cache is None
 
 
 def test_gradient_accumulation_over_micro_batches():

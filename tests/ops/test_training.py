@@ -36,7 +36,7 @@ def transformer_layer():
         ops.Residual(),
         ops.RMSNorm(D),
         ops.Linear(D, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False),
-        ops.Attention(HEADS, HEAD_DIM, KV_HEADS, causal=True),
+        ops.Attention(HEADS, HEAD_DIM, num_kv_heads=KV_HEADS, causal=True),
         ops.Linear(HEADS * HEAD_DIM, D, bias=False),
         ops.AddResidual(),
         *mlp_ops(),

@@ -1,0 +1,173 @@
+"""Quantizers (float8/quantizer.py): one object per scaling kind answers quantize, the fused-kernel request,
+the operand layout and the amax bookkeeping; recipes build them; Float8Tensor.quantize goes through them."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from float8 import (
+    BlockwiseQuantizer,
+    BlockwiseScaling,
+    DelayedScaling,
+    DelayedScalingState,
+    Float8Tensor,
+    Format,
+    Recipe,
+    RowwiseQuantizer,
+    RowwiseScaling,
+    ScaleLayout,
+    StaticQuantizer,
+    TensorwiseQuantizer,
+    TensorwiseScaling,
+)
+from float8.kernels import quantize_tensorwise
+from float8.kernels.reference import scale_from_amax
+from float8.quantizer import QuantRequest
+from tests.tolerances import assert_same_bits
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def same(a: Float8Tensor, b: Float8Tensor) -> None:
+    assert_same_bits(a.fp8_data, b.fp8_data)
+    assert_same_bits(a.scale_inv, b.scale_inv)
+
+
+@pytest.mark.parametrize(
+    "quantizer, scaling",
+    [
+        (TensorwiseQuantizer(E5M2, margin=2, power_of_2=True), TensorwiseScaling(2, True)),
+        (RowwiseQuantizer(E4M3), RowwiseScaling()),
+        (BlockwiseQuantizer(E4M3, block=(1, 128)), BlockwiseScaling((1, 128))),
+        (BlockwiseQuantizer(E4M3, block=(128, 128)), BlockwiseScaling((128, 128))),
+    ],
+    ids=["tensor", "row", "1x128", "128x128"],
+)
+def test_float8_tensor_quantize_goes_through_the_quantizer(quantizer, scaling):
+    x = torch.randn(256, 384) * 3
+    same(quantizer.quantize(x), Float8Tensor.quantize(x, quantizer.fp8_dtype, scaling=scaling))
+    same(quantizer.quantize(x), Float8Tensor.quantize(x, scaling=quantizer))
+
+
+def test_layouts_and_fusion_answers():
+    assert TensorwiseQuantizer().layout is ScaleLayout.TENSOR and TensorwiseQuantizer().fuses
+    assert TensorwiseQuantizer().kernel_scale() is None  # the kernel computes the amax
+    assert RowwiseQuantizer().layout is ScaleLayout.ROW and not RowwiseQuantizer().fuses
+    assert BlockwiseQuantizer().layout is ScaleLayout.BLOCK and not BlockwiseQuantizer().fuses
+    static = StaticQuantizer(4.0)
+    assert static.fuses and float(static.kernel_scale()) == 4.0
+
+
+def test_recipe_builds_the_quantizers_of_each_role():
+    q = Recipe().quantizers()
+    assert isinstance(q.input, TensorwiseQuantizer) and q.input.fp8_dtype == E4M3
+    assert q.grad.fp8_dtype == E5M2  # HYBRID: gradients in E5M2
+    d = Recipe.delayed().quantizers()
+    assert all(isinstance(s, DelayedScalingState) for s in d)
+    assert len({id(s) for s in d}) == 3  # one history per role
+    r = Recipe.rowwise().quantizers()
+    assert all(s.layout is ScaleLayout.ROW for s in r)
+
+
+def test_kernel_request_round_trip_equals_quantize():
+    x = torch.randn(64, 48)
+    req = QuantRequest(TensorwiseQuantizer(E4M3), with_transpose=True)
+    data, data_t, scale_inv, amax = quantize_tensorwise(x, req.fp8_dtype, req.kernel_scale(), req.margin, req.power_of_2, True)
+    t = req.finish(data, data_t, scale_inv, amax, x.dtype)
+    same(t, TensorwiseQuantizer(E4M3).quantize(x))
+    assert_same_bits(t.transpose_cache, t.fp8_data.t())
+
+
+def test_straight_through_gradients():
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    x8, w8 = Float8Tensor.quantize(x), Float8Tensor.quantize(w)
+    assert x8.requires_grad and w8.requires_grad
+    y = x8 @ w8.t()  # an FP8 GEMM, differentiable
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # Quantization passes the gradient as identity: the gradients of the dequantized product.
+    xd, wd = x8.detach().dequantize(), w8.detach().dequantize()
+    assert torch.allclose(x.grad, dy @ wd, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(w.grad, dy.t() @ xd, rtol=1e-5, atol=1e-5)
+    z = torch.randn(8, 8, requires_grad=True)
+    Float8Tensor.quantize(z).dequantize().sum().backward()
+    assert torch.equal(z.grad, torch.ones_like(z))
+
+
+def test_delayed_state_binds_one_format():
+    state = DelayedScalingState(DelayedScaling())
+    Float8Tensor.quantize(torch.randn(8, 8), E5M2, scaling=state)
+    with pytest.raises(ValueError, match="one state per format"):
+        Float8Tensor.quantize(torch.randn(8, 8), E4M3, scaling=state)
+    with pytest.raises(ValueError, match="one state per format"):
+        DelayedScalingState(fp8_dtype=E4M3).bind(E5M2)
+
+
+def test_margin_that_rounds_everything_to_zero_is_refused():
+    with pytest.raises(ValueError, match="largest margin for this format is 17"):
+        TensorwiseQuantizer(E4M3, margin=19)
+    with pytest.raises(ValueError, match="largest margin"):
+        Float8Tensor.quantize(torch.randn(4, 4), scaling=TensorwiseScaling(margin=19))
+    with pytest.raises(ValueError, match="too large"):
+        Recipe(input=TensorwiseScaling(margin=19))
+    TensorwiseQuantizer(E5M2, margin=31)  # E5M2 has the range for it
+    x = torch.randn(16, 16)
+    assert TensorwiseQuantizer(E4M3, margin=17, power_of_2=True).quantize(x).fp8_data.float().abs().max() > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def single_process_group():
+    """A one-rank gloo group: the amax reduction group has to exist and work with it here; the
+    distributed tests exercise more ranks."""
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_group_with_one_rank_gives_the_same_bits(single_process_group):
+    g = single_process_group
+    x = torch.randn(64, 96) * 5
+    grouped = TensorwiseQuantizer(E4M3, amax_group=g)
+    assert not grouped.fuses  # the amax is reduced before the cast: kernels write high precision first
+    same(grouped.quantize(x, with_transpose=True), TensorwiseQuantizer(E4M3).quantize(x, with_transpose=True))
+    a, b = DelayedScalingState(DelayedScaling(), amax_group=g), DelayedScalingState(DelayedScaling())
+    for step in range(3):
+        xs = torch.randn(32, 32) * (step + 1)
+        same(Float8Tensor.quantize(xs, scaling=a), Float8Tensor.quantize(xs, scaling=b))
+    assert_same_bits(a.scale, b.scale)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        TensorwiseQuantizer(amax_group="world")
+
+
+def test_delayed_checkpoint_loads_strictly_into_a_fresh_state_and_resumes():
+    a = DelayedScalingState(DelayedScaling(history_len=4), fp8_dtype=E4M3)
+    for s in (3.0, 7.0):
+        Float8Tensor.quantize(torch.randn(16, 16) * s, scaling=a)
+    b = DelayedScalingState(DelayedScaling(history_len=4), fp8_dtype=E4M3)
+    b.load_state_dict(a.state_dict(), strict=True)
+    x = torch.randn(16, 16)
+    same(Float8Tensor.quantize(x, scaling=a), Float8Tensor.quantize(x, scaling=b))
+    assert_same_bits(a.scale, b.scale)
+
+
+def test_delayed_first_step_is_current_scaling():
+    state = DelayedScalingState(DelayedScaling())
+    g = torch.randn(64, 64) * 1e-3  # a gradient far below 448: scale 1 would flush most of it to 0
+    same(Float8Tensor.quantize(g, E5M2, scaling=state), Float8Tensor.quantize(g, E5M2))
+    assert_same_bits(state.scale, scale_from_amax(g.abs().amax(), E5M2))

@@ -1,0 +1,123 @@
+"""Clear errors for bad input to the ops, delayed-scaling state in checkpoints, and the functional primitive."""
+
+import inspect
+
+import pytest
+import torch
+
+import float8
+import float8.ops as ops
+from float8 import DelayedScalingState, Float8Tensor, Recipe, RowwiseScaling
+from tests.tolerances import assert_same_bits
+
+pytestmark = pytest.mark.filterwarnings("ignore::float8.ops.Float8PrecisionWarning")
+
+
+@pytest.mark.parametrize("sizes", [(0, 16), (16, 0), (-1, 16)])
+def test_empty_linear_is_refused(sizes):
+    with pytest.raises(ValueError, match="positive int"):
+        ops.Linear(*sizes)
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError):
+        ops.Linear(16, 16, False)
+    with pytest.raises(TypeError):
+        ops.RMSNorm(16, 1e-5)
+    with pytest.raises(TypeError):
+        ops.GELU("tanh")
+
+
+@pytest.mark.parametrize("shape", [(16,), (2, 16, 16)])
+def test_functional_linear_wrong_rank_weight(shape):
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        ops.functional.linear(torch.randn(4, 16), torch.randn(*shape))
+
+
+def test_functional_norm_wrong_rank_weight():
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        ops.functional.rms_norm(torch.randn(4, 16), torch.randn(16, 16))
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        ops.functional.layer_norm(torch.randn(4, 16), torch.randn(1, 16))
+
+
+def test_in_place_on_a_transposed_rowwise_tensor():
+    w8 = Float8Tensor.quantize(torch.randn(16, 32), scaling=RowwiseScaling())
+    with pytest.raises(ValueError, match="transposed row-wise"), pytest.warns(Warning, match="add_"):
+        w8.t().add_(1)
+
+
+def test_fp8_weight_that_requires_grad_is_refused():
+    lin = ops.Linear(32, 16, bias=False)
+    lin.weight = torch.nn.Parameter(Float8Tensor.quantize(lin.weight.detach()))  # requires_grad=True
+    with pytest.raises(ValueError, match="no high-precision master"):
+        lin(torch.randn(4, 32))
+    with torch.no_grad():
+        lin(torch.randn(4, 32))  # inference is fine
+    with pytest.raises(ValueError, match="no high-precision master"):
+        ops.functional.linear(torch.randn(4, 32), lin.weight)
+
+
+def _delayed_block():
+    torch.manual_seed(0)
+    return ops.Sequential(ops.RMSNorm(32), ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32), recipe=Recipe.delayed())
+
+
+def test_delayed_checkpoint_loads_strictly_and_resumes_with_the_same_scales():
+    trained = _delayed_block()
+    for _ in range(3):
+        x = torch.randn(8, 32, requires_grad=True)
+        trained(x).sum().backward()
+    fresh = _delayed_block()
+    assert set(fresh.state_dict()) == set(trained.state_dict())  # the state exists from construction
+    fresh.load_state_dict(trained.state_dict(), strict=True)
+    x = torch.randn(8, 32)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_a, y_b = trained(xa), fresh(xb)
+    assert_same_bits(y_a, y_b)
+    y_a.sum().backward()
+    y_b.sum().backward()
+    assert_same_bits(xa.grad, xb.grad)  # the gradient quantizers resumed too
+    states = [(a, b) for a, b in zip(trained.modules(), fresh.modules()) if isinstance(a, DelayedScalingState)]
+    assert len(states) == 6
+    for a, b in states:
+        assert_same_bits(a.scale, b.scale)
+
+
+def test_linear_holds_typed_quantizers_and_a_typed_backward_record():
+    lin = ops.Linear(32, 16, recipe=Recipe.delayed())
+    assert all(isinstance(q, DelayedScalingState) for q in lin.quantizers)
+    assert {"input_quantizer.scale", "weight_quantizer.amax_history", "grad_quantizer.scale"} <= set(lin.state_dict())
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe.rowwise(), Recipe.blockwise()], ids=["tensor", "row", "block"])
+def test_functional_linear_is_the_op_without_state(recipe):
+    torch.manual_seed(1)
+    lin = ops.Linear(128, 256, recipe=recipe)
+    x = torch.randn(4, 8, 128)
+    dy = torch.randn(4, 8, 256)
+    xa = x.clone().requires_grad_(True)
+    ya = lin(xa)
+    ya.backward(dy)
+    w, b = lin.weight.detach().clone().requires_grad_(True), lin.bias.detach().clone().requires_grad_(True)
+    xb = x.clone().requires_grad_(True)
+    yb = ops.functional.linear(xb, w, b, recipe=recipe)
+    yb.backward(dy)
+    assert_same_bits(ya, yb)
+    assert_same_bits(xa.grad, xb.grad)
+    assert_same_bits(lin.weight.grad, w.grad)
+    assert_same_bits(lin.bias.grad, b.grad)
+
+
+def _public_names():
+    for module in (float8, ops, ops.functional):
+        for name in module.__all__ if hasattr(module, "__all__") else dir(module):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                yield f"{module.__name__}.{name}", obj
+
+
+@pytest.mark.parametrize("name, obj", list(_public_names()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_public_name_has_a_docstring(name, obj):
+    doc = inspect.getdoc(obj)
+    assert doc and len(doc) > 20, f"{name} has no docstring"
