@@ -1,21 +1,15 @@
 """float8.kernels: Triton kernels, plain tensors in and out, each with a pure-torch `*_ref` twin.
 
-Importing this package registers the custom ops `torch.ops.float8.*` (amax, cast, quantize_tensorwise,
-cast_transpose, quantize_transpose_tensorwise, quantize_rowwise, quantize_blockwise, dequantize, and the
-norm and activation ops of `norm.py` and `activation.py`). On a
-CUDA tensor each runs its Triton kernel; on a CPU tensor its reference (DESIGN.md section 5).
+Importing this package registers the custom ops `torch.ops.float8.*`, one per kernel family: amax,
+quantize_tensorwise (a given scale or current scaling, with or without the transpose), quantize_rowwise,
+quantize_blockwise, dequantize, and norm_fwd / norm_fp8 / norm_bwd (`norm.py`) and act_fwd / act_fp8 /
+act_bwd / dact_fp8 (`activation.py`). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
+CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
-from . import activation, norm  # fused activation/bias and norm kernels (float8::act_*, float8::*norm*)
+from . import activation, norm  # fused activation/bias and norm kernels (float8::act_*, dact_fp8, norm_*)
 from .amax import amax, amax_ref
 from .blockwise import quantize_blockwise, quantize_blockwise_ref
-from .cast import cast, cast_ref
-from .cast_transpose import (
-    cast_transpose,
-    cast_transpose_ref,
-    quantize_transpose_tensorwise,
-    quantize_transpose_tensorwise_ref,
-)
 from .dequantize import dequantize, dequantize_ref
 from .quantize import quantize_tensorwise, quantize_tensorwise_ref
 from .rowwise import quantize_rowwise, quantize_rowwise_ref
@@ -25,14 +19,8 @@ __all__ = [
     "norm",
     "amax",
     "amax_ref",
-    "cast",
-    "cast_ref",
     "quantize_tensorwise",
     "quantize_tensorwise_ref",
-    "cast_transpose",
-    "cast_transpose_ref",
-    "quantize_transpose_tensorwise",
-    "quantize_transpose_tensorwise_ref",
     "quantize_rowwise",
     "quantize_rowwise_ref",
     "quantize_blockwise",

@@ -77,8 +77,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref
-from .reference import scale_from_amax as scale_from_amax_ref
+from .reference import quantize_tensorwise_ref
 
 KINDS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "swiglu")
 
@@ -839,20 +838,8 @@ def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None)
     return act_ref_fp32(x, kind, bias).to(x.dtype)
 
 
-def _quantize_ref(y, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    """(data, data_t (..., N, M) or (0,), scale_inv, amax) of the float32 y at `scale`, or at the current
-    scale (scale None)."""
-    amax = amax_ref(y)
-    if scale is None:
-        scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
-    scale = scale.reshape(()).float()
-    data = cast_to_fp8_ref(y, scale, fp8_dtype)
-    data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else data.new_empty((0,))
-    return data, data_t, scale.reciprocal(), amax
-
-
 def act_fp8_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    return _quantize_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return quantize_tensorwise_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
 def act_bwd_ref(dy, x, kind, bias=None):
@@ -863,6 +850,6 @@ def dact_fp8_ref(
     dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True
 ):
     dx = dact_ref_fp32(dy, x, kind, bias)
-    data, data_t, scale_inv, amax = _quantize_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    data, data_t, scale_inv, amax = quantize_tensorwise_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias

@@ -37,7 +37,7 @@ def launch_amax(x: torch.Tensor, out: torch.Tensor) -> None:
         _amax_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-def _amax_triton(x: torch.Tensor) -> torch.Tensor:
+def amax_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     launch_amax(x.contiguous(), out)
     return out
@@ -48,7 +48,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a () float32 tensor; NaN if any NaN, 0 if x is empty."""
     check_hp_input(x, "amax")
     if use_triton(x):
-        return _amax_triton(x)
+        return amax_triton(x)
     return amax_ref(x)
 
 

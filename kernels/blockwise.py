@@ -63,7 +63,7 @@ def _block2d_kernel(
     tl.store(scale_inv_ptr + pid, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
-def _quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
+def quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
     K = x.shape[-1]
     if block_rows == 1:
         x2 = x.reshape(math.prod(x.shape[:-1]) * (K // block_cols), block_cols)
@@ -143,7 +143,7 @@ def quantize_blockwise(
     """(data (x.shape) fp8, scale_inv fp32 with one value per block: x.shape[:-1] + (K // C,) or (M // R, K // C))."""
     _check(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
     if use_triton(x):
-        return _quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
+        return quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
     return quantize_blockwise_ref(x, block_rows, block_cols, fp8_dtype, margin, power_of_2)
 
 

@@ -1,8 +1,9 @@
-"""cast(x, scale, fp8_dtype) -> (data, scale_inv, amax): the per-tensor FP8 cast with a given scale.
+"""cast_triton(x, scale, fp8_dtype) -> (data, scale_inv, amax): the per-tensor FP8 cast with a given scale.
 
 data = satfinite RTNE cast of x.float() * scale (x's shape), scale_inv = 1 / scale (() float32, written
 by program 0 of the same launch), amax = max|x| (() float32, from the same single read of x: delayed
-scaling records it for the next step's scale). 3 bytes/element for bf16 input.
+scaling records it for the next step's scale). 3 bytes/element for bf16 input. It is the path of
+float8::quantize_tensorwise (kernels/quantize.py) for a given scale without a transpose.
 
 The same kernel, with CURRENT=True, is the second pass of current scaling (kernels/quantize.py): it
 reads the amax of the first pass and computes the scale itself, on the device.
@@ -14,19 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
-    custom_op,
-    abs_bits,
-    atomic_amax,
-    check_hp_input,
-    check_scale,
-    clamp_keep_nan,
-    fp8_constants,
-    margin_div,
-    scale_from_amax,
-    use_triton,
-)
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype
+from .common import abs_bits, atomic_amax, clamp_keep_nan, fp8_constants, margin_div, scale_from_amax
+from .reference import quantize_tensorwise_ref
 
 BLOCK = 4096  # elements per program; 8 warps -> 16 per thread: 2x16 B loads (bf16), one 16 B store
 NUM_WARPS = 8
@@ -96,37 +86,13 @@ def launch_cast(
     return data, scale_inv
 
 
-def _cast_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+def cast_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    """(data (x.shape) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|) for a one-element fp32 scale."""
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     data, scale_inv = launch_cast(x.contiguous(), scale, fp8_dtype, current=False, amax_out=amax)
     return data, scale_inv, amax
 
 
-def _check(x, scale, fp8_dtype):
-    check_hp_input(x, "cast")
-    check_scale(scale, x, "cast")
-    check_fp8_dtype(fp8_dtype)
-
-
-@custom_op("float8::cast")
-def cast(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data (x.shape) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|) for a one-element fp32 scale."""
-    _check(x, scale, fp8_dtype)
-    if use_triton(x):
-        return _cast_triton(x, scale, fp8_dtype)
-    return cast_ref(x, scale, fp8_dtype)
-
-
-@cast.register_fake
-def _(x, scale, fp8_dtype):
-    _check(x, scale, fp8_dtype)
-    scalar = dict(dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((), **scalar), x.new_empty((), **scalar)
-
-
 def cast_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    scale = scale.reshape(()).float()
-    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
-    return data, scale.reciprocal(), amax_ref(x)
+    data, _, scale_inv, amax = quantize_tensorwise_ref(x, fp8_dtype, scale)
+    return data, scale_inv, amax

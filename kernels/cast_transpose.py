@@ -1,7 +1,9 @@
-"""cast_transpose: the per-tensor FP8 cast writing both layouts in one pass over x.
+"""The per-tensor FP8 cast writing both layouts in one pass over x: the transposing paths of
+float8::quantize_tensorwise (kernels/quantize.py).
 
-cast_transpose(x, scale, fp8_dtype) -> (data, data_t, scale_inv, amax)
-quantize_transpose_tensorwise(x, fp8_dtype, margin, power_of_2) -> (data, data_t, scale_inv, amax)
+cast_transpose_triton(x, scale, fp8_dtype) -> (data, data_t, scale_inv, amax)             a given scale
+quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2) -> (data, data_t, scale_inv, amax)
+                                                                                          current scaling
 
 x is (..., M, K): leading dims are a batch. data is (..., M, K) and data_t (..., K, M), both contiguous:
 the two layouts an FP8 GEMM needs in forward and backward. Each program casts one (BLOCK_M, BLOCK_K)
@@ -26,21 +28,16 @@ from .amax import launch_amax
 from .common import (
     SMALL_DIM,
     SMALL_NUMEL,
-    custom_op,
     abs_bits,
     atomic_amax,
-    check_hp_input,
-    check_scale,
-    check_scaling_args,
     clamp_keep_nan,
     fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     small_num_warps,
-    use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, check_fp8_dtype, scale_from_amax as scale_from_amax_ref
+from .reference import quantize_tensorwise_ref
 
 # Per input element size. (64, 128) tiles: 256 B row segments read (bf16), 128 B / 64 B written. For
 # 16-bit inputs TRANS_INPUT transposes the input tile (ldmatrix.trans) rather than the FP8 one (byte-wise
@@ -149,6 +146,10 @@ def _quantize_transpose_small_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
+def _t_shape(x):
+    return (*x.shape[:-2], x.shape[-1], x.shape[-2])
+
+
 def _is_small(x: torch.Tensor) -> bool:
     """One (M, K) matrix (leading dims all 1) that one program holds in registers (common.SMALL_NUMEL)."""
     *batch, M, K = x.shape
@@ -222,13 +223,13 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
     return data, data_t, scale_inv
 
 
-def _cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, config=None):
+def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, config=None):
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     data, data_t, scale_inv = _launch(x, scale, fp8_dtype, current=False, amax_out=amax, config=config)
     return data, data_t, scale_inv, amax
 
 
-def _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=False, config=None):
+def quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=False, config=None):
     # Small x: one launch, no torch.zeros; host time, not the GPU, is what small layers wait for (see
     # common.SMALL_NUMEL for the threshold and why). An explicit config asks for the tiled kernel.
     if config is None and _is_small(x):
@@ -249,76 +250,11 @@ def _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=Fal
     return data, data_t, scale_inv, amax
 
 
-def _check_2d(x, op):
-    check_hp_input(x, op)
-    if x.dim() < 2:
-        raise ValueError(f"{op}: x must have at least 2 dims (..., M, K) to transpose, got shape {tuple(x.shape)}")
-
-
-def _t_shape(x):
-    return (*x.shape[:-2], x.shape[-1], x.shape[-2])
-
-
-@custom_op("float8::cast_transpose")
-def cast_transpose(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data (..., M, K), data_t (..., K, M)) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|."""
-    _check_2d(x, "cast_transpose")
-    check_scale(scale, x, "cast_transpose")
-    check_fp8_dtype(fp8_dtype)
-    if use_triton(x):
-        return _cast_transpose_triton(x, scale, fp8_dtype)
-    return cast_transpose_ref(x, scale, fp8_dtype)
-
-
-@cast_transpose.register_fake
-def _(x, scale, fp8_dtype):
-    _check_2d(x, "cast_transpose")
-    check_scale(scale, x, "cast_transpose")
-    check_fp8_dtype(fp8_dtype)
-    return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
-        x.new_empty(_t_shape(x), dtype=fp8_dtype),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
-    )
-
-
-@custom_op("float8::quantize_transpose_tensorwise")
-def quantize_transpose_tensorwise(
-    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current per-tensor scaling with both layouts: (data, data_t, scale_inv, amax)."""
-    _check_2d(x, "quantize_transpose_tensorwise")
-    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_transpose_tensorwise")
-    if use_triton(x):
-        return _quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
-    return quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2)
-
-
-@quantize_transpose_tensorwise.register_fake
-def _(x, fp8_dtype, margin=0, power_of_2=False):
-    _check_2d(x, "quantize_transpose_tensorwise")
-    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_transpose_tensorwise")
-    return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
-        x.new_empty(_t_shape(x), dtype=fp8_dtype),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
-    )
-
-
 def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    scale = scale.reshape(()).float()
-    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
-    return data, data.transpose(-2, -1).clone(memory_format=torch.contiguous_format), scale.reciprocal(), amax_ref(x)
+    return quantize_tensorwise_ref(x, fp8_dtype, scale, with_transpose=True)
 
 
 def quantize_transpose_tensorwise_ref(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ):
-    amax = amax_ref(x)
-    scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
-    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
-    return data, data.transpose(-2, -1).clone(memory_format=torch.contiguous_format), scale.reciprocal(), amax
+    return quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2, with_transpose=True)

@@ -69,7 +69,7 @@ def flat_row_block(data_shape, scale_shape):
     return R // SR if SR else 1
 
 
-def _dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
     per_tensor = scale_inv.numel() == 1
     if per_tensor:
         row_block = 1
@@ -131,7 +131,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) 
     """data.float() * scale_inv (broadcast over its blocks), cast to dtype; data's shape, contiguous."""
     _check(data, scale_inv, dtype)
     if use_triton(data):
-        return _dequantize_triton(data, scale_inv, dtype)
+        return dequantize_triton(data, scale_inv, dtype)
     return dequantize_ref(data, scale_inv, dtype)
 
 

@@ -81,8 +81,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref
-from .reference import scale_from_amax as scale_from_amax_ref
+from .reference import quantize_tensorwise_ref
 
 # Tile shapes (registers per thread on sm_90, from ptxas, in brackets; none spill). Row kernels: a tile of
 # at most 8192 elements, >= 4096 while rows are short (<= 64 rows).
@@ -923,19 +922,11 @@ def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
 
 
 def quantize_y_ref(y_hp, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    """(data (y's shape), data_t (N, M) or (0,), scale_inv, amax = max|y|) of y (rows: all but the last dim)
-    at `scale`, or (scale None) at the current scale scale_from_amax(max|y|, margin, power_of_2)."""
+    """reference.quantize_tensorwise_ref of y's rows: (data (y's shape), data_t (N, M) or (0,), scale_inv,
+    amax = max|y|), at `scale` or (scale None) at the current scale."""
     N = y_hp.shape[-1]
-    amax = amax_ref(y_hp)
-    if scale is None:
-        scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
-    scale = scale.reshape(()).float()
-    data = cast_to_fp8_ref(y_hp, scale, fp8_dtype)
-    if with_transpose:
-        data_t = data.reshape(-1, N).t().clone(memory_format=torch.contiguous_format)
-    else:
-        data_t = torch.empty((0,), dtype=fp8_dtype, device=y_hp.device)
-    return data, data_t, scale.reciprocal(), amax
+    data, *rest = quantize_tensorwise_ref(y_hp.reshape(-1, N), fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return data.reshape(y_hp.shape), *rest
 
 
 def norm_fwd_ref(x, weight, bias, eps, rms):

@@ -1,38 +1,56 @@
-"""quantize_tensorwise(x, fp8_dtype, margin, power_of_2) -> (data, scale_inv, amax): current per-tensor scaling.
+"""float8::quantize_tensorwise: per-tensor FP8 quantization, one op over four paths.
 
-Two launches, no host sync: the amax pass of kernels/amax.py, then the cast kernel of kernels/cast.py
-with CURRENT=True, whose programs each read the amax and compute the scale on the device exactly as
-reference.scale_from_amax does (common.scale_from_amax); program 0 writes scale_inv.
-5 bytes/element for bf16 input (x read twice, FP8 written once).
+quantize_tensorwise(x, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
+    -> (data, data_t, scale_inv, amax)
 
-Small tensors (numel <= common.SMALL_NUMEL) take one launch instead: _quantize_small_kernel, one program
-holding all of x in registers, reduces the amax, computes the scale, casts and writes every output (no
-torch.zeros, no atomics). Same helpers, same bits; it exists to cut host time (see common.SMALL_NUMEL).
+data has x's shape; data_t is data with its last two dims swapped, contiguous (..., K, M) (the layout an
+FP8 GEMM needs in backward), or an empty (0,) tensor without with_transpose (a custom op cannot return
+None); scale_inv and amax are () float32, amax = max|x| on every path (delayed scaling records it).
+scale None is current scaling (scale from max|x|, margin and power_of_2, on the device: no host sync); a
+one-element float32 scale is delayed or static scaling (margin and power_of_2 ignored). The paths, each
+a launcher with its reference (reference.quantize_tensorwise_ref states them all):
+
+    scale given, no transpose   cast_triton (kernels/cast.py): one launch, 3 bytes/element for bf16
+    scale None, no transpose    here: the amax pass of kernels/amax.py, then the cast kernel of
+                                kernels/cast.py with CURRENT=True, whose programs each read the amax and
+                                compute the scale as reference.scale_from_amax does (common.scale_from_amax);
+                                program 0 writes scale_inv. 5 bytes/element.
+    scale given, transpose      cast_transpose_triton (kernels/cast_transpose.py): 4 bytes/element
+    scale None, transpose       quantize_transpose_tensorwise_triton (kernels/cast_transpose.py): 6
+
+Small tensors (numel <= common.SMALL_NUMEL) under current scaling take one launch instead:
+_quantize_small_kernel, one program holding all of x in registers, reduces the amax, computes the scale,
+casts and writes every output (no torch.zeros, no atomics); cast_transpose.py has the transposing twin.
+Same helpers, same bits; it exists to cut host time (see common.SMALL_NUMEL).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .amax import launch_amax
-from .cast import launch_cast
+from .cast import cast_triton, launch_cast
+from .cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
 from .common import (
     SMALL_NUMEL,
     abs_bits,
-    custom_op,
+    check_flag,
     check_hp_input,
-    check_scaling_args,
+    check_tensorwise_args,
     clamp_keep_nan,
+    custom_op,
     fp8_constants,
     margin_div,
     next_pow2,
-    scale_from_amax as _device_scale_from_amax,
+    scale_from_amax,
     small_num_warps,
     use_triton,
 )
-from .reference import amax_ref, cast_to_fp8_ref, scale_from_amax
+from .reference import quantize_tensorwise_ref
 
 SMALL_MIN_BLOCK = 128  # fewer specializations (one per power of two from here to SMALL_NUMEL)
 
@@ -56,7 +74,7 @@ def _quantize_small_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # The integer max of common.abs_bits keeps NaN; its bits are the float amax (+0.0 for an empty x).
     amax = tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True)
-    scale = _device_scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
+    scale = scale_from_amax(amax, FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     y = clamp_keep_nan(x * scale, FP8_MAX)
     tl.store(data_ptr + offs, y.to(data_ptr.dtype.element_ty), mask=mask)
     tl.store(amax_ptr, amax)
@@ -84,45 +102,73 @@ def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_
     return data, scale_inv, amax
 
 
-def _quantize_tensorwise_triton(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+def quantize_tensorwise_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale=None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+    config=None,
+):
+    """quantize_tensorwise on the GPU, by its four paths. config: the transposing kernels' tile
+    (cast_transpose.CONFIGS unless given)."""
+    if with_transpose:
+        if scale is None:
+            return quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2, config)
+        return cast_transpose_triton(x, scale, fp8_dtype, config)
+    no_t = torch.empty((0,), dtype=fp8_dtype, device=x.device)
+    if scale is not None:
+        data, scale_inv, amax = cast_triton(x, scale, fp8_dtype)
+        return data, no_t, scale_inv, amax
     x = x.contiguous()
     # Small x: one launch, no torch.zeros; host time, not the GPU, is what small layers wait for (see
     # common.SMALL_NUMEL for the threshold and why).
     if x.numel() <= SMALL_NUMEL:
-        return _quantize_small(x, fp8_dtype, margin, power_of_2)
+        data, scale_inv, amax = _quantize_small(x, fp8_dtype, margin, power_of_2)
+        return data, no_t, scale_inv, amax
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     launch_amax(x, amax)
     data, scale_inv = launch_cast(x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2)
-    return data, scale_inv, amax
+    return data, no_t, scale_inv, amax
 
 
-def _check(x, fp8_dtype, margin, power_of_2):
-    check_hp_input(x, "quantize_tensorwise")
-    check_scaling_args(fp8_dtype, margin, power_of_2, "quantize_tensorwise")
+def _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose):
+    op = "quantize_tensorwise"
+    check_hp_input(x, op)
+    check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op)
+    check_flag(with_transpose, "with_transpose", op)
+    if with_transpose and x.dim() < 2:
+        raise ValueError(f"{op}: x must have at least 2 dims (..., M, K) to transpose, got shape {tuple(x.shape)}")
 
 
 @custom_op("float8::quantize_tensorwise")
 def quantize_tensorwise(
-    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data (x.shape) fp8, scale_inv () fp32, amax () fp32) with scale = scale_from_amax(max|x|)."""
-    _check(x, fp8_dtype, margin, power_of_2)
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data (x.shape) fp8, data_t (..., K, M) fp8 or (0,), scale_inv () fp32, amax () fp32 = max|x|).
+
+    scale None: current scaling, scale = scale_from_amax(max|x|, margin, power_of_2); else a one-element
+    fp32 scale on x's device (margin and power_of_2 ignored).
+    """
+    _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
     if use_triton(x):
-        return _quantize_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
-    return quantize_tensorwise_ref(x, fp8_dtype, margin, power_of_2)
+        return quantize_tensorwise_triton(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return quantize_tensorwise_ref(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
 @quantize_tensorwise.register_fake
-def _(x, fp8_dtype, margin=0, power_of_2=False):
-    _check(x, fp8_dtype, margin, power_of_2)
+def _(x, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    t_shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else (0,)
     return (
         x.new_empty(x.shape, dtype=fp8_dtype),
+        x.new_empty(t_shape, dtype=fp8_dtype),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
     )
-
-
-def quantize_tensorwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
-    amax = amax_ref(x)
-    scale = scale_from_amax(amax, fp8_dtype, margin, power_of_2)
-    return cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype), scale.reciprocal(), amax

@@ -103,6 +103,33 @@ def cast_to_fp8_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     return torch.clamp(scaled, -limit, limit).to(fp8_dtype)
 
 
+def quantize_tensorwise_ref(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+):
+    """Per-tensor quantization: (data (x.shape), data_t (..., N, M) contiguous or an empty (0,) tensor,
+    scale_inv () = 1 / scale, amax () = max|x|), all but data_t float32 scalars.
+
+    scale None: current scaling, scale = scale_from_amax(max|x|, margin, power_of_2); else the given
+    one-element scale (margin and power_of_2 ignored). float8::quantize_tensorwise (kernels/quantize.py)
+    and the FP8 outputs of the fused norm and activation kernels follow it.
+    """
+    amax = amax_ref(x)
+    if scale is None:
+        scale = scale_from_amax(amax, fp8_dtype, margin, power_of_2)
+    scale = scale.reshape(()).float()
+    data = cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype)
+    if with_transpose:
+        data_t = data.transpose(-2, -1).clone(memory_format=torch.contiguous_format)  # never a view of data
+    else:
+        data_t = torch.empty((0,), dtype=fp8_dtype, device=x.device)
+    return data, data_t, scale.reciprocal(), amax
+
+
 def amax_ref(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 scalar; NaN if x holds a NaN, 0 for an empty x."""
     if x.numel() == 0:

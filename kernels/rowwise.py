@@ -109,7 +109,7 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
     return data, scale_inv
 
 
-def _quantize_rowwise_triton(x: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+def quantize_rowwise_triton(x: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (-1, K) fails for an empty x
     data, scale_inv = launch_rowwise(x2, fp8_dtype, margin, power_of_2, max_single_k)
     return data.view(x.shape), scale_inv.view(*x.shape[:-1], 1)
@@ -129,7 +129,7 @@ def quantize_rowwise(
     """(data (x.shape) fp8, scale_inv x.shape[:-1] + (1,) fp32): one scale per row of the last dim."""
     _check(x, fp8_dtype, margin, power_of_2)
     if use_triton(x):
-        return _quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
+        return quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
     return quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2)
 
 

@@ -47,7 +47,7 @@ def pipelines(a, sa, b, sb, bias, kind, config):
     def cublas():
         y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=BF16)
         if kind == "identity":  # amax pass + cast pass
-            data, scale_inv, _ = (quantize._quantize_tensorwise_triton if cuda else quantize.quantize_tensorwise_ref)(y, E4M3)
+            data, _, scale_inv, _ = (quantize.quantize_tensorwise_triton if cuda else quantize.quantize_tensorwise_ref)(y, E4M3)
         else:  # act recomputed in both passes of the fused activation kernel
             data, _, scale_inv, _ = (act.act_fp8_triton if cuda else act.act_fp8_ref)(y, kind, None, E4M3)
         return data, scale_inv

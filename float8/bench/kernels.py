@@ -46,17 +46,17 @@ def cases(x: torch.Tensor, scale: torch.Tensor, fp8: torch.Tensor, fp8_scale_inv
     """(name, bytes per element, ours, reference, args). ours/reference take the same args."""
     blk_bytes = 3 + 4 / 128
     return [
-        ("cast (given scale, + amax)", 3, _cast._cast_triton, K.cast_ref, (x, scale, E4M3)),
-        ("quantize tensorwise (current)", 5, _quant._quantize_tensorwise_triton, K.quantize_tensorwise_ref, (x, E4M3)),
-        ("cast + transpose (given scale)", 4, _ct._cast_transpose_triton, K.cast_transpose_ref, (x, scale, E4M3)),
-        ("quantize + transpose (current)", 6, _ct._quantize_transpose_tensorwise_triton,
-         K.quantize_transpose_tensorwise_ref, (x, E4M3)),
-        ("quantize rowwise", 3, _row._quantize_rowwise_triton, K.quantize_rowwise_ref, (x, E4M3)),
-        ("quantize blockwise 1x128", blk_bytes, _block._quantize_blockwise_triton, K.quantize_blockwise_ref,
+        ("cast (given scale, + amax)", 3, _cast.cast_triton, _cast.cast_ref, (x, scale, E4M3)),
+        ("quantize tensorwise (current)", 5, _quant.quantize_tensorwise_triton, K.quantize_tensorwise_ref, (x, E4M3)),
+        ("cast + transpose (given scale)", 4, _ct.cast_transpose_triton, _ct.cast_transpose_ref, (x, scale, E4M3)),
+        ("quantize + transpose (current)", 6, _ct.quantize_transpose_tensorwise_triton,
+         _ct.quantize_transpose_tensorwise_ref, (x, E4M3)),
+        ("quantize rowwise", 3, _row.quantize_rowwise_triton, K.quantize_rowwise_ref, (x, E4M3)),
+        ("quantize blockwise 1x128", blk_bytes, _block.quantize_blockwise_triton, K.quantize_blockwise_ref,
          (x, 1, 128, E4M3)),
-        ("quantize blockwise 128x128", 3, _block._quantize_blockwise_triton, K.quantize_blockwise_ref,
+        ("quantize blockwise 128x128", 3, _block.quantize_blockwise_triton, K.quantize_blockwise_ref,
          (x, 128, 128, E4M3)),
-        ("dequantize (per tensor)", 3, _dq._dequantize_triton, K.dequantize_ref, (fp8, fp8_scale_inv, torch.bfloat16)),
+        ("dequantize (per tensor)", 3, _dq.dequantize_triton, K.dequantize_ref, (fp8, fp8_scale_inv, torch.bfloat16)),
     ]
 
 
@@ -124,7 +124,7 @@ def run(args) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn((M, N), generator=gen, device=device) * 3).to(torch.bfloat16)
     scale = torch.tensor([0.37], device=device)
-    fp8, fp8_scale_inv, _ = K.quantize_tensorwise_ref(x, E4M3)
+    fp8, _, fp8_scale_inv, _ = K.quantize_tensorwise_ref(x, E4M3)
     all_cases = cases(x, scale, fp8, fp8_scale_inv)
     if cpu:  # the Triton launchers need a GPU (or the interpreter): time the reference paths only
         all_cases = [(n, b, r, r, a) for n, b, _, r, a in all_cases]
@@ -170,10 +170,10 @@ def run(args) -> dict:
     host = []
     if not cpu:
         for name, fn in [
-            ("launcher _quantize_tensorwise_triton", lambda: _quant._quantize_tensorwise_triton(small, E4M3)),
+            ("launcher quantize_tensorwise_triton", lambda: _quant.quantize_tensorwise_triton(small, E4M3)),
             ("op float8::quantize_tensorwise", lambda: K.quantize_tensorwise(small, E4M3)),
-            ("launcher _cast_triton", lambda: _cast._cast_triton(small, scale, E4M3)),
-            ("op float8::cast", lambda: K.cast(small, scale, E4M3)),
+            ("launcher cast_triton", lambda: _cast.cast_triton(small, scale, E4M3)),
+            ("op float8::quantize_tensorwise, a given scale", lambda: K.quantize_tensorwise(small, E4M3, scale)),
             ("eager quantize_tensorwise_ref", lambda: K.quantize_tensorwise_ref(small, E4M3)),
         ]:
             host.append({"what": name, "us_per_call": host_us_per_call(fn, sync)})
@@ -192,14 +192,14 @@ def run_sweep(x, scale, bench, numel, copy_gbps):
         dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, TRANS_INPUT=True),
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, TRANS_INPUT=True),
     ]:
-        t = bench(lambda: _ct._cast_transpose_triton(x, scale, E4M3, config=cfg))
+        t = bench(lambda: _ct.cast_transpose_triton(x, scale, E4M3, config=cfg))
         frac = 4 * numel / t / 1e6 / copy_gbps
         out.append({"kernel": "cast + transpose", "config": cfg, "ms": t, "frac_of_copy": frac})
     saved = (_cast.BLOCK, _cast.NUM_WARPS)
     try:
         for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]:
             _cast.BLOCK, _cast.NUM_WARPS = block, warps
-            t = bench(lambda: _cast._cast_triton(x, scale, E4M3))
+            t = bench(lambda: _cast.cast_triton(x, scale, E4M3))
             out.append({"kernel": "cast", "config": {"BLOCK": block, "num_warps": warps}, "ms": t,
                         "frac_of_copy": 3 * numel / t / 1e6 / copy_gbps})
     finally:

@@ -1,4 +1,4 @@
-"""Make the Triton interpreter convert floats like the hardware does (DESIGN.md section 6).
+"""Make the Triton interpreter convert floats like the hardware does.
 
 Triton's interpreter (triton/runtime/interpreter.py `_convert_float`, used by `create_fp_to_fp` and
 `cast_impl`) gets float conversions wrong in ways the GPU does not, checked in test_interpreter.py:

@@ -55,24 +55,24 @@ def record_launches():
     s = torch.tensor([0.5])
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         x = torch.randn(256, 512).to(dtype)
-        mods["cast"]._cast_triton(x, s, E4)
-        mods["amax"]._amax_triton(x)
-        mods["quantize"]._quantize_tensorwise_triton(x, E5, 1, True)
-        mods["cast_transpose"]._cast_transpose_triton(x, s, E4)
-        mods["cast_transpose"]._quantize_transpose_tensorwise_triton(x.t(), E5, 0, True)
-        mods["rowwise"]._quantize_rowwise_triton(x, E4)
-        mods["rowwise"]._quantize_rowwise_triton(torch.randn(3, 9000).to(dtype), E4)
-        mods["blockwise"]._quantize_blockwise_triton(x, 1, 128, E4)
-        mods["blockwise"]._quantize_blockwise_triton(x, 128, 128, E5, 0, True)
+        mods["cast"].cast_triton(x, s, E4)
+        mods["amax"].amax_triton(x)
+        mods["quantize"].quantize_tensorwise_triton(x, E5, None, 1, True)
+        mods["cast_transpose"].cast_transpose_triton(x, s, E4)
+        mods["cast_transpose"].quantize_transpose_tensorwise_triton(x.t(), E5, 0, True)
+        mods["rowwise"].quantize_rowwise_triton(x, E4)
+        mods["rowwise"].quantize_rowwise_triton(torch.randn(3, 9000).to(dtype), E4)
+        mods["blockwise"].quantize_blockwise_triton(x, 1, 128, E4)
+        mods["blockwise"].quantize_blockwise_triton(x, 128, 128, E5, 0, True)
         d, si = mods["blockwise"].quantize_blockwise_ref(x, 128, 128, E4)
-        mods["dequantize"]._dequantize_triton(d, si, dtype)
-        mods["dequantize"]._dequantize_triton(d, si.new_ones(()), dtype)
+        mods["dequantize"].dequantize_triton(d, si, dtype)
+        mods["dequantize"].dequantize_triton(d, si.new_ones(()), dtype)
         # The one-launch path for small tensors, at its size limit (registers, no spills) and below.
         small = torch.randn(128, 128).to(dtype)
         for xs in (small, small[:64]):
-            mods["quantize"]._quantize_tensorwise_triton(xs, E4)
-            mods["cast_transpose"]._quantize_transpose_tensorwise_triton(xs, E4)
-        mods["cast_transpose"]._quantize_transpose_tensorwise_triton(small.t(), E5, 0, True)  # a weight's .t()
+            mods["quantize"].quantize_tensorwise_triton(xs, E4)
+            mods["cast_transpose"].quantize_transpose_tensorwise_triton(xs, E4)
+        mods["cast_transpose"].quantize_transpose_tensorwise_triton(small.t(), E5, 0, True)  # a weight's .t()
     return recorders
 
 

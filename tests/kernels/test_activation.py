@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from float8.kernels import activation as act
-from float8.kernels.reference import amax_ref, cast_to_fp8_ref, fp8_max, scale_from_amax
+from float8.kernels.reference import amax_ref, cast_to_fp8_ref, fp8_max, quantize_tensorwise_ref, scale_from_amax
 
 from .helpers import assert_bits, make_x, needs_interpreter
 
@@ -390,12 +390,12 @@ def test_gelu_tail(impl):
     dy = make_x(x.shape, F32, seed=11, scale=1.0).to(device)
     y64, cdf, vpdf = _gelu_terms64(x)
     out = fp8(x)
-    assert_fp8_outputs(out, fwd(x), act._quantize_ref(y64.float(), E4M3), E4M3, False,
+    assert_fp8_outputs(out, fwd(x), quantize_tensorwise_ref(y64.float(), E4M3), E4M3, False,
                        _current(E4M3, 0, False))  # fmt: skip
     assert out[0].view(torch.uint8).unique().numel() > 100  # the tail spans the FP8 codes
     d64 = (dy.double() * (cdf + vpdf)).float()
     out = dfp8(dy, x)
-    assert_fp8_outputs(out, bwd(dy, x), act._quantize_ref(d64, E5M2, with_transpose=True), E5M2, True,
+    assert_fp8_outputs(out, bwd(dy, x), quantize_tensorwise_ref(d64, E5M2, with_transpose=True), E5M2, True,
                        _current(E5M2, 0, False))  # fmt: skip
 
 
@@ -485,15 +485,14 @@ def test_backward_without_dbias(kind):
 
 def test_fused_equals_unfused_for_float32():
     # float32 x: act_fwd's output is the kernel's float32 value, so quantizing it separately is the same.
-    from float8.kernels import quantize_tensorwise, quantize_transpose_tensorwise
+    from float8.kernels import quantize_tensorwise
 
     x, bias, _ = inputs(CASES[3], "swiglu")
     y = act.act_fwd(x, "swiglu", bias)
-    fused = act.act_fp8(x, "swiglu", bias, E5M2, None, 1, True, True)
-    for o, r in zip(fused, quantize_transpose_tensorwise(y, E5M2, 1, True)):
-        assert_bits(o, r, "fused vs unfused")
-    for o, r in zip((fused[0], fused[2], fused[3]), quantize_tensorwise(y, E5M2, 1, True)):
-        assert_bits(o, r, "fused vs unfused")
+    for scale, with_t in [(None, True), (None, False), (torch.tensor([0.3]), True)]:
+        fused = act.act_fp8(x, "swiglu", bias, E5M2, scale, 1, True, with_t)
+        for o, r in zip(fused, quantize_tensorwise(y, E5M2, scale, 1, True, with_t)):
+            assert_bits(o, r, "fused vs unfused")
 
 
 # ---- bad input --------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ def test_bench_check_catches_a_wrong_kernel(monkeypatch):
     import torch
 
     x = torch.randn(4, 256)
-    wrong = lambda x, s, d: bench.K.cast_ref(x * 1.01, s, d)  # noqa: E731
+    wrong = lambda x, s, d: bench._cast.cast_ref(x * 1.01, s, d)  # noqa: E731
     with pytest.raises(AssertionError, match="cast: output 0 differs"):
-        bench.check([("cast", 3, wrong, bench.K.cast_ref, (x, torch.tensor([1.0]), torch.float8_e4m3fn))])
+        bench.check([("cast", 3, wrong, bench._cast.cast_ref, (x, torch.tensor([1.0]), torch.float8_e4m3fn))])
 
 
 @needs_interpreter

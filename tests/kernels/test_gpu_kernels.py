@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import float8.kernels as K
-from float8.kernels.reference import max_margin, scale_from_amax
+from float8.kernels.reference import max_margin, min_scale, scale_from_amax
 
 from .helpers import FP8, HP, amax_samples, assert_bits, device_scale, exact_pow2_floor, fp8_grid, make_x
 
@@ -65,9 +65,11 @@ def grid_matrix(fp8_dtype, cols, dtype=torch.float32, finite_only=False, scale=2
 def test_cast_codes_midpoints(fp8_dtype, dtype, cols):
     scale = torch.tensor([2.0**-3], device=DEVICE)
     x = grid_matrix(fp8_dtype, cols, dtype)
-    check(cast_m._cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
-    check(K.cast(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)  # the op's CUDA dispatch
-    check(ct_m._cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
+    check(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
+    for with_t in (False, True):  # the op's CUDA dispatch
+        check(K.quantize_tensorwise(x, fp8_dtype, scale, 0, False, with_t),
+              K.quantize_tensorwise_ref(x, fp8_dtype, scale, 0, False, with_t), CAST_T)
+    check(ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -76,8 +78,8 @@ def test_cast_codes_midpoints_views(fp8_dtype, layout):
     scale = torch.tensor([2.0**-3], device=DEVICE)
     base = grid_matrix(fp8_dtype, 64)
     x = {"transposed": base.t(), "offset": base[1:, 2:], "strided": base[:, ::2]}[layout]
-    check(cast_m._cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
-    check(ct_m._cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
+    check(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
+    check(ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
 
 
 @pytest.mark.parametrize("trans_input", [False, True])
@@ -87,7 +89,7 @@ def test_cast_transpose_configs(trans_input, tile):
     scale = torch.tensor([0.37], device=DEVICE)
     for dtype in HP:
         x = make_x((3, 130, 4097), dtype, specials=True, scale=300.0, device=DEVICE)
-        ours = ct_m._cast_transpose_triton(x, scale, FP8[0], config=cfg)
+        ours = ct_m.cast_transpose_triton(x, scale, FP8[0], config=cfg)
         check(ours, ct_m.cast_transpose_ref(x, scale, FP8[0]), CAST_T)
 
 
@@ -101,11 +103,11 @@ def test_cast_transpose_configs(trans_input, tile):
 def test_quantize_codes_midpoints(fp8_dtype, dtype, finite_only, margin, power_of_2):
     for cols in (1, 17, 4097):
         x = grid_matrix(fp8_dtype, cols, dtype, finite_only)
-        check(quant_m._quantize_tensorwise_triton(x, fp8_dtype, margin, power_of_2),
-              quant_m.quantize_tensorwise_ref(x, fp8_dtype, margin, power_of_2), CAST)
-        check(ct_m._quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2),
+        check(quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, margin, power_of_2),
+              quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2), CAST_T)
+        check(ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2),
               ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2), CAST_T)
-        check(row_m._quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2),
+        check(row_m.quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2),
               row_m.quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2), ROW)
 
 
@@ -117,7 +119,7 @@ def test_blockwise_codes_midpoints(fp8_dtype, dtype, block):
     x = x.repeat(-(-256 // x.shape[0]), 1)[:256]  # (256, 384)
     x[:128] *= 2.0**-7  # blocks of different magnitudes
     for margin, p2 in [(0, False), (1, True)]:
-        check(block_m._quantize_blockwise_triton(x, *block, fp8_dtype, margin, p2),
+        check(block_m.quantize_blockwise_triton(x, *block, fp8_dtype, margin, p2),
               block_m.quantize_blockwise_ref(x, *block, fp8_dtype, margin, p2), ROW)
 
 
@@ -130,12 +132,12 @@ def test_all_kernels_shapes(shape, dtype):
     x = make_x(shape, dtype, specials=len(shape) > 1 and shape[0] < 100, scale=50.0, device=DEVICE)
     scale = torch.tensor([0.37], device=DEVICE)
     for f8 in FP8:
-        check(cast_m._cast_triton(x, scale, f8), cast_m.cast_ref(x, scale, f8), CAST)
-        check(quant_m._quantize_tensorwise_triton(x, f8), quant_m.quantize_tensorwise_ref(x, f8), CAST)
-        check(row_m._quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
+        check(cast_m.cast_triton(x, scale, f8), cast_m.cast_ref(x, scale, f8), CAST)
+        check(quant_m.quantize_tensorwise_triton(x, f8), quant_m.quantize_tensorwise_ref(x, f8), CAST_T)
+        check(row_m.quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
         if len(shape) >= 2:
-            check(ct_m._cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
-            check(ct_m._quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
+            check(ct_m.cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
+            check(ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
                   CAST_T)
 
 
@@ -146,21 +148,51 @@ def test_all_kernels_views(layout, dtype):
     assert not x.is_contiguous()
     scale = torch.tensor([0.37], device=DEVICE)
     for f8 in FP8:
-        check(cast_m._cast_triton(x, scale, f8), cast_m.cast_ref(x, scale, f8), CAST)
-        check(quant_m._quantize_tensorwise_triton(x, f8), quant_m.quantize_tensorwise_ref(x, f8), CAST)
-        check(ct_m._cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
-        check(ct_m._quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
+        check(cast_m.cast_triton(x, scale, f8), cast_m.cast_ref(x, scale, f8), CAST)
+        check(quant_m.quantize_tensorwise_triton(x, f8), quant_m.quantize_tensorwise_ref(x, f8), CAST_T)
+        check(ct_m.cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
+        check(ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
               CAST_T)
-        check(row_m._quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
+        check(row_m.quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
         for block in [(1, 128), (128, 128)]:
-            check(block_m._quantize_blockwise_triton(x, *block, f8), block_m.quantize_blockwise_ref(x, *block, f8), ROW)
+            check(block_m.quantize_blockwise_triton(x, *block, f8), block_m.quantize_blockwise_ref(x, *block, f8), ROW)
 
 
 def test_rowwise_long_rows_two_pass():
     x = make_x((7, 20000), torch.bfloat16, specials=True, device=DEVICE)
     for f8 in FP8:
-        check(row_m._quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
-        check(row_m._quantize_rowwise_triton(x, f8, 0, False, max_single_k=64), row_m.quantize_rowwise_ref(x, f8), ROW)
+        check(row_m.quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
+        check(row_m.quantize_rowwise_triton(x, f8, 0, False, max_single_k=64), row_m.quantize_rowwise_ref(x, f8), ROW)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_nonfinite_and_huge_amax(fp8_dtype):
+    # The scale rule's edges on the hardware (max.f32 drops NaN; the NaN must still come out): an inf or NaN
+    # makes its tensor, row or block NaN under current scaling; finite values near the float32 maximum
+    # clamp the scale at min_scale and dequantize finite.
+    f32max = torch.finfo(torch.float32).max
+    base = make_x((256, 384), torch.float32, scale=1e36, device=DEVICE)
+    base[5, 7], base[200, 300] = f32max, -f32max
+    for bad in (None, float("inf"), float("nan")):
+        x = base.clone()
+        if bad is not None:
+            x[100, 100] = bad
+        for got, ref, names in [
+            (quant_m.quantize_tensorwise_triton(x, fp8_dtype), quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST_T),
+            (ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, 1, True),
+             ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, 1, True), CAST_T),
+            (row_m.quantize_rowwise_triton(x, fp8_dtype), row_m.quantize_rowwise_ref(x, fp8_dtype), ROW),
+            (block_m.quantize_blockwise_triton(x, 1, 128, fp8_dtype), block_m.quantize_blockwise_ref(x, 1, 128, fp8_dtype), ROW),
+            (block_m.quantize_blockwise_triton(x, 128, 128, fp8_dtype, 0, True),
+             block_m.quantize_blockwise_ref(x, 128, 128, fp8_dtype, 0, True), ROW),
+        ]:  # fmt: skip
+            check(got, ref, names)
+            data, scale_inv = got[0], got[names.index("scale_inv")]
+            out = dq_m.dequantize_triton(data, scale_inv, torch.float32)
+            if bad is None:
+                assert torch.isfinite(out).all() and (scale_inv == 1 / min_scale(fp8_dtype)).any()
+            else:
+                assert out.isnan().any() and not torch.isinf(out).any()
 
 
 # ---- amax --------------------------------------------------------------------------------------------
@@ -170,11 +202,11 @@ def test_rowwise_long_rows_two_pass():
 def test_amax_nan_and_inf_in_any_program(where):
     x = make_x((1 << 22,), torch.bfloat16, device=DEVICE)
     x[where] = float("inf")
-    assert amax_m._amax_triton(x).item() == float("inf")
+    assert amax_m.amax_triton(x).item() == float("inf")
     x[(where + 12345) % x.numel()] = float("nan")
-    assert amax_m._amax_triton(x).isnan()
+    assert amax_m.amax_triton(x).isnan()
     x = make_x((1 << 22,), torch.float32, device=DEVICE)
-    check(amax_m._amax_triton(x), amax_m.amax_ref(x), ["amax"])
+    check(amax_m.amax_triton(x), amax_m.amax_ref(x), ["amax"])
 
 
 # ---- dequantize --------------------------------------------------------------------------------------
@@ -195,8 +227,8 @@ def test_dequantize_all_codes(fp8_dtype, shape, scale_shape):
     data_t = data.transpose(0, -1)
     scale_inv_t = scale_inv.transpose(0, -1) if scale_inv.dim() else scale_inv
     for dtype in HP:
-        check(dq_m._dequantize_triton(data, scale_inv, dtype), dq_m.dequantize_ref(data, scale_inv, dtype), ["out"])
-        check(dq_m._dequantize_triton(data_t, scale_inv_t, dtype), dq_m.dequantize_ref(data_t, scale_inv_t, dtype),
+        check(dq_m.dequantize_triton(data, scale_inv, dtype), dq_m.dequantize_ref(data, scale_inv, dtype), ["out"])
+        check(dq_m.dequantize_triton(data_t, scale_inv_t, dtype), dq_m.dequantize_ref(data_t, scale_inv_t, dtype),
               ["out (non-contiguous)"])
 
 
@@ -228,11 +260,11 @@ def test_cuda_graph_capture_and_replay():
     scale = torch.tensor([0.37], device=DEVICE)
 
     def step():
-        return (quant_m._quantize_tensorwise_triton(static_x, FP8[0]),
-                ct_m._quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True),
-                cast_m._cast_triton(static_x, scale, FP8[0]),
-                row_m._quantize_rowwise_triton(static_x, FP8[0]),
-                block_m._quantize_blockwise_triton(static_x, 1, 128, FP8[0]))
+        return (quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
+                ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True),
+                cast_m.cast_triton(static_x, scale, FP8[0]),
+                row_m.quantize_rowwise_triton(static_x, FP8[0]),
+                block_m.quantize_blockwise_triton(static_x, 1, 128, FP8[0]))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -250,15 +282,17 @@ def test_cuda_graph_capture_and_replay():
             cast_m.cast_ref(x * 3, scale, FP8[0]),
             row_m.quantize_rowwise_ref(x * 3, FP8[0]),
             block_m.quantize_blockwise_ref(x * 3, 1, 128, FP8[0]))
-    for o, r, names in zip(outs, refs, [CAST, CAST_T, CAST, ROW, ROW]):
+    for o, r, names in zip(outs, refs, [CAST_T, CAST_T, CAST, ROW, ROW]):
         check(o, r, names)
 
 
 def test_torch_compile_inductor_fullgraph():
     def f(x):
-        data, scale_inv, _ = K.quantize_tensorwise(x, FP8[0])
+        data, _, scale_inv, _ = K.quantize_tensorwise(x, FP8[0])
         d_r, s_r = K.quantize_rowwise(x * 2, FP8[1])
-        return K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_r, s_r, torch.float32)
+        d_t, t_t, s_t, _ = K.quantize_tensorwise(x, FP8[1], torch.reciprocal(scale_inv), with_transpose=True)
+        return (K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_r, s_r, torch.float32)
+                + K.dequantize(t_t, s_t, torch.float32).t())
 
     x = make_x((256, 512), torch.bfloat16, device=DEVICE)
     assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))

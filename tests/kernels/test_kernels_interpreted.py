@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from .helpers import FP8, HP, assert_outputs, fp8_grid, make_x, needs_interpreter
+from .helpers import FP8, HP, assert_bits, assert_outputs, fp8_grid, make_x, needs_interpreter
 
 pytestmark = needs_interpreter
 
@@ -32,7 +32,7 @@ CAST_T = ("data", "data_t", "scale_inv", "amax")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_amax(shape):
     x = make_x(shape, torch.bfloat16, specials=False)
-    assert_outputs([amax_m._amax_triton(x)], [amax_m.amax_ref(x)], ["amax"])
+    assert_outputs([amax_m.amax_triton(x)], [amax_m.amax_ref(x)], ["amax"])
 
 
 @pytest.mark.parametrize("nan_at", [0, 5000, 12287])
@@ -41,9 +41,9 @@ def test_amax_nan_anywhere_propagates(nan_at):
     x = make_x((12288,), torch.float32)
     x[nan_at] = float("nan")
     x[100] = float("inf")
-    assert amax_m._amax_triton(x).isnan()
+    assert amax_m.amax_triton(x).isnan()
     x[nan_at] = 0
-    assert amax_m._amax_triton(x).item() == float("inf")
+    assert amax_m.amax_triton(x).item() == float("inf")
 
 
 # ---- cast (given scale) -----------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_amax_nan_anywhere_propagates(nan_at):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_cast_shapes(shape, fp8_dtype):
     x = make_x(shape, torch.bfloat16, specials=True, scale=300.0)
-    assert_outputs(cast_m._cast_triton(x, SCALE, fp8_dtype), cast_m.cast_ref(x, SCALE, fp8_dtype), CAST)
+    assert_outputs(cast_m.cast_triton(x, SCALE, fp8_dtype), cast_m.cast_ref(x, SCALE, fp8_dtype), CAST)
 
 
 @pytest.mark.parametrize("dtype", HP)
@@ -62,7 +62,7 @@ def test_cast_shapes(shape, fp8_dtype):
 def test_cast_dtypes_layouts(dtype, layout, fp8_dtype):
     x = make_x((17, 33), dtype, layout, specials=True, scale=300.0)
     scale = SCALE.reshape(())  # a 0-d scale works too
-    assert_outputs(cast_m._cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
+    assert_outputs(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -72,7 +72,7 @@ def test_cast_all_codes_and_midpoints(fp8_dtype, dtype):
     # bfloat16/float16 the nudged midpoints round to something else first: still a fine input.
     scale = torch.tensor([2.0**-3])
     x = (fp8_grid(fp8_dtype) / scale).to(dtype)
-    assert_outputs(cast_m._cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
+    assert_outputs(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
 
 
 # ---- quantize_tensorwise (current scaling) ----------------------------------------------------------
@@ -82,8 +82,8 @@ def test_cast_all_codes_and_midpoints(fp8_dtype, dtype):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_quantize_shapes(shape, fp8_dtype):
     x = make_x(shape, torch.bfloat16)
-    got = quant_m._quantize_tensorwise_triton(x, fp8_dtype)
-    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST)
+    got = quant_m.quantize_tensorwise_triton(x, fp8_dtype)
+    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST_T)
 
 
 @pytest.mark.parametrize("dtype", HP)
@@ -92,8 +92,8 @@ def test_quantize_shapes(shape, fp8_dtype):
 def test_quantize_dtypes_layouts_scaling(dtype, layout, margin, power_of_2):
     x = make_x((17, 33), dtype, layout, scale=1e-3 if dtype != torch.float16 else 1.0)
     for fp8_dtype in FP8:
-        got = quant_m._quantize_tensorwise_triton(x, fp8_dtype, margin, power_of_2)
-        assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype, margin, power_of_2), CAST)
+        got = quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, margin, power_of_2)
+        assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2), CAST_T)
 
 
 @pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan"), 1e-38])
@@ -102,15 +102,37 @@ def test_quantize_degenerate_amax(fill):
     x = torch.full((5, 7), fill)
     x[0, 0] = 0.0
     for fp8_dtype in FP8:
-        got = quant_m._quantize_tensorwise_triton(x, fp8_dtype)
-        assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST)
+        got = quant_m.quantize_tensorwise_triton(x, fp8_dtype)
+        assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST_T)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_quantize_specials(fp8_dtype):
     x = make_x((9, 31), torch.float32, specials=True)
-    got = quant_m._quantize_tensorwise_triton(x, fp8_dtype)
-    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST)
+    got = quant_m.quantize_tensorwise_triton(x, fp8_dtype)
+    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST_T)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["current", "given-scale"])
+@pytest.mark.parametrize("with_transpose", [False, True])
+@pytest.mark.parametrize("shape", [(17, 33), (2, 3, 70), (128, 256)])
+def test_quantize_tensorwise_paths(given, with_transpose, shape):
+    # The op's launcher takes the path its arguments name, and writes that path's bits (data_t empty
+    # without a transpose); margin and power_of_2 are ignored with a given scale.
+    x = make_x(shape, torch.bfloat16, "transposed", specials=given, scale=300.0)
+    scale = SCALE if given else None
+    for f8 in FP8:
+        got = quant_m.quantize_tensorwise_triton(x, f8, scale, 2, True, with_transpose)
+        assert_outputs(got, quant_m.quantize_tensorwise_ref(x, f8, scale, 2, True, with_transpose), CAST_T)
+        if with_transpose:
+            path = ct_m.cast_transpose_triton(x, scale, f8) if given else ct_m.quantize_transpose_tensorwise_triton(x, f8, 2, True)
+        else:
+            path = cast_m.cast_triton(x, scale, f8) if given else None
+            assert got[1].shape == (0,) and got[1].dtype == f8
+            got = got[:1] + got[2:]
+        if path is not None:
+            for o, p, n in zip(got, path, CAST_T if with_transpose else CAST):
+                assert_bits(o, p, n)
 
 
 # ---- cast_transpose / quantize_transpose_tensorwise -------------------------------------------------
@@ -120,7 +142,7 @@ def test_quantize_specials(fp8_dtype):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_cast_transpose_shapes(shape, fp8_dtype):
     x = make_x(shape, torch.bfloat16, specials=True, scale=300.0)
-    got = ct_m._cast_transpose_triton(x, SCALE, fp8_dtype)
+    got = ct_m.cast_transpose_triton(x, SCALE, fp8_dtype)
     assert_outputs(got, ct_m.cast_transpose_ref(x, SCALE, fp8_dtype), CAST_T)
 
 
@@ -130,7 +152,7 @@ def test_cast_transpose_shapes(shape, fp8_dtype):
 def test_cast_transpose_dtypes_layouts(dtype, layout, shape):
     x = make_x(shape, dtype, layout, specials=True, scale=300.0)
     for fp8_dtype in FP8:
-        got = ct_m._cast_transpose_triton(x, SCALE, fp8_dtype)
+        got = ct_m.cast_transpose_triton(x, SCALE, fp8_dtype)
         assert_outputs(got, ct_m.cast_transpose_ref(x, SCALE, fp8_dtype), CAST_T)
 
 
@@ -141,9 +163,9 @@ def test_cast_transpose_configs(trans_input, dtype):
     cfg = dict(BLOCK_M=16, BLOCK_K=32, num_warps=4, TRANS_INPUT=trans_input)
     x = make_x((37, 45), dtype, specials=True, scale=300.0)
     for fp8_dtype in FP8:
-        got = ct_m._cast_transpose_triton(x, SCALE, fp8_dtype, config=cfg)
+        got = ct_m.cast_transpose_triton(x, SCALE, fp8_dtype, config=cfg)
         assert_outputs(got, ct_m.cast_transpose_ref(x, SCALE, fp8_dtype), CAST_T)
-        got = ct_m._quantize_transpose_tensorwise_triton(x.clamp(-1e4, 1e4), fp8_dtype, 1, True, config=cfg)
+        got = ct_m.quantize_transpose_tensorwise_triton(x.clamp(-1e4, 1e4), fp8_dtype, 1, True, config=cfg)
         assert_outputs(got, ct_m.quantize_transpose_tensorwise_ref(x.clamp(-1e4, 1e4), fp8_dtype, 1, True), CAST_T)
 
 
@@ -152,7 +174,7 @@ def test_cast_transpose_all_codes_and_midpoints(fp8_dtype):
     scale = torch.tensor([2.0**-3])
     g = fp8_grid(fp8_dtype)
     x = (g[: (g.numel() // 16) * 16] / scale).reshape(-1, 16)
-    got = ct_m._cast_transpose_triton(x, scale, fp8_dtype)
+    got = ct_m.cast_transpose_triton(x, scale, fp8_dtype)
     assert_outputs(got, ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
 
 
@@ -160,7 +182,7 @@ def test_cast_transpose_all_codes_and_midpoints(fp8_dtype):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_quantize_transpose_shapes(shape, fp8_dtype):
     x = make_x(shape, torch.bfloat16)
-    got = ct_m._quantize_transpose_tensorwise_triton(x, fp8_dtype)
+    got = ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype)
     assert_outputs(got, ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype), CAST_T)
 
 
@@ -169,7 +191,7 @@ def test_quantize_transpose_shapes(shape, fp8_dtype):
 def test_quantize_transpose_dtypes_layouts(dtype, layout):
     x = make_x((2, 17, 33), dtype, layout)
     for fp8_dtype in FP8:
-        got = ct_m._quantize_transpose_tensorwise_triton(x, fp8_dtype, 2, True)
+        got = ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, 2, True)
         assert_outputs(got, ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, 2, True), CAST_T)
 
 
@@ -182,7 +204,7 @@ ROW = ("data", "scale_inv")
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_rowwise_shapes(shape, fp8_dtype):
     x = make_x(shape, torch.bfloat16, specials=True)
-    got = row_m._quantize_rowwise_triton(x, fp8_dtype)
+    got = row_m.quantize_rowwise_triton(x, fp8_dtype)
     assert_outputs(got, row_m.quantize_rowwise_ref(x, fp8_dtype), ROW)
 
 
@@ -195,7 +217,7 @@ def test_rowwise_dtypes_layouts(dtype, layout, margin, power_of_2):
     x[3, 1] = float("nan")  # a NaN row and an inf row: scale NaN, the row NaN (test_scale.py)
     x[4, 2] = float("inf")
     for fp8_dtype in FP8:
-        got = row_m._quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
+        got = row_m.quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
         assert_outputs(got, row_m.quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2), ROW)
 
 
@@ -204,7 +226,7 @@ def test_rowwise_two_pass_loop(K):
     # Rows longer than the single-pass limit (lowered to 64 here) go through the amax loop + cast loop.
     x = make_x((5, K), torch.float32, specials=K > 60)
     for fp8_dtype in FP8:
-        got = row_m._quantize_rowwise_triton(x, fp8_dtype, 0, False, max_single_k=64)
+        got = row_m.quantize_rowwise_triton(x, fp8_dtype, 0, False, max_single_k=64)
         assert_outputs(got, row_m.quantize_rowwise_ref(x, fp8_dtype), ROW)
 
 
@@ -229,7 +251,7 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_blockwise_shapes(shape, block, fp8_dtype):
     x = make_x(shape, torch.bfloat16, specials=True)
-    got = block_m._quantize_blockwise_triton(x, *block, fp8_dtype)
+    got = block_m.quantize_blockwise_triton(x, *block, fp8_dtype)
     assert_outputs(got, block_m.quantize_blockwise_ref(x, *block, fp8_dtype), ROW)
 
 
@@ -240,7 +262,7 @@ def test_blockwise_dtypes_layouts(dtype, layout, block):
     x = make_x((128, 256), dtype, layout)
     x[:, :128] *= 1e-3  # blocks of different magnitudes get different scales
     for fp8_dtype in FP8:
-        got = block_m._quantize_blockwise_triton(x, *block, fp8_dtype, 1, True)
+        got = block_m.quantize_blockwise_triton(x, *block, fp8_dtype, 1, True)
         assert_outputs(got, block_m.quantize_blockwise_ref(x, *block, fp8_dtype, 1, True), ROW)
 
 
@@ -274,7 +296,7 @@ def test_dequantize(shape, scale_shape, fp8_dtype):
     g = torch.Generator().manual_seed(1)
     scale_inv = torch.exp2(torch.randn(scale_shape, generator=g) * 8) * (1 + torch.rand(scale_shape, generator=g))
     for dtype in HP:
-        got = dq_m._dequantize_triton(data, scale_inv, dtype)
+        got = dq_m.dequantize_triton(data, scale_inv, dtype)
         assert_outputs([got], [dq_m.dequantize_ref(data, scale_inv, dtype)], ["out"])
 
 
@@ -283,5 +305,5 @@ def test_dequantize_all_codes_non_contiguous():
         data = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).reshape(16, 16).t()
         scale_inv = torch.tensor([[0.37], [3.0e3]])  # (8, 16) blocks
         for dtype in HP:
-            got = dq_m._dequantize_triton(data, scale_inv, dtype)
+            got = dq_m.dequantize_triton(data, scale_inv, dtype)
             assert_outputs([got], [dq_m.dequantize_ref(data, scale_inv, dtype)], ["out"])

@@ -32,7 +32,7 @@ import torch
 
 import float8.kernels.norm as nm
 from float8.kernels.reference import fp8_max
-from float8.kernels.cast_transpose import _cast_transpose_triton, _quantize_transpose_tensorwise_triton
+from float8.kernels.cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
 
 from .helpers import FP8, assert_bits, needs_interpreter
 from .helpers import assert_outputs as check_outputs
@@ -287,10 +287,10 @@ def test_equals_norm_then_quantize_kernels(kind, fp8_dtype):
     x, w, b = inputs((17, 128), torch.bfloat16, kind)
     y, _, _ = fwd_triton(kind, x, w, b)
     out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, None, 1, True, True)
-    assert_outputs(out, _quantize_transpose_tensorwise_triton(y, fp8_dtype, 1, True))
+    assert_outputs(out, quantize_transpose_tensorwise_triton(y, fp8_dtype, 1, True))
     scale = torch.tensor([0.37])
     out, _, _ = fp8_triton(kind, x, w, b, fp8_dtype, scale, with_t=True)
-    assert_outputs(out, _cast_transpose_triton(y, scale, fp8_dtype))
+    assert_outputs(out, cast_transpose_triton(y, scale, fp8_dtype))
 
 
 # ---- what the interpreter cannot show: one compiled row kernel, no FMA contraction --------------------

@@ -1,6 +1,9 @@
 """The public custom ops on CPU tensors: same as the references, well-formed for torch.library and
 torch.compile, and clear errors for bad input."""
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from .helpers import FP8, assert_outputs, make_x
 
 E4M3, E5M2 = FP8
 S = torch.tensor(0.37)
+Q = ["data", "data_t", "scale_inv", "amax"]
 
 
 def _cases(specials):
@@ -18,13 +22,10 @@ def _cases(specials):
     data, scale_inv = K.quantize_blockwise_ref(make_x((256, 128), torch.float32), 128, 128, E4M3)
     return [
         ("amax", K.amax, K.amax_ref, (x,), ["amax"]),
-        ("cast", K.cast, K.cast_ref, (x, S, E4M3), ["data", "scale_inv", "amax"]),
-        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x3, E5M2, 1, True),
-         ["data", "scale_inv", "amax"]),
-        ("cast_transpose", K.cast_transpose, K.cast_transpose_ref, (x3, S, E5M2),
-         ["data", "data_t", "scale_inv", "amax"]),
-        ("quantize_transpose_tensorwise", K.quantize_transpose_tensorwise, K.quantize_transpose_tensorwise_ref,
-         (x, E4M3, 0, False), ["data", "data_t", "scale_inv", "amax"]),
+        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x, E4M3, S), Q),  # a given scale
+        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x3, E5M2, None, 1, True), Q),
+        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x3, E5M2, S, 0, False, True), Q),
+        ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x, E4M3, None, 0, False, True), Q),
         ("quantize_rowwise", K.quantize_rowwise, K.quantize_rowwise_ref, (x3, E4M3, 0, False), ["data", "scale_inv"]),
         ("quantize_blockwise", K.quantize_blockwise, K.quantize_blockwise_ref, (x3, 1, 128, E4M3, 2, False),
          ["data", "scale_inv"]),
@@ -59,11 +60,22 @@ def test_opcheck(case):
     torch.library.opcheck(getattr(torch.ops.float8, name).default, args, test_utils=tests)
 
 
+def test_the_ops():
+    # One custom op per kernel family, all registered under float8::.
+    ops = set()
+    for m in pkgutil.iter_modules(K.__path__):
+        mod = importlib.import_module(f"float8.kernels.{m.name}")
+        ops |= {f"{v.op._namespace}::{v.op._name}" for v in vars(mod).values() if hasattr(getattr(v, "op", None), "_name")}
+    assert ops == {f"float8::{n}" for n in (
+        "amax", "quantize_tensorwise", "quantize_rowwise", "quantize_blockwise", "dequantize",
+        "norm_fwd", "norm_fp8", "norm_bwd", "act_fwd", "act_fp8", "act_bwd", "dact_fp8")}  # fmt: skip
+
+
 def test_torch_compile_fullgraph_aot_eager():
     def f(x):
-        data, scale_inv, _ = K.quantize_tensorwise(x, E4M3, 0, False)
+        data, _, scale_inv, _ = K.quantize_tensorwise(x, E4M3, None, 0, False)
         d_row, s_row = K.quantize_rowwise(x, E5M2)
-        d_t, t_t, s_t, _ = K.cast_transpose(x, torch.reciprocal(scale_inv), E4M3)
+        d_t, t_t, s_t, _ = K.quantize_tensorwise(x, E4M3, torch.reciprocal(scale_inv), with_transpose=True)
         d_b, s_b = K.quantize_blockwise(x, 1, 128, E4M3)
         return (K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_row, s_row, torch.float32)
                 + K.dequantize(t_t, s_t, torch.float32).t() + K.dequantize(d_b, s_b, torch.float32))
@@ -82,14 +94,14 @@ X = torch.randn(4, 256)
     "call",
     [
         lambda x: K.amax(x),
-        lambda x: K.cast(x, torch.tensor(1.0), E4M3),
+        lambda x: K.quantize_tensorwise(x, E4M3, torch.tensor(1.0)),
         lambda x: K.quantize_tensorwise(x, E4M3),
-        lambda x: K.cast_transpose(x, torch.tensor(1.0), E4M3),
-        lambda x: K.quantize_transpose_tensorwise(x, E4M3),
+        lambda x: K.quantize_tensorwise(x, E4M3, torch.tensor(1.0), with_transpose=True),
+        lambda x: K.quantize_tensorwise(x, E4M3, with_transpose=True),
         lambda x: K.quantize_rowwise(x, E4M3),
         lambda x: K.quantize_blockwise(x, 1, 128, E4M3),
     ],
-    ids=["amax", "cast", "quantize_tensorwise", "cast_transpose", "quantize_transpose", "rowwise", "blockwise"],
+    ids=["amax", "given-scale", "current", "given-scale-transpose", "current-transpose", "rowwise", "blockwise"],
 )
 def test_bad_input_dtype(call):
     with pytest.raises(TypeError, match=r"must be float32, bfloat16 or float16, got torch.int32"):
@@ -101,10 +113,10 @@ def test_bad_input_dtype(call):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda d: K.cast(X, torch.tensor(1.0), d),
+        lambda d: K.quantize_tensorwise(X, d, torch.tensor(1.0)),
         lambda d: K.quantize_tensorwise(X, d),
-        lambda d: K.cast_transpose(X, torch.tensor(1.0), d),
-        lambda d: K.quantize_transpose_tensorwise(X, d),
+        lambda d: K.quantize_tensorwise(X, d, torch.tensor(1.0), with_transpose=True),
+        lambda d: K.quantize_tensorwise(X, d, with_transpose=True),
         lambda d: K.quantize_rowwise(X, d),
         lambda d: K.quantize_blockwise(X, 1, 128, d),
     ],
@@ -117,9 +129,9 @@ def test_bad_fp8_dtype(call, bad):
 
 def test_bad_scale():
     with pytest.raises(TypeError, match=r"scale must be float32, got torch.float64"):
-        K.cast(X, torch.tensor(1.0, dtype=torch.float64), E4M3)
+        K.quantize_tensorwise(X, E4M3, torch.tensor(1.0, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"scale must hold one element, got shape \(2,\)"):
-        K.cast_transpose(X, torch.ones(2), E4M3)
+        K.quantize_tensorwise(X, E4M3, torch.ones(2), with_transpose=True)
 
 
 def test_bad_margin():
@@ -132,9 +144,10 @@ def test_bad_margin():
     K.quantize_rowwise(X, E5M2, 31)  # the limits themselves are fine
     K.quantize_rowwise(X, E4M3, 17)
     with pytest.raises(ValueError, match=r"margin must be an int >= 0, got 1.5"):
-        K.quantize_tensorwise(X, E4M3, 1.5)  # eager calls skip the op schema: our own check names it
+        K.quantize_tensorwise(X, E4M3, None, 1.5)  # eager calls skip the op schema: our own check names it
     with pytest.raises(RuntimeError, match=r"Expected a value of type 'int' for argument 'margin'"):
-        K.quantize_tensorwise.op(X, E4M3, 1.5)  # the registered op: the schema's own check
+        K.quantize_tensorwise.op(X, E4M3, None, 1.5)  # the registered op: the schema's own check
+    K.quantize_tensorwise(X, E4M3, torch.tensor(1.0), 40)  # ignored with a given scale
 
 
 @pytest.mark.parametrize(
@@ -156,9 +169,10 @@ def test_bad_block(shape, block, match):
 
 def test_bad_transpose_and_rowwise_rank():
     with pytest.raises(ValueError, match=r"at least 2 dims .* got shape \(5,\)"):
-        K.cast_transpose(torch.ones(5), torch.tensor(1.0), E4M3)
+        K.quantize_tensorwise(torch.ones(5), E4M3, torch.tensor(1.0), with_transpose=True)
     with pytest.raises(ValueError, match=r"at least 2 dims"):
-        K.quantize_transpose_tensorwise(torch.ones(5), E4M3)
+        K.quantize_tensorwise(torch.ones(5), E4M3, with_transpose=True)
+    K.quantize_tensorwise(torch.ones(5), E4M3)  # without the transpose any shape goes
     with pytest.raises(ValueError, match=r"0-d tensor"):
         K.quantize_rowwise(torch.tensor(1.0), E4M3)
 

@@ -124,14 +124,14 @@ def test_tensorwise_nonfinite_gives_nan(value, fp8_dtype, small, monkeypatch):
         monkeypatch.setattr(ct_m, "SMALL_NUMEL", -1)
     x = _with_value((17, 40), (3, 5), value)
     for got, ref, names in [
-        (quant_m._quantize_tensorwise_triton(x, fp8_dtype, 1, True), quant_m.quantize_tensorwise_ref(x, fp8_dtype, 1, True), CAST),
-        (ct_m._quantize_transpose_tensorwise_triton(x, fp8_dtype), ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype), CAST_T),
+        (quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, 1, True), quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, 1, True), CAST_T),
+        (ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype), ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype), CAST_T),
     ]:  # fmt: skip
         assert_outputs(got, ref, names)
         data, scale_inv, amax = got[0], got[-2], got[-1]
-        assert scale_inv.isnan() and data.float().isnan().all() and got[-3].float().isnan().all()
+        assert scale_inv.isnan() and data.float().isnan().all() and got[1].float().isnan().all()
         assert amax.isnan() if value != value else amax.item() == float("inf")
-        assert dq_m._dequantize_triton(data, scale_inv, torch.bfloat16).isnan().all()
+        assert dq_m.dequantize_triton(data, scale_inv, torch.bfloat16).isnan().all()
 
 
 @pytest.mark.parametrize("value", NONFINITE, ids=["inf", "-inf", "nan"])
@@ -139,13 +139,13 @@ def test_tensorwise_nonfinite_gives_nan(value, fp8_dtype, small, monkeypatch):
 def test_rowwise_nonfinite_gives_nan_rows(value, max_single_k):
     x = _with_value((6, 33), (2, 7), value)
     for f8 in FP8:
-        data, scale_inv = row_m._quantize_rowwise_triton(x, f8, 0, False, max_single_k)
+        data, scale_inv = row_m.quantize_rowwise_triton(x, f8, 0, False, max_single_k)
         assert_outputs((data, scale_inv), row_m.quantize_rowwise_ref(x, f8), ROW)
         assert scale_inv[2].isnan() and data[2].float().isnan().all()
         others = torch.arange(6) != 2
         assert torch.isfinite(scale_inv[others]).all() and not data[others].float().isnan().any()
         assert_bits(data[others], row_m.quantize_rowwise_ref(x[others], f8)[0], "the other rows, as if alone")
-        out = dq_m._dequantize_triton(data, scale_inv, torch.float32)
+        out = dq_m.dequantize_triton(data, scale_inv, torch.float32)
         assert out[2].isnan().all() and torch.isfinite(out[others]).all()
 
 
@@ -154,13 +154,13 @@ def test_rowwise_nonfinite_gives_nan_rows(value, max_single_k):
 def test_blockwise_nonfinite_gives_nan_blocks(value, block):
     x = _with_value((64, 96), (40, 70), value)
     for f8 in FP8:
-        data, scale_inv = block_m._quantize_blockwise_triton(x, *block, f8)
+        data, scale_inv = block_m.quantize_blockwise_triton(x, *block, f8)
         assert_outputs((data, scale_inv), block_m.quantize_blockwise_ref(x, *block, f8), ROW)
         bad = torch.zeros(64, 96, dtype=torch.bool)
         bad[40 // block[0] * block[0]:][: block[0], 64:96] = True  # the block holding x[40, 70]
         assert data.float()[bad].isnan().all() and not data.float()[~bad].isnan().any()
         assert scale_inv.isnan().sum() == 1
-        out = dq_m._dequantize_triton(data, scale_inv, torch.float32)
+        out = dq_m.dequantize_triton(data, scale_inv, torch.float32)
         assert out[bad].isnan().all() and torch.isfinite(out[~bad]).all()
 
 
@@ -172,15 +172,15 @@ def test_given_scale_saturates_inf(fp8_dtype):
     x = _with_value((9, 40), (1, 2), float("inf"))
     x[4, 4] = float("-inf")
     scale = torch.tensor([0.5])
-    for got, ref, names in [(cast_m._cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST),
-                            (ct_m._cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)]:  # fmt: skip
+    for got, ref, names in [(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST),
+                            (ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)]:  # fmt: skip
         assert_outputs(got, ref, names)
         data = got[0].float()
         assert data[1, 2] == fp8_max(fp8_dtype) and data[4, 4] == -fp8_max(fp8_dtype)
         assert got[-2].item() == 2.0 and got[-1].item() == float("inf")
         x_nan = x.clone()
         x_nan[0, 0] = float("nan")
-        got = cast_m._cast_triton(x_nan, scale, fp8_dtype)
+        got = cast_m.cast_triton(x_nan, scale, fp8_dtype)
         assert got[0].float().isnan().sum() == 1 and got[2].isnan()
 
 
@@ -194,16 +194,16 @@ def test_huge_finite_values_dequantize_finite(fp8_dtype, margin, power_of_2):
     # rounded up, inf; min_scale keeps scale_inv <= 2**119 (E4M3) / 2**112 (E5M2).
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 1e37
     x[5, 7], x[40, 100], x[63, 0] = F32MAX, -F32MAX, 3.3e38
-    dq = dq_m._dequantize_triton
+    dq = dq_m.dequantize_triton
     cases = [
-        (quant_m._quantize_tensorwise_triton(x, fp8_dtype, margin, power_of_2), CAST),
-        (ct_m._quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2), CAST_T),
-        (row_m._quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2), ROW),
-        (block_m._quantize_blockwise_triton(x, 1, 32, fp8_dtype, margin, power_of_2), ROW),
-        (block_m._quantize_blockwise_triton(x, 32, 32, fp8_dtype, margin, power_of_2), ROW),
+        (quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, margin, power_of_2), CAST_T),
+        (ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2), CAST_T),
+        (row_m.quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2), ROW),
+        (block_m.quantize_blockwise_triton(x, 1, 32, fp8_dtype, margin, power_of_2), ROW),
+        (block_m.quantize_blockwise_triton(x, 32, 32, fp8_dtype, margin, power_of_2), ROW),
     ]
     refs = [
-        quant_m.quantize_tensorwise_ref(x, fp8_dtype, margin, power_of_2),
+        quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2),
         ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2),
         row_m.quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2),
         block_m.quantize_blockwise_ref(x, 1, 32, fp8_dtype, margin, power_of_2),

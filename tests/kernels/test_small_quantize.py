@@ -1,6 +1,6 @@
 """The one-launch path of current per-tensor scaling for small tensors (common.SMALL_NUMEL).
 
-_quantize_tensorwise_triton and _quantize_transpose_tensorwise_triton hand a small x to one single-program
+quantize_tensorwise_triton and quantize_transpose_tensorwise_triton hand a small x to one single-program
 kernel (amax, scale, cast, all outputs; no torch.zeros, no atomics). Checked here: it is bit-identical to the
 *_ref functions and to the general path (amax, scale_inv, data, data_t), including NaN/inf/zero/empty inputs
 and margin/power_of_2; it is the path taken at and below the threshold, and the general one above it. The
@@ -20,7 +20,7 @@ common_m, quant_m, ct_m = (
     importlib.import_module(f"float8.kernels.{m}") for m in ("common", "quantize", "cast_transpose")
 )
 
-CAST = ("data", "scale_inv", "amax")
+CAST = ("data", "data_t", "scale_inv", "amax")  # quantize_tensorwise_triton: data_t (0,) without a transpose
 CAST_T = ("data", "data_t", "scale_inv", "amax")
 SHAPES = [(1, 1), (3, 5), (16, 64), (64, 128), (128, 128), (1, 8192)]
 SHAPES_T = [s for s in SHAPES if max(s) <= common_m.SMALL_DIM] + [(128, 1), (1, 128), (1, 3, 70), (1, 1, 9, 4)]
@@ -72,18 +72,19 @@ def launches(monkeypatch):
 
 
 def _q(x, f8, margin=0, p2=False, *, launches):
-    """quantize_tensorwise's launcher: one launch of the small kernel, nothing else, outputs == reference."""
+    """quantize_tensorwise's launcher, current scaling without a transpose: one launch of the small kernel,
+    nothing else, outputs == reference."""
     launches()  # reset: the references call torch.zeros for an empty x
-    got = quant_m._quantize_tensorwise_triton(x, f8, margin, p2)
+    got = quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2)
     assert launches() == {"_quantize_small_kernel": 1}
-    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, f8, margin, p2), CAST)
+    assert_outputs(got, quant_m.quantize_tensorwise_ref(x, f8, None, margin, p2), CAST)
     return got
 
 
 def _qt(x, f8, margin=0, p2=False, *, launches):
     """The same for quantize_transpose_tensorwise."""
     launches()
-    got = ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, p2)
+    got = ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2)
     assert launches() == {"_quantize_transpose_small_kernel": 1}
     assert_outputs(got, ct_m.quantize_transpose_tensorwise_ref(x, f8, margin, p2), CAST_T)
     return got
@@ -132,8 +133,8 @@ def test_small_degenerate_amax(fill, margin, power_of_2, launches, monkeypatch):
         with monkeypatch.context() as m:  # the general path on the same inputs
             m.setattr(quant_m, "SMALL_NUMEL", -1)
             m.setattr(ct_m, "SMALL_NUMEL", -1)
-            big = (quant_m._quantize_tensorwise_triton(x, f8, margin, power_of_2),
-                   ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, power_of_2))
+            big = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, power_of_2),
+                   ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, power_of_2))
         for s, b, names in zip(small, big, (CAST, CAST_T)):
             for o, r, n in zip(s, b, names):
                 assert_bits(o, r, n)
@@ -146,11 +147,11 @@ def test_small_nan_anywhere_propagates(at, launches):
     x.view(-1)[at] = float("nan")
     x.view(-1)[5] = float("inf")
     for f8 in FP8:
-        data, scale_inv, amax = _q(x, f8, launches=launches)
+        data, _, scale_inv, amax = _q(x, f8, launches=launches)
         assert amax.isnan() and scale_inv.isnan() and data.float().isnan().all()
         assert _qt(x, f8, launches=launches)[3].isnan()
     x.view(-1)[at] = 1.0
-    data, scale_inv, amax = _q(x, FP8[0], launches=launches)
+    data, _, scale_inv, amax = _q(x, FP8[0], launches=launches)
     assert amax.item() == float("inf") and scale_inv.isnan() and data.float().isnan().all()
 
 
@@ -178,14 +179,14 @@ def test_small_equals_general_path(shape, layout, launches, monkeypatch):
     # Bit for bit, NaN payloads included: the same helpers on the same values.
     x = make_x(shape, torch.bfloat16, layout, specials=True, scale=300.0)
     for f8, margin, p2 in [(FP8[0], 0, False), (FP8[1], 2, True)]:
-        small = (quant_m._quantize_tensorwise_triton(x, f8, margin, p2),
-                 ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, p2))
+        small = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
+                 ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2))
         assert launches() == {"_quantize_small_kernel": 1, "_quantize_transpose_small_kernel": 1}
         with monkeypatch.context() as m:
             m.setattr(quant_m, "SMALL_NUMEL", -1)
             m.setattr(ct_m, "SMALL_NUMEL", -1)
-            big = (quant_m._quantize_tensorwise_triton(x, f8, margin, p2),
-                   ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, p2))
+            big = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
+                   ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2))
         assert launches() == {"_amax_kernel": 2, "_cast_kernel": 1, "_cast_transpose_kernel": 1, "zeros": 2}
         for s, b, names in zip(small, big, (CAST, CAST_T)):
             for o, r, n in zip(s, b, names):
@@ -201,7 +202,7 @@ def test_quantize_threshold(launches):
     for shape in [(n,), (1, n), (n // 128, 128)]:
         _q(make_x(shape, torch.float32), FP8[0], launches=launches)
     x = make_x((n + 1,), torch.float32)
-    got = quant_m._quantize_tensorwise_triton(x, FP8[0])
+    got = quant_m.quantize_tensorwise_triton(x, FP8[0])
     assert launches() == {"_amax_kernel": 1, "_cast_kernel": 1, "zeros": 1}
     assert_outputs(got, quant_m.quantize_tensorwise_ref(x, FP8[0]), CAST)
 
@@ -211,7 +212,7 @@ def test_quantize_threshold(launches):
 def test_quantize_transpose_above_threshold(shape, launches):
     # Too tall, too wide, or a batch of more than one matrix: amax pass + tiled cast-transpose.
     x = make_x(shape, torch.float32)
-    got = ct_m._quantize_transpose_tensorwise_triton(x, FP8[0])
+    got = ct_m.quantize_transpose_tensorwise_triton(x, FP8[0])
     counts = launches()
     assert counts.pop("_cast_transpose_kernel") == 1 and counts.pop("zeros") == 1
     assert counts == ({"_amax_kernel": 1} if x.numel() else {})
@@ -222,7 +223,7 @@ def test_quantize_transpose_above_threshold(shape, launches):
 def test_quantize_transpose_explicit_config_takes_tiled_kernel(launches):
     cfg = dict(BLOCK_M=16, BLOCK_K=32, num_warps=4, TRANS_INPUT=False)
     x = make_x((37, 45), torch.float32)
-    got = ct_m._quantize_transpose_tensorwise_triton(x, FP8[0], config=cfg)
+    got = ct_m.quantize_transpose_tensorwise_triton(x, FP8[0], config=cfg)
     assert launches() == {"_amax_kernel": 1, "_cast_transpose_kernel": 1, "zeros": 1}
     assert_outputs(got, ct_m.quantize_transpose_tensorwise_ref(x, FP8[0]), CAST_T)
 
@@ -253,23 +254,23 @@ def test_gpu_small_path_vs_ref(dtype, layout, launches, monkeypatch):
         for f8 in FP8:
             for margin, p2 in SCALING:
                 launches()  # reset: the references call torch.zeros for an empty x
-                got = quant_m._quantize_tensorwise_triton(x, f8, margin, p2)
+                got = quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2)
                 assert launches() == {"_quantize_small_kernel": 1}
-                ref = quant_m.quantize_tensorwise_ref(x, f8, margin, p2)
+                ref = quant_m.quantize_tensorwise_ref(x, f8, None, margin, p2)
                 for o, r, n in zip(got, ref, CAST):
                     assert o.device == r.device
                     assert_bits(o, r, n, nan_bits=False)  # the hardware's NaN sign is not part of the contract
                 if max(x.shape) > common_m.SMALL_DIM:
                     continue
                 launches()
-                got = ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, p2)
+                got = ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2)
                 assert launches() == {"_quantize_transpose_small_kernel": 1}
                 ref = ct_m.quantize_transpose_tensorwise_ref(x, f8, margin, p2)
                 for o, r, n in zip(got, ref, CAST_T):
                     assert_bits(o, r, n, nan_bits=False)
                 with monkeypatch.context() as m:  # and the general path, bit for bit, NaN payloads included
                     m.setattr(ct_m, "SMALL_NUMEL", -1)
-                    big = ct_m._quantize_transpose_tensorwise_triton(x, f8, margin, p2)
+                    big = ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2)
                 for o, r, n in zip(got, big, CAST_T):
                     assert_bits(o, r, n)
 
@@ -284,8 +285,8 @@ def test_gpu_small_path_cuda_graph():
     static_x = x.clone()
 
     def step():
-        return (quant_m._quantize_tensorwise_triton(static_x, FP8[0]),
-                ct_m._quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True))
+        return (quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
+                ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
