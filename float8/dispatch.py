@@ -51,6 +51,7 @@ def lookup(func):
 
 
 def registered_ops() -> list:
+    """The aten ops (overloads or packets) that Float8Tensor handles natively."""
     return list(_TABLE)
 
 

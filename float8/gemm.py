@@ -38,14 +38,17 @@ class Operand(NamedTuple):
 
     @property
     def shape(self):
+        """The operand's logical shape."""
         return self.data.shape
 
     @property
     def fp8_dtype(self):
+        """The operand's FP8 format."""
         return self.data.dtype
 
     @property
     def device(self):
+        """The operand's device."""
         return self.data.device
 
 
@@ -206,7 +209,7 @@ def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, 
     # The same arithmetic as cuBLAS's (scales applied to the float32 accumulator), one extra pass.
     one = torch.ones((), dtype=torch.float32, device=device)
     acc = torch._scaled_mm(mat_a, mat_b, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum)
-    out = acc * sa * sb
+    out = acc * (sa * sb)  # the scales first, as cuBLAS folds them: acc * sa alone may overflow
     if bias is not None:
         out = out + bias
     return out.to(out_dtype)

@@ -10,6 +10,8 @@ The transpose cache is decided in one place, `transpose_cache_after`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from float8 import dispatch
@@ -63,12 +65,31 @@ def _fallback(func, args, kwargs):
     return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
 
 
+def _shares_versions(handler):
+    """Run a view handler so that the inner views it makes share their source's version counter.
+
+    __torch_dispatch__ runs below autograd's ADInplaceOrView key, where a view of a plain tensor gets a
+    counter of its own; a raw write into `view.fp8_data` would then not move the base's counter, and the
+    base's transpose cache would go stale unseen (tensor.transpose_in_step). Re-enabling the key for
+    the handler makes the inner views ordinary autograd views of the source's bits."""
+
+    @functools.wraps(handler)
+    def run(func, args, kwargs):
+        if torch.compiler.is_compiling():
+            return handler(func, args, kwargs)
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            return handler(func, args, kwargs)
+
+    return run
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
 # ---- aliases and copies ----------------------------------------------------------------------------
 @dispatch.implements([aten.detach.default, aten.alias.default])
+@_shares_versions
 def _alias(func, args, kwargs):
     src = args[0]
     return _wrap(src, func(src._data), src._scale_inv, transpose_cache_after("alias", src))
@@ -168,6 +189,7 @@ def _norm_slice(n: int, start, end):
 
 
 @dispatch.implements([aten.slice.Tensor])
+@_shares_versions
 def _slice(func, args, kwargs):
     src = args[0]
     dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), src.dim())
@@ -186,6 +208,7 @@ def _slice(func, args, kwargs):
 
 
 @dispatch.implements([aten.select.int])
+@_shares_versions
 def _select(func, args, kwargs):
     src, dim, index = args[0], _norm_dim(args[1], args[0].dim()), args[2]
     index = index + src.shape[dim] if index < 0 else index
@@ -221,6 +244,7 @@ def _split_with_sizes(func, args, kwargs):
 
 
 @dispatch.implements([aten.view.default, aten._unsafe_view.default])
+@_shares_versions
 def _view(func, args, kwargs):
     src, shape = args[0], list(args[1])
     data = func(src._data, shape)
@@ -240,6 +264,7 @@ def _view(func, args, kwargs):
 
 
 @dispatch.implements([aten.unsqueeze.default])
+@_shares_versions
 def _unsqueeze(func, args, kwargs):
     src, dim = args[0], _norm_dim(args[1], args[0].dim() + 1)
     s = src._scale_inv if src._scale_inv.dim() == 0 else src._scale_inv.unsqueeze(dim)
@@ -247,6 +272,7 @@ def _unsqueeze(func, args, kwargs):
 
 
 @dispatch.implements([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims])
+@_shares_versions
 def _squeeze(func, args, kwargs):
     src = args[0]
     if len(args) == 1:
@@ -273,6 +299,7 @@ def _transposed(src: Float8Tensor, d0: int, d1: int) -> Float8Tensor:
 
 
 @dispatch.implements([aten.t.default])
+@_shares_versions
 def _t(func, args, kwargs):
     src = args[0]
     if src.dim() < 2:
@@ -281,11 +308,13 @@ def _t(func, args, kwargs):
 
 
 @dispatch.implements([aten.transpose.int])
+@_shares_versions
 def _transpose(func, args, kwargs):
     return _transposed(args[0], args[1], args[2])
 
 
 @dispatch.implements([aten.permute.default])
+@_shares_versions
 def _permute(func, args, kwargs):
     src, dims = args[0], [_norm_dim(d, args[0].dim()) for d in args[1]]
     swapped = [i for i, d in enumerate(dims) if i != d]

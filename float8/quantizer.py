@@ -26,29 +26,14 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from float8.kernels import amax as amax_kernel
-from float8.kernels import quantize_blockwise, quantize_rowwise
-from float8.kernels import quantize_tensorwise as _qt
-
-
-def quantize_tensorwise(x, fp8, scale=None, margin=0, p2=False, t=False):  # TEMPORARY shim (kernel refactor)
-    import inspect
-    if "scale" in inspect.signature(_qt).parameters:
-        return _qt(x, fp8, scale, margin, p2, t)
-    from float8 import kernels as K
-    e = x.new_empty((0,), dtype=fp8)
-    if scale is None and not t:
-        d, si, a = K.quantize_tensorwise(x, fp8, margin, p2); return d, e, si, a
-    if scale is None:
-        return K.quantize_transpose_tensorwise(x, fp8, margin, p2)[:1] + (K.quantize_transpose_tensorwise(x, fp8, margin, p2)[1:])
-    if not t:
-        d, si, a = K.cast(x, scale, fp8); return d, e, si, a
-    return K.cast_transpose(x, scale, fp8)
+from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
 from float8.kernels.reference import (
     FLOAT32_MAX,
     HIGH_PRECISION_DTYPES,
@@ -177,10 +162,16 @@ def _poison_if_non_finite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.
     return torch.where(torch.isfinite(amax), scale_inv, torch.full_like(scale_inv, float("nan")))
 
 
-def _reduced_amax(x: torch.Tensor, group) -> torch.Tensor:
-    amax = amax_kernel(x)
+def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """MAX of `amax` over `group`, in place. A NaN becomes inf first: a MAX reduction may drop a NaN
+    (whether it does depends on the rank order), an inf it keeps, and both give a non-finite scale."""
+    amax.copy_(torch.where(amax.isnan(), torch.full_like(amax, float("inf")), amax))
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
+
+
+def _reduced_amax(x: torch.Tensor, group) -> torch.Tensor:
+    return all_reduce_amax(amax_kernel(x), group)
 
 
 class TensorwiseQuantizer(Quantizer):
@@ -201,6 +192,7 @@ class TensorwiseQuantizer(Quantizer):
 
     @property
     def fuses(self) -> bool:
+        """Yes, without an amax group (with one, the amax is reduced before the cast)."""
         return self.amax_group is None
 
     def _quantize(self, x, with_transpose):
@@ -234,9 +226,11 @@ class StaticQuantizer(Quantizer):
 
     @property
     def fuses(self) -> bool:
+        """Yes: the kernel casts with the given scale."""
         return True
 
     def kernel_scale(self):
+        """The given scale (validated, or NaN if a device scale was invalid)."""
         return self.scale
 
     def _quantize(self, x, with_transpose):
@@ -257,17 +251,22 @@ def _static_scale(scale, fp8_dtype, device) -> torch.Tensor:
             raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
         if scale.dtype != torch.float32:
             raise TypeError(f"scale must be float32, got {scale.dtype}")
-        s = scale.reshape(())
-        if s.device.type == "cpu":
+        s = scale.detach().reshape(())
+        if s.device.type == "cpu" and not torch.compiler.is_compiling():
             if not lo <= float(s) <= FLOAT32_MAX:  # NaN fails too
                 raise ValueError(f"scale must be {valid}, got {float(s)!r}")
-            return s
-        # No host read of a device scale: an invalid one turns the output NaN (never finite, never silent).
+            return s.clone()  # the quantizer's own: a later write into the caller's tensor cannot unvalidate it
+        # Not read on the host (a CUDA tensor: no sync; under torch.compile: no guard on its value): an
+        # invalid value turns the output NaN, never finite, never silent.
         ok = (s >= lo) & (s <= FLOAT32_MAX)
         return torch.where(ok, s, torch.full_like(s, float("nan")))
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        f32 = torch.tensor(float(scale), dtype=torch.float32)  # 1e-45 -> a subnormal, 1e39 -> inf
-        if not (math.isfinite(scale) and scale > 0 and lo <= float(f32) <= FLOAT32_MAX):
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        try:
+            value = float(scale)
+        except OverflowError:
+            value = math.inf
+        f32 = torch.tensor(value, dtype=torch.float32)  # 1e-45 -> a subnormal, 1e39 -> inf
+        if not (math.isfinite(value) and value > 0 and lo <= float(f32) <= FLOAT32_MAX):
             raise ValueError(f"scale must be {valid}, got {scale!r} (float32: {float(f32)!r})")
         return f32.to(device) if device is not None else f32
     raise TypeError(f"scale must be a float32 tensor or a number, got {type(scale).__name__}")
@@ -317,18 +316,23 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
     The cast needs no amax pass first: it uses `scale`, and the kernel returns this tensor's amax, which
     `record` folds into the history with device ops only (no .item(), no host sync, CUDA-graph safe).
     - Buffers, registered at construction (so a checkpoint loads strictly into a fresh model and resumes
-      with the same scales): `amax_history` (history_len,) float32, newest first; `scale` () float32.
-    - A step whose history is empty (a fresh state) quantizes with current scaling and records its amax.
-      Whether the history is empty is kept on the host; loading a state dict reads it once.
-    - One format per state: the first quantize binds `fp8_dtype` (or pass it); another format raises.
+      with the same scales): `amax_history` (history_len,) float32, newest first; `scale` () float32, NaN
+      until a finite amax is recorded (no scale yet). They stay float32 through `model.to(bfloat16)`.
+      The state dict also carries the format and whether a step was recorded (`get_extra_state`).
+    - The first step (no amax recorded yet) quantizes with current scaling and records its amax. If that
+      amax was not finite, the next step casts with the NaN "no scale yet": its tensor comes out NaN (an
+      overflow stays visible, never a silent saturation) and its amax is recorded.
+    - One format per state: the first quantize binds `fp8_dtype` (or pass it); another format raises, and
+      so does loading a checkpoint made for another format.
     - A non-finite amax is never recorded: the history and the scale stay as they were, and the tensor of
       that step is marked non-finite (its scale_inv is NaN).
     - amax_group: a process group over which each amax is reduced (MAX) before it is recorded.
+    Options are keyword-only: device, fp8_dtype, amax_group.
     """
 
     layout = ScaleLayout.TENSOR
 
-    def __init__(self, recipe: DelayedScaling = DelayedScaling(), device=None, *, fp8_dtype=None, amax_group=None):
+    def __init__(self, recipe: DelayedScaling = DelayedScaling(), *, device=None, fp8_dtype=None, amax_group=None):
         torch.nn.Module.__init__(self)
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"DelayedScalingState needs a DelayedScaling recipe, got {type(recipe).__name__}")
@@ -338,9 +342,16 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
         if fp8_dtype is not None:
             self.bind(fp8_dtype)
         self.amax_group = check_amax_group(amax_group)
+        self.register_buffer("amax_history", torch.empty(recipe.history_len, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.empty((), dtype=torch.float32, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Forget every step: an empty history, no scale (also after `to_empty` of a meta-device model)."""
+        with torch.no_grad():
+            self.amax_history.zero_()
+            self.scale.fill_(float("nan"))
         self.has_history = False
-        self.register_buffer("amax_history", torch.zeros(recipe.history_len, dtype=torch.float32, device=device))
-        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
 
     def bind(self, fp8_dtype) -> None:
         """Tie this state to one FP8 format; a second format is an error (its scales would be wrong)."""
@@ -354,26 +365,37 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
                 f"{fp8_dtype} with it would use a scale made for the other format. Use one state per format."
             )
 
-    def _apply(self, fn, *args, **kwargs):
-        # model.to(torch.bfloat16) must move the state, never round it: scales and amaxes stay float32.
-        super()._apply(fn, *args, **kwargs)
-        for name in ("amax_history", "scale"):
-            buf = getattr(self, name)
-            if buf.dtype != torch.float32:
-                setattr(self, name, buf.float())
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) / .half() must move the state, never round it: an fp16 scale of 1.6e5
+        # would become inf. The buffers follow fn's device and stay float32.
+        for name, buf in self._buffers.items():
+            moved = fn(buf)
+            self._buffers[name] = moved if moved.dtype == torch.float32 else buf.to(moved.device)
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        # One host read per load (not per step): whether the loaded history holds a step.
-        self.has_history = bool((self.amax_history > 0).any())
+    def get_extra_state(self):
+        """The format and whether a step was recorded: what the buffers alone do not say."""
+        return {"fp8_dtype": None if self.fp8_dtype is None else str(self.fp8_dtype), "has_history": self.has_history}
+
+    def set_extra_state(self, state) -> None:
+        fp8 = state.get("fp8_dtype")
+        if fp8 is not None:
+            loaded = getattr(torch, fp8.replace("torch.", ""))
+            if self.fp8_dtype is not None and loaded != self.fp8_dtype:
+                raise ValueError(
+                    f"the checkpoint's delayed-scaling state was made for {loaded}, this one quantizes "
+                    f"{self.fp8_dtype}: its scales would be wrong. Load it into a model of the same recipe format."
+                )
+            self.bind(loaded)
+        self.has_history = bool(state.get("has_history", False))
 
     @property
     def fuses(self) -> bool:
-        # The first step is current scaling; with a group its amax must be reduced before the cast.
+        """Fused kernels can write it, but for a first step with an amax group (reduced before the cast)."""
         return self.has_history or self.amax_group is None
 
     def kernel_scale(self):
+        """The scale of this step, or None on the first step (current scaling in the kernel)."""
         return self.scale if self.has_history else None
 
     def _quantize(self, x, with_transpose):
@@ -400,8 +422,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
             raise RuntimeError("DelayedScalingState.record before the state knows its format: bind(fp8_dtype) first")
         amax = amax.detach().float().reshape(())
         if self.amax_group is not None:
-            amax = amax.clone()
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
+            amax = all_reduce_amax(amax.clone(), self.amax_group)
         finite = torch.isfinite(amax)
         history = self.amax_history
         rolled = torch.roll(history, 1)
@@ -457,7 +478,7 @@ def quantizer_for(scaling, fp8_dtype=None, *, device=None, amax_group=None) -> Q
                 "DelayedScaling is a recipe without state; quantize with scaling=DelayedScalingState(recipe), "
                 "which keeps the amax history"
             )
-        return DelayedScalingState(scaling, device, fp8_dtype=fp8_dtype, amax_group=amax_group)
+        return DelayedScalingState(scaling, device=device, fp8_dtype=fp8_dtype, amax_group=amax_group)
     raise TypeError(
         f"scaling must be a float8 scaling recipe, a quantizer or a DelayedScalingState, got {type(scaling).__name__}"
     )
@@ -554,25 +575,32 @@ class QuantRequest:
 
     @property
     def fuses(self) -> bool:
+        """Whether the producer's kernel can write this form itself (the quantizer's answer)."""
         return self.quantizer.fuses
 
     @property
     def fp8_dtype(self) -> torch.dtype:
+        """The FP8 format to write."""
         return self.quantizer.fp8_dtype
 
     @property
     def margin(self) -> int:
+        """The margin of current scaling (scale divided by 2**margin)."""
         return self.quantizer.margin
 
     @property
     def power_of_2(self) -> bool:
+        """Whether current scaling rounds the scale down to a power of two."""
         return self.quantizer.power_of_2
 
     def kernel_scale(self) -> Optional[torch.Tensor]:
+        """The scale to cast with, or None: the kernel computes the amax (current scaling)."""
         return self.quantizer.kernel_scale()
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        """Quantize a high-precision output the producer could not write in FP8 itself."""
         return self.quantizer._quantize(x, self.with_transpose)
 
     def finish(self, data, data_t, scale_inv, amax, nominal_dtype) -> Float8Tensor:
+        """The Float8Tensor from the producer kernel's outputs (after the quantizer's amax bookkeeping)."""
         return self.quantizer.finish(data, data_t, scale_inv, amax, nominal_dtype, self.with_transpose)

@@ -28,6 +28,7 @@ class Activation(BasicOp):
         self.set_recipe(recipe)
 
     def activation_forward(self, ctx: OpContext, x, out_request, bias=None):
+        """act(x + bias): FP8 from the activation kernel itself when out_request's quantizer fuses."""
         x = plain(x)
         r = out_request
         if r is not None and r.fuses:

@@ -56,6 +56,7 @@ class BasicOp(torch.nn.Module):
     # ---- recipe ----------------------------------------------------------------------------------
     @property
     def recipe(self) -> Recipe:
+        """The op's recipe: its own, else the Sequential's, else Recipe()."""
         return self._recipe if self._recipe is not None else DEFAULT_RECIPE
 
     def set_recipe(self, recipe: Optional[Recipe], overwrite: bool = False) -> None:
@@ -71,6 +72,7 @@ class BasicOp(torch.nn.Module):
 
     # ---- protocol ----------------------------------------------------------------------------------
     def op_params(self) -> List[torch.nn.Parameter]:
+        """The parameters whose gradients op_backward returns, in that order."""
         return [p for p in self.parameters(recurse=False)]
 
     def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
@@ -84,6 +86,8 @@ class BasicOp(torch.nn.Module):
         return None
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest]) -> torch.Tensor:
+        """y for x (rows, features); FP8 as `out_request` asks where this op can write it, else high
+        precision. Saves on `ctx` what op_backward reads."""
         raise NotImplementedError
 
     def op_backward(self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest]):

@@ -32,6 +32,8 @@ class Bias(BasicOp):
 
     def __init__(self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None):
         super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"Bias: size must be a positive int, got {size!r}")
         if parameter is None:
             parameter = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
         elif tuple(parameter.shape) != (size,):

@@ -7,9 +7,10 @@ its weight.
 - The input is saved for backward as FP8, never as a high-precision copy, and only in the layout the
   weight-gradient GEMM reads: 1 byte per element.
 - The weight is quantized once per optimizer step: the FP8 copy is kept until the weight changes. The
-  cache is keyed by the weight's version counter (every in-place optimizer update moves it) and by its
-  storage (a weak reference: replacing `weight.data` is seen even when the new storage reuses the old
-  address). Writes through `weight.data` into the same storage move no counter: call
+  cache is keyed by the weight's version counter (every in-place optimizer update moves it), its place
+  in its storage and the storage itself (a weak reference: replacing `weight.data` is seen even when the
+  new storage reuses the old address). Writes into the weight's storage that move no counter of the
+  weight (through `weight.data`, or through another tensor over the same storage) need
   `refresh_fp8_weight()` after them (load_state_dict and .to() refresh by themselves). Under CUDA-graph
   capture or torch.compile the weight is quantized inside the graph on every call (a replay cannot check
   a version counter). Under no_grad/inference_mode no transpose is made. An FP8-only weight (a
@@ -30,7 +31,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from float8 import Float8Tensor
+from float8 import DelayedScalingState, Float8Tensor
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout
 from float8.ops.base import BasicOp, OpContext
 from float8.ops.bias import Bias
@@ -53,23 +54,36 @@ def _check_features(n, name: str) -> int:
 
 class _WeightCache:
     """The FP8 copy of a Linear's weight and what it was made from. A plain holder: its fields are written
-    on the hot path without nn.Module's attribute machinery, and it is never part of the state dict."""
+    on the hot path without nn.Module's attribute machinery, and it is never saved (pickling or copying a
+    model drops it: it is derived, and its key holds a weak reference)."""
 
     def __init__(self):
         self.clear()
 
     def clear(self) -> None:
-        self.version = self.storage = self.w8 = self.wd = None
+        self.key = self.storage = self.w8 = self.wd = None
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state) -> None:
+        self.clear()
+
+    @staticmethod
+    def _key(w: torch.Tensor):
+        # The version counter moves with every in-place update; offset, shape and strides change when
+        # `.data` is pointed at another part of the same storage; the storage itself is compared by identity.
+        return (w._version, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
     def lookup(self, w: torch.Tensor, for_backward: bool):
-        if self.w8 is None or self.version != w._version or self.storage() is not w.untyped_storage():
+        if self.w8 is None or self.key != self._key(w) or self.storage() is not w.untyped_storage():
             return None
         if for_backward and self.wd is None:
             return None
         return self.w8, (self.wd if for_backward else None)
 
     def store(self, w: torch.Tensor, w8, wd) -> None:
-        self.version, self.storage, self.w8, self.wd = w._version, weakref.ref(w.untyped_storage()), w8, wd
+        self.key, self.storage, self.w8, self.wd = self._key(w), weakref.ref(w.untyped_storage()), w8, wd
 
 
 class Linear(BasicOp):
@@ -90,11 +104,16 @@ class Linear(BasicOp):
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._weight_cache = _WeightCache()
         self._expansion: Optional[list] = None
-        self.reset_parameters()
         self.set_recipe(recipe)
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialisation (kaiming-uniform weight, uniform bias); FP8-only weights are kept."""
+        """nn.Linear's initialisation (kaiming-uniform weight, uniform bias; FP8-only weights are kept),
+        and fresh delayed-scaling states (also after `to_empty` of a model built on the meta device)."""
+        for q in self._modules.values():
+            if isinstance(q, DelayedScalingState):
+                q.reset_parameters()
+        self.refresh_fp8_weight()
         if isinstance(self.weight, Float8Tensor):
             return
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))

@@ -80,7 +80,7 @@ class Dropout(BasicOp):
     """Zero each element with probability p in training mode and scale the rest by 1 / (1 - p); the
     identity in eval mode. x: any shape and dtype; the mask is drawn in float32."""
 
-    def __init__(self, p: float = 0.1):
+    def __init__(self, *, p: float = 0.1):
         super().__init__()
         if not 0 <= p < 1:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")

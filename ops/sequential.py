@@ -72,10 +72,15 @@ class _RunFunction(torch.autograd.Function):
     def forward(ctx, x, runner, *params):
         ctx.runner = runner
         ctx.x_dtype = x.dtype
+        # Ops keep what their backward reads on their contexts; the input is the one of those a caller can
+        # still write into. Saved here too, so that autograd's version check refuses a backward after an
+        # in-place write into it (as torch's own ops do) instead of computing gradients from changed values.
+        ctx.save_for_backward(x)
         return runner.forward(x)
 
     @staticmethod
     def backward(ctx, dy):
+        ctx.saved_tensors  # raises if the input was modified in place since the forward
         runner, ctx.runner = ctx.runner, None
         dx, grads = runner.backward(dy)
         if isinstance(dx, Float8Tensor):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import float8.ops as ops
-from float8 import DelayedScaling, DelayedScalingState, Float8Tensor, RowwiseScaling, TensorwiseScaling
+from float8 import DelayedScaling, DelayedScalingState, Float8Tensor, Recipe, RowwiseScaling, TensorwiseScaling
 from float8.kernels.reference import FLOAT32_MAX
 from tests.tolerances import assert_same_bits
 
@@ -75,7 +75,18 @@ def _check_in_step(x8):
     if t is not None:
         assert_same_bits(t, x8.fp8_data.t().contiguous())
     b = Float8Tensor.quantize(torch.randn(32, 16))
-    assert_same_bits(b @ x8.t(), b @ Float8Tensor(x8.fp8_data.clone(), x8.scale_inv.clone(), x8.dtype).t())
+    # b @ x8 reads x8 column-major: its transpose cache, when it has one. The reference has none.
+    plain = Float8Tensor(x8.fp8_data.clone(), x8.scale_inv.clone(), x8.dtype)
+    assert_same_bits(b @ x8, b @ plain)
+    assert_same_bits(x8.t() @ b.t(), plain.t() @ b.t())
+
+
+def test_f1_check_can_fail():
+    x8 = _fresh()
+    x8._t_stamp = None  # switch the staleness check off: the write below must then be caught by the test
+    x8.fp8_data.view(torch.uint8)[0].fill_(0x38)
+    with pytest.raises(AssertionError):
+        _check_in_step(x8)
 
 
 def test_f1_write_through_a_whole_view():
@@ -102,6 +113,31 @@ def test_f1_write_into_the_bits():
     _check_in_step(y8)
 
 
+@pytest.mark.parametrize(
+    "view", [lambda t: t.detach(), lambda t: t.view(16, 16), lambda t: t.view(-1), lambda t: t[:], lambda t: t[0:8],
+             lambda t: t.unsqueeze(0), lambda t: t.t().t()],
+    ids=["detach", "view", "flat", "all", "rows", "unsqueeze", "tt"],
+)
+def test_f1_raw_write_into_the_bits_of_a_view(view):
+    x8 = _fresh()
+    view(x8).fp8_data.view(torch.uint8).fill_(0x38)
+    _check_in_step(x8)
+
+
+def test_f1_fp8_weight_parameter_written_through_its_source():
+    import float8.ops as ops
+
+    w8 = _fresh()
+    lin = ops.Linear(16, 16, bias=False)
+    lin.weight = torch.nn.Parameter(w8, requires_grad=False)  # a Parameter of a Float8Tensor is its detach()
+    w8.fp8_data.copy_(Float8Tensor.quantize(torch.randn(16, 16), scale=w8.scale_inv.reciprocal()).fp8_data)
+    x = torch.randn(4, 16, requires_grad=True)
+    lin(x).sum().backward()
+    plain = Float8Tensor(w8.fp8_data.clone(), w8.scale_inv.clone(), w8.dtype)
+    expected = torch.ones(4, 16) @ plain.dequantize()
+    assert torch.allclose(x.grad, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_f1_in_place_on_the_transposed_view_keeps_both_sides_right():
     x8 = _fresh()
     with pytest.warns(Warning, match="mul_"):
@@ -121,6 +157,27 @@ def test_f3_replaced_weight_data_at_a_reused_address():
         assert_same_bits(lin(x), expected)
 
 
+def test_f3_replaced_weight_data_in_the_same_storage():
+    buf = torch.randn(2, 32, 32)
+    lin = ops.Linear(32, 32, bias=False)
+    x = torch.randn(4, 32)
+    lin.weight.data = buf[0]
+    y0 = lin(x)
+    lin.weight.data = buf[1]
+    assert_same_bits(lin(x), Float8Tensor.quantize(x) @ Float8Tensor.quantize(buf[1]).t())
+    assert not torch.equal(lin(x), y0)
+
+
+def test_weight_cache_is_not_pickled():
+    import pickle
+
+    lin = ops.Linear(32, 32, recipe=Recipe.delayed())
+    lin(torch.randn(4, 32))
+    copy = pickle.loads(pickle.dumps(lin))
+    assert copy._weight_cache.w8 is None
+    assert_same_bits(copy(torch.ones(2, 32)), lin(torch.ones(2, 32)))
+
+
 # ---- F4: addmm with beta=0 ignores its input ------------------------------------------------------
 def test_f4_addmm_beta_zero_ignores_the_input():
     a8, b8 = Float8Tensor.quantize(torch.randn(16, 32)), Float8Tensor.quantize(torch.randn(32, 16))
@@ -128,6 +185,17 @@ def test_f4_addmm_beta_zero_ignores_the_input():
     out = torch.addmm(inp, a8, b8, beta=0)
     assert_same_bits(out, a8 @ b8)
     assert_same_bits(torch.addmm(inp, a8, b8, beta=0, alpha=2), 2 * (a8 @ b8))
+
+
+def test_rowwise_gemm_near_float32_max_does_not_overflow():
+    x = torch.full((16, 32), 3e38)
+    x[1:] = torch.randn(15, 32)
+    w = torch.full((16, 32), 1e-37)
+    a, b = Float8Tensor.quantize(x, scaling=RowwiseScaling()), Float8Tensor.quantize(w, scaling=RowwiseScaling())
+    out = a @ b.t()
+    assert out.isfinite().all()
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    assert torch.allclose(out.double(), exact, rtol=1e-3)
 
 
 # ---- F5: bad static scales -------------------------------------------------------------------------
@@ -141,6 +209,25 @@ def test_f5_bad_static_scale_numbers(bad):
 def test_f5_bad_static_scale_tensors(bad):
     with pytest.raises(ValueError, match="finite positive float32"):
         Float8Tensor.quantize(torch.randn(4, 4), scale=torch.tensor(bad))
+
+
+def test_f5_huge_python_numbers_and_later_writes():
+    with pytest.raises(ValueError, match="finite positive float32"):
+        Float8Tensor.quantize(torch.randn(4, 4), scale=10**400)
+    from float8 import StaticQuantizer
+
+    s = torch.tensor(2.0)
+    q = StaticQuantizer(s)
+    s.zero_()  # the quantizer validated and kept its own copy
+    assert float(q.quantize(torch.ones(2, 2)).scale_inv) == 0.5
+
+
+def test_f5_device_scales_are_not_read_on_the_host():
+    # The no-sync path (a CUDA tensor, or any tensor under torch.compile): an invalid scale poisons.
+    compiled = torch.compile(lambda x, s: Float8Tensor.quantize(x, scale=s).dequantize(), backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 8)
+    assert_same_bits(compiled(x, torch.tensor(4.0)), Float8Tensor.quantize(x, scale=4.0).dequantize())
+    assert compiled(x, torch.tensor(0.0)).isnan().all()
 
 
 # ---- F6 is in test_quantizer.py (margins); F7: finite values near float32 max ---------------------

@@ -171,3 +171,71 @@ def test_delayed_first_step_is_current_scaling():
     g = torch.randn(64, 64) * 1e-3  # a gradient far below 448: scale 1 would flush most of it to 0
     same(Float8Tensor.quantize(g, E5M2, scaling=state), Float8Tensor.quantize(g, E5M2))
     assert_same_bits(state.scale, scale_from_amax(g.abs().amax(), E5M2))
+
+
+def test_delayed_first_step_non_finite_then_no_silent_saturation():
+    state = DelayedScalingState(DelayedScaling())
+    x = torch.randn(16, 16)
+    x[0, 0] = float("inf")  # e.g. an fp16 gradient overflowing on the first step
+    assert Float8Tensor.quantize(x, scaling=state).dequantize().isnan().all()
+    big = torch.randn(16, 16) * 1000
+    second = Float8Tensor.quantize(big, scaling=state)  # no finite amax yet: loudly NaN, never saturated
+    assert second.dequantize().isnan().all()
+    third = Float8Tensor.quantize(big, scaling=state)  # the second step's amax was recorded
+    assert_same_bits(third.fp8_data, Float8Tensor.quantize(big).fp8_data)
+
+
+def test_delayed_all_zero_history_resumes_identically():
+    a = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
+    Float8Tensor.quantize(torch.zeros(16, 16), scaling=a)
+    b = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(16, 16)
+    same(Float8Tensor.quantize(x, scaling=a), Float8Tensor.quantize(x, scaling=b))
+
+
+def test_delayed_checkpoint_of_another_format_is_refused():
+    a = DelayedScalingState(DelayedScaling(), fp8_dtype=E5M2)
+    Float8Tensor.quantize(torch.randn(8, 8), E5M2, scaling=a)
+    with pytest.raises(ValueError, match="made for torch.float8_e5m2"):
+        DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_delayed_state_is_never_rounded_by_a_model_cast(dtype):
+    state = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
+    Float8Tensor.quantize(torch.randn(8, 8) * 1e-3, scaling=state)  # scale ~1e5: inf in fp16
+    before = state.scale.clone(), state.amax_history.clone()
+    state.to(dtype)
+    assert_same_bits(state.scale, before[0])
+    assert_same_bits(state.amax_history, before[1])
+
+
+@pytest.mark.filterwarnings("ignore::float8.ops.Float8PrecisionWarning")
+def test_delayed_state_reset_after_meta_construction():
+    import float8.ops as ops
+
+    lin = ops.Linear(32, 32, recipe=Recipe.delayed(), device="meta")
+    lin.to_empty(device="cpu")
+    lin.reset_parameters()
+    x = torch.randn(4, 32)
+    ref = ops.Linear(32, 32, recipe=Recipe.delayed())
+    ref.load_state_dict({"weight": lin.weight, "bias": lin.bias}, strict=False)
+    assert_same_bits(lin(x), ref(x))  # both a first step: current scaling, no leftover memory read
+
+
+def test_nan_amax_survives_the_group_reduction(single_process_group):
+    # A MAX all-reduce may drop a NaN depending on rank order; the quantizer sends inf instead.
+    from float8.quantizer import all_reduce_amax
+
+    amax = torch.tensor(float("nan"))
+    assert all_reduce_amax(amax, single_process_group).isinf()
+    x = torch.randn(8, 8)
+    x[1, 1] = float("nan")
+    assert TensorwiseQuantizer(amax_group=single_process_group).quantize(x).dequantize().isnan().all()
+
+
+def test_e5m2_largest_margin_keeps_values():
+    x = torch.randn(16, 16)
+    t = TensorwiseQuantizer(E5M2, margin=31, power_of_2=True).quantize(x)
+    assert t.fp8_data.float().abs().max() > 0

@@ -79,7 +79,7 @@ def test_delayed_most_recent_and_nonfinite_amax_keeps_the_scale():
 
 def test_delayed_state_is_a_module_with_buffers():
     state = DelayedScalingState(DelayedScaling(history_len=5))
-    assert set(state.state_dict()) == {"amax_history", "scale"}
+    assert set(state.state_dict()) == {"amax_history", "scale", "_extra_state"}
     assert state.amax_history.shape == (5,)
 
 

@@ -227,7 +227,7 @@ def test_residual_dropout_reshape_identity():
     y_ref = x.double() + q(x) @ q(lin.weight).t() + lin.bias.double()
     assert rel_err(y, y_ref) < 1e-6
     assert rel_err(dx, dy.double() + q(dy, E5M2) @ q(lin.weight)) < 1e-6
-    drop = ops.Dropout(0.5)
+    drop = ops.Dropout(p=0.5)
     yd, dxd = run(drop, torch.ones(64, 32), torch.ones(64, 32))
     assert set(yd.unique().tolist()) <= {0.0, 2.0} and torch.equal(yd, dxd)
     drop.eval()
