@@ -72,9 +72,11 @@ from .common import (
     check_tensorwise_args,
     clamp_keep_nan,
     custom_op,
+    fake_fp8_outputs,
     fp8_constants,
     next_pow2,
     scale_from_amax,
+    transposed_shape,
     use_triton,
 )
 from .reference import quantize_tensorwise_ref
@@ -523,10 +525,6 @@ def _out_shape(x: torch.Tensor, kind: str):
     return (*x.shape[:-1], _n_out(x.shape[-1], kind))
 
 
-def _t_shape(shape):
-    return (*shape[:-2], shape[-1], shape[-2])
-
-
 def _contig(t):
     return None if t is None else t.contiguous()
 
@@ -535,7 +533,7 @@ def _fp8_outputs(shape, fp8_dtype, with_transpose, device):
     """(data shape, data_t (..., N, M) or (0,)) FP8, amax () zeroed and scale_inv () float32."""
     return (
         torch.empty(shape, dtype=fp8_dtype, device=device),
-        torch.empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=device),
+        torch.empty(transposed_shape(shape) if with_transpose else (0,), dtype=fp8_dtype, device=device),
         torch.zeros((), dtype=torch.float32, device=device),
         torch.empty((), dtype=torch.float32, device=device),
     )
@@ -664,13 +662,7 @@ def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_tra
 
 
 def _fake_fp8(shape, fp8_dtype, with_transpose, like):
-    """Fake (data, data_t, scale_inv, amax) of an FP8 output of `shape`."""
-    return (
-        like.new_empty(shape, dtype=fp8_dtype),
-        like.new_empty(_t_shape(shape) if with_transpose else (0,), dtype=fp8_dtype),
-        like.new_empty((), dtype=torch.float32),
-        like.new_empty((), dtype=torch.float32),
-    )
+    return fake_fp8_outputs(like, shape, transposed_shape(shape) if with_transpose else None, fp8_dtype)
 
 
 @custom_op("float8::act_fp8")

@@ -36,6 +36,7 @@ from .common import (
     next_pow2,
     scale_from_amax,
     small_num_warps,
+    transposed_shape,
 )
 from .reference import quantize_tensorwise_ref
 
@@ -146,10 +147,6 @@ def _quantize_transpose_small_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
-def _t_shape(x):
-    return (*x.shape[:-2], x.shape[-1], x.shape[-2])
-
-
 def _is_small(x: torch.Tensor) -> bool:
     """One (M, K) matrix (leading dims all 1) that one program holds in registers (common.SMALL_NUMEL)."""
     *batch, M, K = x.shape
@@ -160,7 +157,7 @@ def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
     """One launch for a small x (see _is_small), read in place with its strides."""
     M, K = x.shape[-2:]
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    data_t = torch.empty(_t_shape(x), dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty(transposed_shape(x.shape), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     block_m = max(SMALL_MIN_TILE, next_pow2(M))

@@ -26,6 +26,11 @@ SMALL_NUMEL = 16384
 SMALL_DIM = 128
 
 
+# Per-format values of reference.py, computed once: the checks and launchers run on every call.
+_MAX_MARGIN = {d: max_margin(d) for d in FP8_DTYPES}
+_FP8_CONSTANTS = {d: dict(FP8_MAX=fp8_max(d), MIN_SCALE=min_scale(d)) for d in FP8_DTYPES}
+
+
 # ---- device helpers ---------------------------------------------------------------------------------
 
 
@@ -113,7 +118,7 @@ def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
     check_fp8_dtype(fp8_dtype)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"{op}: margin must be an int >= 0, got {margin!r}")
-    limit = max_margin(fp8_dtype)
+    limit = _MAX_MARGIN[fp8_dtype]
     if margin > limit:
         raise ValueError(
             f"{op}: margin {margin} is too large for {fp8_dtype}: at most {limit} (a larger margin can send "
@@ -139,8 +144,28 @@ def check_flag(value, name: str, op: str) -> None:
 
 
 def fp8_constants(fp8_dtype) -> dict:
-    """The constexprs FP8_MAX and MIN_SCALE of a kernel casting to fp8_dtype (reference.fp8_max, .min_scale)."""
-    return dict(FP8_MAX=fp8_max(fp8_dtype), MIN_SCALE=min_scale(fp8_dtype))
+    """The constexprs FP8_MAX and MIN_SCALE of a kernel casting to fp8_dtype (reference.fp8_max, .min_scale).
+    One dict per format, made once (launchers unpack it; never modify it): host time per launch counts."""
+    constants = _FP8_CONSTANTS.get(fp8_dtype)
+    if constants is None:
+        check_fp8_dtype(fp8_dtype)  # raises
+    return constants
+
+
+def transposed_shape(shape) -> tuple:
+    """shape with its last two dims swapped: the shape of a per-tensor FP8 output's data_t."""
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
+def fake_fp8_outputs(like: torch.Tensor, shape, t_shape, fp8_dtype) -> tuple:
+    """(data, data_t, scale_inv, amax) of a per-tensor FP8 op, for its register_fake: data of `shape`,
+    data_t of `t_shape` (None: no transpose, an empty (0,) tensor), scale_inv and amax () float32."""
+    return (
+        like.new_empty(shape, dtype=fp8_dtype),
+        like.new_empty((0,) if t_shape is None else t_shape, dtype=fp8_dtype),
+        like.new_empty((), dtype=torch.float32),
+        like.new_empty((), dtype=torch.float32),
+    )
 
 
 def margin_div(margin: int) -> float:

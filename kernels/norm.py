@@ -75,6 +75,7 @@ from .common import (
     check_tensorwise_args,
     clamp_keep_nan,
     custom_op,
+    fake_fp8_outputs,
     fp8_constants,
     margin_div,
     next_pow2,
@@ -841,9 +842,8 @@ def norm_fp8(
 @norm_fp8.register_fake
 def _(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
     _check_fp8("norm_fp8", x, weight, bias, eps, rms, fp8_dtype, scale, margin, power_of_2, with_transpose)
-    data, data_t = _fp8_outputs(x, fp8_dtype, with_transpose)
-    scalars = (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
-    return (data, data_t, *scalars, *_fake_stats(x, rms))
+    t_shape = (x.shape[-1], _rows(x)) if with_transpose else None
+    return (*fake_fp8_outputs(x, x.shape, t_shape, fp8_dtype), *_fake_stats(x, rms))
 
 
 @custom_op("float8::norm_bwd")

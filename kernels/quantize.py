@@ -43,11 +43,13 @@ from .common import (
     check_tensorwise_args,
     clamp_keep_nan,
     custom_op,
+    fake_fp8_outputs,
     fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     small_num_warps,
+    transposed_shape,
     use_triton,
 )
 from .reference import quantize_tensorwise_ref
@@ -165,10 +167,4 @@ def quantize_tensorwise(
 @quantize_tensorwise.register_fake
 def _(x, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
     _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
-    t_shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else (0,)
-    return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
-        x.new_empty(t_shape, dtype=fp8_dtype),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty((), dtype=torch.float32),
-    )
+    return fake_fp8_outputs(x, x.shape, transposed_shape(x.shape) if with_transpose else None, fp8_dtype)
