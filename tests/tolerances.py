@@ -1,4 +1,4 @@
-"""The one tolerance table of the test suite (DESIGN.md section 6).
+"""The one tolerance table of the test suite (docs/design.md §7).
 
 Where bits can match we compare bits (`assert_same_bits`); end-to-end numerics are SQNR in dB against
 the high-precision computation of the same inputs.

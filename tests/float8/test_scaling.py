@@ -1,4 +1,4 @@
-"""Scaling semantics (DESIGN.md section 3) through the public API, and hypothesis properties."""
+"""Scaling semantics (docs/design.md §3) through the public API, and hypothesis properties."""
 
 import math
 
