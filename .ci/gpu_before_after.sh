@@ -23,4 +23,4 @@ for i in $(seq 1 "$rounds"); do
     done
 done
 PYTHONPATH=/tmp/site_after python3 -m float8.bench.before_after --before "$OUT"/before_* --after "$OUT"/after_* \
-    --md "$OUT/before_after.md"
+    --md "$OUT/before_after.md" --json "$OUT/before_after.json"

@@ -54,11 +54,22 @@ def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Flo
 
 
 def _aliases(data: torch.Tensor, src: Float8Tensor) -> bool:
-    if torch.compiler.is_compiling():
+    """Whether `data` lies in the storage of src's bits or of its cache (False where storages have no
+    address: fake and functional tensors while torch.compile traces)."""
+    ptr = _storage_ptr(data)
+    if ptr is None:
         return False
-    ptr = data.untyped_storage().data_ptr()
     cache = src._transpose_raw
-    return ptr == src._data.untyped_storage().data_ptr() or (cache is not None and ptr == cache.untyped_storage().data_ptr())
+    return ptr == _storage_ptr(src._data) or (cache is not None and ptr == _storage_ptr(cache))
+
+
+def _storage_ptr(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+        return None
 
 
 def _fallback(func, args, kwargs):

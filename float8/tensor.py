@@ -212,7 +212,8 @@ def _is_float8(t) -> bool:
 
 def _describe_scale(s: torch.Tensor) -> str:
     # Only a CPU scalar is printed by value: reading a CUDA one would sync the host.
-    if s.dim() == 0 and s.device.type == "cpu" and not torch.compiler.is_compiling():
+    # Not a fake or functional tensor while torch.compile traces (their values are symbols): plain only.
+    if s.dim() == 0 and s.device.type == "cpu" and type(s) is torch.Tensor and not torch.compiler.is_compiling():
         return f"{s.item():.6g}"
     return f"shape {tuple(s.shape)}"
 

@@ -57,12 +57,21 @@ def main(argv=None) -> str:
     p.add_argument("--before", nargs="+", required=True)
     p.add_argument("--after", nargs="+", required=True)
     p.add_argument("--md", default=None, help="also write the table to this file")
+    p.add_argument("--json", default=None, help="also write every run's records (label, ms, speedup, memory) here")
     args = p.parse_args(argv)
     text = table(args.before, args.after)
     print(text)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text + "\n")
+    if args.json:
+        keep = ("label", "ours_ms", "bf16_ms", "speedup_vs_bf16", "peak_mem_ours", "fraction_of_floor")
+        runs = {
+            side: {label: [{k: r.get(k) for k in keep} for r in rs] for label, rs in _records(dirs).items()}
+            for side, dirs in (("before", args.before), ("after", args.after))
+        }
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
     return text
 
 

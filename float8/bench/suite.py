@@ -5,7 +5,7 @@ All in one process, each case also measured against its roofline floor.
     python -m float8.bench [--out examples/results] [--quick] [--cases a,b,c,d,e,f] [--cpu-smoke]
                            [--no-rowwise] [--budget-s S]
 
-Cases (DESIGN.md section 7):
+Cases (how they are measured: docs/design.md §8):
   a  quantize / cast / cast-transpose kernels against the copy-bandwidth floor (float8.bench.kernels, reused)
   b  FP8 GEMM: ours (`a @ b.t()` on pre-quantized Float8Tensors), raw torch._scaled_mm on the same FP8
      data, bf16 `x @ w.t()`; TFLOP/s
