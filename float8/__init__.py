@@ -5,8 +5,13 @@
     y = x8 @ Float8Tensor.quantize(w).t()          # an FP8 GEMM, output in x's dtype
 """
 
+import torch
+
 from float8 import gemm as _gemm  # noqa: F401  (registers mm/addmm)
 from float8 import native_ops as _native_ops  # noqa: F401  (registers views, copies, cat/split)
+
+if torch.distributed.is_available():
+    from float8 import collectives as _collectives  # noqa: F401  (registers the c10d collectives)
 from float8.dispatch import Float8FallbackWarning
 from float8.quantizer import (
     BlockwiseQuantizer,

@@ -1,0 +1,331 @@
+"""Float8Tensor through torch.distributed's c10d collectives: the FP8 bytes move, with their scale-inverse.
+
+`dist.broadcast`, `dist.all_gather`, `dist.all_gather_into_tensor`, `dist.send`/`recv`/`isend`/`irecv`,
+`dist.scatter` and `dist.gather` of Float8Tensors reach `__torch_dispatch__` as `c10d` ops. Each handler
+here runs the same collective on the inner tensors: the FP8 bits as uint8 (gloo has no float8 type) and the
+float32 scale-inverse, and leaves correct Float8Tensors behind (docs/design.md §9):
+
+- Before moving data, the ranks agree on what they move: one small all-gather of each rank's description
+  (FP8 format, nominal dtype, shape, scale layout). A mismatch raises ValueError on every rank (each sees
+  the same descriptions), never a hang or a wrong result. Point-to-point send/recv carry a header instead;
+  a receiver that does not match drains the payload first (so the sender never blocks) and then raises.
+- all_gather_into_tensor puts every rank's bits into one tensor, which can hold one per-tensor scale
+  only: the gathered scales must be equal (quantize with a TensorwiseQuantizer(amax_group=...) so they
+  are), else ValueError. Row-wise and block scales travel with their rows and blocks.
+- all_reduce of a Float8Tensor takes the high-precision path: each rank's dequantized values are summed
+  (or reduced with the given op) in float32 and the result is re-quantized into the tensor with its own
+  layout, identically on every rank. reduce_scatter, reduce and all_to_all of FP8 data raise: dequantize
+  first. So does every other c10d or functional collective not handled here: nothing falls back silently.
+- A receiving tensor's transpose cache is dropped (its bits changed); views of it see the write.
+- The collectives run synchronously inside the handler (data, then scales) and return the Work of the
+  last step (complete for collectives; for send/recv the scale's, which the caller waits for), so
+  `async_op=True` and `isend`/`irecv` work but do not overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from float8 import dispatch
+from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
+from float8.quantizer import layout_quantizer
+from float8.tensor import Float8Tensor, _is_float8, block_shape, mark_written
+
+c10d = torch.ops.c10d
+MAX_DIMS = 8
+# A description: [fp8 code, nominal code, ndim, shape (MAX_DIMS), scale ndim, scale shape (MAX_DIMS)].
+DESCRIPTION_LEN = 4 + 2 * MAX_DIMS
+_DTYPES = list(FP8_DTYPES) + list(HIGH_PRECISION_DTYPES)
+
+
+def _size_rank(pg):
+    """(world size, rank) of the process group a c10d op was given (a boxed ScriptObject there)."""
+    group = dist.ProcessGroup.unbox(pg) if not isinstance(pg, dist.ProcessGroup) else pg
+    return group.size(), group.rank()
+
+
+def _bits(t: Float8Tensor) -> torch.Tensor:
+    return t._data.view(torch.uint8)
+
+
+def describe(t) -> torch.Tensor:
+    """(DESCRIPTION_LEN,) int64: format, nominal dtype, shape and scale shape of a Float8Tensor (-1 = not one)."""
+    d = torch.full((DESCRIPTION_LEN,), -1, dtype=torch.int64)
+    if not _is_float8(t):
+        return d
+    if t.dim() > MAX_DIMS:
+        raise ValueError(f"Float8Tensor collectives take up to {MAX_DIMS} dims, got shape {tuple(t.shape)}")
+    d[0], d[1], d[2] = _DTYPES.index(t.fp8_dtype), _DTYPES.index(t.dtype), t.dim()
+    d[3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    s = t._scale_inv
+    d[3 + MAX_DIMS] = s.dim()
+    d[4 + MAX_DIMS : 4 + MAX_DIMS + s.dim()] = torch.tensor(s.shape, dtype=torch.int64)
+    return d
+
+
+def _explain(d: torch.Tensor) -> str:
+    if int(d[0]) < 0:
+        return "not a Float8Tensor"
+    nd, snd = int(d[2]), int(d[3 + MAX_DIMS])
+    shape = tuple(int(v) for v in d[3 : 3 + nd])
+    scale = tuple(int(v) for v in d[4 + MAX_DIMS : 4 + MAX_DIMS + snd])
+    return f"{_DTYPES[int(d[0])]} shape {shape} (scale_inv {scale}, nominal {_DTYPES[int(d[1])]})"
+
+
+def agree(tensors, pg, op: str) -> None:
+    """Every rank holds tensors of the same description (format, dtype, shape, scale layout), or every rank
+    raises a ValueError naming the difference. One all-gather of a few int64s."""
+    # On the data's device: NCCL moves CUDA tensors only.
+    local = torch.stack([describe(t) for t in tensors]).to(tensors[0]._data.device)
+    world, _ = _size_rank(pg)
+    gathered = torch.empty((world * local.shape[0], local.shape[1]), dtype=torch.int64, device=local.device)
+    c10d._allgather_base_.default(gathered, local, pg, False, -1)[1].wait()
+    gathered = gathered.cpu().reshape(world, *local.shape)
+    for rank in range(world):
+        if not torch.equal(gathered[rank], gathered[0]):
+            i = int((gathered[rank] != gathered[0]).any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"{op} of Float8Tensors: rank {rank} holds {_explain(gathered[rank][i])} where rank 0 holds "
+                f"{_explain(gathered[0][i])}; every rank must pass tensors of the same format, shape and scale layout"
+            )
+
+
+def _check_float8(tensors, op: str) -> None:
+    for t in tensors:
+        if not _is_float8(t):
+            raise TypeError(
+                f"{op} mixes Float8Tensors and plain tensors ({type(t).__name__} {getattr(t, 'dtype', '')}); "
+                "pass Float8Tensors for every tensor, or dequantize them all"
+            )
+
+
+def _received(tensors) -> None:
+    """The bits of these tensors were written by a collective: drop stale caches (and tell their views)."""
+    for t in tensors:
+        t._transpose_raw = None
+        mark_written(t)
+
+
+# ---- the handled collectives -------------------------------------------------------------------------
+
+
+@dispatch.implements([c10d.broadcast_.default])
+def _broadcast(func, args, kwargs):
+    tensors, pg, root_rank, root_tensor = args[0], args[1], args[2], args[3]
+    rest = args[4:]
+    _check_float8(tensors, "broadcast")
+    agree(tensors, pg, "broadcast")
+    func([_bits(t) for t in tensors], pg, root_rank, root_tensor, *rest)[1].wait()
+    _, work = func([t._scale_inv for t in tensors], pg, root_rank, root_tensor, *rest)
+    work.wait()
+    if _size_rank(pg)[1] != root_rank:
+        _received(tensors)
+    return tensors, work
+
+
+@dispatch.implements([c10d.allgather_.default])
+def _all_gather(func, args, kwargs):
+    outputs, inputs, pg = args[0], args[1], args[2]
+    rest = args[3:]
+    _check_float8(inputs, "all_gather")
+    for outs in outputs:
+        _check_float8(outs, "all_gather")
+    agree(inputs, pg, "all_gather")
+    for outs, x in zip(outputs, inputs):
+        for o in outs:
+            if describe(o).tolist() != describe(x).tolist():
+                raise ValueError(f"all_gather: output {_explain(describe(o))} does not match the input {_explain(describe(x))}")
+    func([[_bits(o) for o in outs] for outs in outputs], [_bits(x) for x in inputs], pg, *rest)[1].wait()
+    _, work = func([[o._scale_inv for o in outs] for outs in outputs], [x._scale_inv for x in inputs], pg, *rest)
+    work.wait()
+    for outs in outputs:
+        _received(outs)
+    return outputs, work
+
+
+@dispatch.implements([c10d._allgather_base_.default])
+def _all_gather_into_tensor(func, args, kwargs):
+    out, x, pg = args[0], args[1], args[2]
+    rest = args[3:]
+    _check_float8([out, x], "all_gather_into_tensor")
+    agree([x], pg, "all_gather_into_tensor")
+    world, _ = _size_rank(pg)
+    if out.fp8_dtype != x.fp8_dtype or out.shape[0] != world * x.shape[0] or out.shape[1:] != x.shape[1:]:
+        raise ValueError(
+            f"all_gather_into_tensor: output {tuple(out.shape)} {out.fp8_dtype} cannot hold {world} inputs of "
+            f"{tuple(x.shape)} {x.fp8_dtype}"
+        )
+    func(_bits(out), _bits(x), pg, *rest)[1].wait()
+    s = x._scale_inv
+    if s.dim() == 0:
+        scales = torch.empty((world,), dtype=s.dtype, device=s.device)
+        _, work = func(scales, s.reshape(1), pg, *rest)
+        work.wait()
+        if not bool((scales == scales[0]).all()):
+            raise ValueError(
+                "all_gather_into_tensor of per-tensor scaled Float8Tensors with different scales on different ranks "
+                f"(scale_inv {scales.tolist()}): one output tensor holds one scale. Quantize with one scale across "
+                "the group (TensorwiseQuantizer(amax_group=group)), or all_gather into a list"
+            )
+        out._scale_inv.copy_(scales[0])
+    else:
+        expected = (world * s.shape[0],) + tuple(s.shape[1:])
+        if tuple(out._scale_inv.shape) != expected or block_shape(out._data.shape, out._scale_inv.shape) != block_shape(
+            x._data.shape, s.shape
+        ):
+            raise ValueError(
+                f"all_gather_into_tensor: the output's scale_inv {tuple(out._scale_inv.shape)} does not hold {world} "
+                f"inputs' scale_inv {tuple(s.shape)} block for block"
+            )
+        _, work = func(out._scale_inv, s.contiguous(), pg, *rest)
+        work.wait()
+    _received([out])
+    return out, work
+
+
+def _header(t) -> torch.Tensor:
+    return describe(t).to(t._data.device)
+
+
+@dispatch.implements([c10d.send.default])
+def _send(func, args, kwargs):
+    tensors, pg, dst, tag = args
+    _check_float8(tensors, "send")
+    work = None
+    for i, t in enumerate(tensors):
+        if work is not None:
+            work.wait()
+        func([_header(t)], pg, dst, tag).wait()
+        func([_bits(t).contiguous()], pg, dst, tag).wait()
+        # gloo's point-to-point ops hang on 0-d tensors, and a second wait() on their Work waits for a second
+        # message: the last send is left to the caller's wait.
+        work = func([t._scale_inv.contiguous().view(-1)], pg, dst, tag)
+    return work
+
+
+@dispatch.implements([c10d.recv_.default])
+def _recv(func, args, kwargs):
+    tensors, pg, src, tag = args
+    _check_float8(tensors, "recv")
+    for t in tensors:
+        header = torch.empty((DESCRIPTION_LEN,), dtype=torch.int64, device=t._data.device)
+        func([header], pg, src, tag).wait()
+        mine = describe(t)
+        if not torch.equal(header.cpu(), mine):
+            # Drain what the sender sends, so that it never blocks, then refuse.
+            nd, snd = int(header[2]), int(header[3 + MAX_DIMS])
+            numel = int(torch.tensor(header[3 : 3 + nd].tolist() or [1]).prod()) if nd else 1
+            snumel = int(torch.tensor(header[4 + MAX_DIMS : 4 + MAX_DIMS + snd].tolist() or [1]).prod()) if snd else 1
+            func([torch.empty(numel, dtype=torch.uint8, device=t._data.device)], pg, src, tag).wait()
+            func([torch.empty(snumel, dtype=torch.float32, device=t._data.device)], pg, src, tag).wait()
+            raise ValueError(f"recv: rank {src} sent {_explain(header.cpu())} into {_explain(mine)}")
+        func([_bits(t)], pg, src, tag).wait()
+        _received([t])
+        work = func([t._scale_inv.view(-1)], pg, src, tag)  # waited by the caller, as in _send
+        if t is not tensors[-1]:
+            work.wait()
+    return work
+
+
+@dispatch.implements([c10d.allreduce_.default])
+def _all_reduce(func, args, kwargs):
+    tensors, pg = args[0], args[1]
+    rest = args[2:]
+    _check_float8(tensors, "all_reduce")
+    agree(tensors, pg, "all_reduce")
+    wides = [t.dequantize(torch.float32) for t in tensors]
+    _, work = func(wides, pg, *rest)
+    work.wait()
+    with torch.no_grad():
+        for t, w in zip(tensors, wides):
+            fresh = layout_quantizer(t)._quantize(w.to(t.dtype), False)
+            t._data.copy_(fresh._data)
+            t._scale_inv.copy_(fresh._scale_inv)
+    _received(tensors)
+    return tensors, work
+
+
+@dispatch.implements([c10d.scatter_.default])
+def _scatter(func, args, kwargs):
+    outputs, inputs, pg, root = args[0], args[1], args[2], args[3]
+    rest = args[4:]
+    _check_float8(outputs, "scatter")
+    for ins in inputs:
+        _check_float8(ins, "scatter")
+    agree(outputs, pg, "scatter")
+    for ins in inputs:
+        for i in ins:
+            if describe(i).tolist() != describe(outputs[0]).tolist():
+                raise ValueError(f"scatter: input {_explain(describe(i))} does not match the outputs {_explain(describe(outputs[0]))}")
+    func([_bits(o) for o in outputs], [[_bits(i) for i in ins] for ins in inputs], pg, root, *rest)[1].wait()
+    _, work = func([o._scale_inv for o in outputs], [[i._scale_inv for i in ins] for ins in inputs], pg, root, *rest)
+    work.wait()
+    _received(outputs)
+    return outputs, work
+
+
+@dispatch.implements([c10d.gather_.default])
+def _gather(func, args, kwargs):
+    outputs, inputs, pg, root = args[0], args[1], args[2], args[3]
+    rest = args[4:]
+    _check_float8(inputs, "gather")
+    for outs in outputs:
+        _check_float8(outs, "gather")
+    agree(inputs, pg, "gather")
+    for outs in outputs:
+        for o in outs:
+            if describe(o).tolist() != describe(inputs[0]).tolist():
+                raise ValueError(f"gather: output {_explain(describe(o))} does not match the input {_explain(describe(inputs[0]))}")
+    func([[_bits(o) for o in outs] for outs in outputs], [_bits(i) for i in inputs], pg, root, *rest).wait()
+    work = func([[o._scale_inv for o in outs] for outs in outputs], [i._scale_inv for i in inputs], pg, root, *rest)
+    work.wait()
+    for outs in outputs:
+        _received(outs)
+    return work
+
+
+# ---- everything else refuses ------------------------------------------------------------------------
+
+_REFUSED = {
+    "reduce_scatter_": "reduce-scatter of FP8 data: dequantize, reduce-scatter in high precision, then quantize",
+    "_reduce_scatter_base_": "reduce-scatter of FP8 data: dequantize, reduce-scatter in high precision, then quantize",
+    "reduce_scatter_tensor_coalesced_": "reduce-scatter of FP8 data: dequantize first",
+    "reduce_": "reduce of FP8 data: dequantize, reduce in high precision, then quantize",
+    "allreduce_coalesced_": "coalesced all_reduce of FP8 data: all_reduce each tensor, or dequantize first",
+    "alltoall_": "all_to_all of Float8Tensors is not handled: move fp8_data and scale_inv yourself",
+    "alltoall_base_": "all_to_all of Float8Tensors is not handled: move fp8_data and scale_inv yourself",
+    "allgather_coalesced_": "coalesced all_gather of Float8Tensors is not handled: all_gather each tensor",
+    "allgather_into_tensor_coalesced_": "coalesced all_gather_into_tensor of Float8Tensors is not handled",
+    "recv_any_source_": "recv from any source into a Float8Tensor is not handled: name the source rank",
+    "barrier": "barrier takes no Float8Tensor",
+}
+_FUNCTIONAL = (
+    "all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "broadcast",
+    "all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+    "all_to_all_single", "wait_tensor",
+)  # fmt: skip
+
+
+def _refuse(reason: str):
+    def handler(func, args, kwargs):
+        raise NotImplementedError(f"{func} on a Float8Tensor: {reason}. Nothing was moved.")
+
+    return handler
+
+
+def _register_refusals() -> None:
+    for name, reason in _REFUSED.items():
+        op = getattr(c10d, name, None)
+        if op is not None:
+            dispatch.implements([op.default])(_refuse(reason))
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in _FUNCTIONAL:
+        op = getattr(functional, name, None) if functional is not None else None
+        if op is not None:
+            dispatch.implements([op.default])(
+                _refuse("functional collectives (torch.compile, DTensor) of Float8Tensors are not handled yet")
+            )
+
+
+_register_refusals()

@@ -1,0 +1,65 @@
+"""Run a function on several local processes with the gloo backend, each with a timeout.
+
+`run_ranks(fn, world=2)` spawns `world` processes that join one gloo group (a TCP store on a free local
+port), call `fn(rank, world)`, and report back; the caller raises if any rank raised (with every rank's
+traceback), and kills all of them if they do not finish within `timeout` seconds: a test never hangs, and
+a failure on one rank fails the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, port, results, timeout):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )  # fmt: skip
+        try:
+            out = fn(rank, world)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int = 2, timeout: float = 120.0):
+    """fn(rank, world) on `world` gloo ranks; returns [result of rank 0, rank 1, ...] or raises."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, timeout / 2)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, status, payload = results.get(timeout=timeout)
+            got[rank] = (status, payload)
+    except Exception:  # queue.Empty: some rank hung
+        raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {r}:\n{payload}" for r, (status, payload) in sorted(got.items()) if status == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [got[r][1] for r in range(world)]

@@ -1,0 +1,150 @@
+"""Float8Tensor through c10d collectives on 2 gloo ranks: the FP8 bytes and the scale-inverse move, mismatches
+raise on every rank, and what the library does not handle raises (float8/collectives.py)."""
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _x(rank, shape=(8, 32), scale=1.0):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(shape, generator=g) * scale * (rank + 1)
+
+
+def _same(a, b):
+    assert a.fp8_dtype == b.fp8_dtype and a.shape == b.shape
+    assert torch.equal(a.fp8_data.view(torch.uint8), b.fp8_data.view(torch.uint8))
+    assert torch.equal(a.scale_inv, b.scale_inv)
+
+
+def _moving_collectives(rank, world):
+    import torch.distributed as dist
+
+    from float8 import Float8Tensor, RowwiseScaling, TensorwiseQuantizer
+
+    q = Float8Tensor.quantize
+    mine = q(_x(rank), with_transpose=True)
+    theirs = [q(_x(r)) for r in range(world)]  # what every rank's tensor is, computed locally
+
+    # broadcast: rank 0's bits and scale everywhere; the receiver's stale transpose cache is dropped
+    t = q(_x(rank), with_transpose=True)
+    dist.broadcast(t, src=0)
+    _same(t, theirs[0])
+    assert t.transpose_cache is None or torch.equal(t.transpose_cache, t.fp8_data.t().contiguous())
+
+    # all_gather into a list: each output keeps its own rank's scale
+    outs = [q(torch.zeros(8, 32)) for _ in range(world)]
+    dist.all_gather(outs, mine)
+    for r in range(world):
+        _same(outs[r], theirs[r])
+
+    # all_gather_into_tensor with one scale across the group
+    group_q = TensorwiseQuantizer(amax_group=dist.group.WORLD)
+    shared = group_q.quantize(_x(rank))
+    out = q(torch.zeros(8 * world, 32))
+    dist.all_gather_into_tensor(out, shared)
+    full = torch.cat([_x(r) for r in range(world)])
+    _same(out, q(full))  # the same bits as quantizing the whole tensor at once
+
+    # row-wise scales travel with their rows
+    rows = q(_x(rank), scaling=RowwiseScaling())
+    out_rows = q(torch.ones(8 * world, 32), scaling=RowwiseScaling())
+    dist.all_gather_into_tensor(out_rows, rows)
+    _same(out_rows, q(full, scaling=RowwiseScaling()))
+
+    # send / recv and isend / irecv
+    if rank == 0:
+        dist.send(mine, dst=1)
+        dist.isend(mine, dst=1).wait()
+    else:
+        got = q(torch.zeros(8, 32))
+        dist.recv(got, src=0)
+        _same(got, theirs[0])
+        got2 = q(torch.zeros(8, 32))
+        dist.irecv(got2, src=0).wait()
+        _same(got2, theirs[0])
+
+    # scatter and gather
+    recv = q(torch.zeros(8, 32))
+    dist.scatter(recv, [q(_x(r)) for r in range(world)] if rank == 0 else None, src=0)
+    _same(recv, theirs[rank])
+    gathered = [q(torch.zeros(8, 32)) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if rank == 0:
+        for r in range(world):
+            _same(gathered[r], theirs[r])
+
+    # all_reduce: the documented high-precision path, the same bits on every rank
+    s = q(_x(rank))
+    dist.all_reduce(s)
+    total = sum(theirs[r].dequantize() for r in range(world))
+    _same(s, q(total))
+    return True
+
+
+def test_collectives_move_fp8_bytes_and_scales():
+    assert run_ranks(_moving_collectives) == [True, True]
+
+
+def _mismatches(rank, world):
+    import torch.distributed as dist
+
+    from float8 import Float8Tensor
+
+    q = Float8Tensor.quantize
+    errors = []
+
+    def expect(exc, match, fn):
+        try:
+            fn()
+        except exc as e:
+            assert match in str(e), str(e)
+            errors.append(match)
+        else:
+            raise AssertionError(f"no {exc.__name__} ({match})")
+
+    # different per-tensor scales cannot share one output tensor
+    out = q(torch.zeros(8 * world, 32))
+    expect(ValueError, "different scales", lambda: dist.all_gather_into_tensor(out, q(_x(rank))))
+    # shapes that do not match across ranks: every rank raises, nobody hangs
+    expect(ValueError, "rank 1 holds", lambda: dist.broadcast(q(_x(rank, (8, 32 + 16 * rank))), src=0))
+    # formats that do not match
+    fmt = torch.float8_e4m3fn if rank == 0 else torch.float8_e5m2
+    expect(ValueError, "rank 1 holds", lambda: dist.all_gather([q(torch.zeros(8, 32), fmt) for _ in range(world)], q(_x(rank), fmt)))
+    # a receiver of another shape drains the payload (the sender returns) and raises
+    if rank == 0:
+        dist.send(q(_x(0)), dst=1)
+    else:
+        expect(ValueError, "recv: rank 0 sent", lambda: dist.recv(q(torch.zeros(4, 32)), src=0))
+    # mixing FP8 and plain tensors, and what is not handled
+    expect(TypeError, "mixes Float8Tensors and plain", lambda: dist.all_gather_into_tensor(torch.zeros(8 * world, 32), q(_x(rank))))
+    expect(NotImplementedError, "reduce-scatter", lambda: dist.reduce_scatter_tensor(q(torch.zeros(8, 32)), q(_x(rank, (8 * world, 32)))))
+    expect(NotImplementedError, "reduce of FP8", lambda: dist.reduce(q(_x(rank)), dst=0))
+    dist.barrier()  # still in step after every refusal
+    return len(errors)
+
+
+def test_mismatches_raise_on_every_rank_and_nothing_hangs():
+    counts = run_ranks(_mismatches)
+    assert counts[0] == counts[1] - 1 == 6  # rank 1 also saw the recv mismatch
+
+
+def _functional_refused(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    from float8 import Float8Tensor
+
+    try:
+        fc.all_gather_tensor(Float8Tensor.quantize(_x(rank)), 0, dist.group.WORLD)
+    except NotImplementedError as e:
+        assert "functional collectives" in str(e)
+        return True
+    return False
+
+
+def test_functional_collectives_refuse_instead_of_moving_dequantized_values():
+    assert run_ranks(_functional_refused) == [True, True]
