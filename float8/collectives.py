@@ -16,6 +16,9 @@ float32 scale-inverse, and leaves correct Float8Tensors behind (docs/design.md Â
   (or reduced with the given op) in float32 and the result is re-quantized into the tensor with its own
   layout, identically on every rank. reduce_scatter, reduce and all_to_all of FP8 data raise: dequantize
   first. So does every other c10d or functional collective not handled here: nothing falls back silently.
+- Functional collectives (`_c10d_functional`: torch.compile, DTensor) all_gather_into_tensor, broadcast,
+  all_reduce and wait_tensor return new Float8Tensors. Traced code cannot compare scales on the host, so
+  a functional all-gather of per-tensor scaled tensors keeps each rank's scale for its block of rows.
 - A receiving tensor's transpose cache is dropped (its bits changed); views of it see the write.
 - The collectives run synchronously inside the handler (data, then scales) and return the Work of the
   last step (complete for collectives; for send/recv the scale's, which the caller waits for), so
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops it defines)
 
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.quantizer import layout_quantizer
-from float8.tensor import Float8Tensor, _is_float8, block_shape, mark_written
+from float8.tensor import Float8Tensor, _is_float8, block_shape, mark_written, share_writes
 
 c10d = torch.ops.c10d
 MAX_DIMS = 8
@@ -300,11 +304,14 @@ _REFUSED = {
     "recv_any_source_": "recv from any source into a Float8Tensor is not handled: name the source rank",
     "barrier": "barrier takes no Float8Tensor",
 }
-_FUNCTIONAL = (
-    "all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "broadcast",
-    "all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
-    "all_to_all_single", "wait_tensor",
-)  # fmt: skip
+_FUNCTIONAL_REFUSED = {
+    "reduce_scatter_tensor": "reduce-scatter of FP8 data: dequantize first",
+    "reduce_scatter_tensor_coalesced": "reduce-scatter of FP8 data: dequantize first",
+    "all_to_all_single": "all_to_all of Float8Tensors is not handled",
+    "all_reduce_coalesced": "coalesced all_reduce of FP8 data: all_reduce each tensor",
+    "all_gather_into_tensor_coalesced": "coalesced all_gather of Float8Tensors: gather each tensor",
+    "all_gather_into_tensor_out": "all_gather into a given Float8Tensor: use the c10d op (dist.all_gather_into_tensor)",
+}
 
 
 def _refuse(reason: str):
@@ -315,17 +322,81 @@ def _refuse(reason: str):
 
 
 def _register_refusals() -> None:
-    for name, reason in _REFUSED.items():
-        op = getattr(c10d, name, None)
-        if op is not None:
-            dispatch.implements([op.default])(_refuse(reason))
-    functional = getattr(torch.ops, "_c10d_functional", None)
-    for name in _FUNCTIONAL:
-        op = getattr(functional, name, None) if functional is not None else None
-        if op is not None:
-            dispatch.implements([op.default])(
-                _refuse("functional collectives (torch.compile, DTensor) of Float8Tensors are not handled yet")
-            )
+    """Every op of the collective namespaces not handled above raises (listed from the registered schemas,
+    so a torch version's new collectives are covered too)."""
+    reasons = {**{f"c10d::{k}": v for k, v in _REFUSED.items()}, **{f"_c10d_functional::{k}": v for k, v in _FUNCTIONAL_REFUSED.items()}}
+    for schema in torch._C._jit_get_all_schemas():
+        namespace, _, name = schema.name.partition("::")
+        if namespace not in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+            continue
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        op = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
+        if op is None or dispatch.lookup(op) is not None:
+            continue
+        dispatch.implements([op])(_refuse(reasons.get(schema.name, "this collective of Float8Tensors is not handled; dequantize first")))
+
+
+# ---- functional collectives (torch.compile, DTensor): a new Float8Tensor out, waited by wait_tensor ----
+# These are traced by torch.compile, so nothing here reads a value on the host: a gathered per-tensor
+# scaled tensor keeps every rank's scale, as one scale per rank-block along dim 0 (scale_inv
+# (world, 1, ...): blocks of the input's shape, a layout the tensor contract allows), bits untouched.
+
+_functional = getattr(torch.ops, "_c10d_functional", None)
+
+
+def _gathered_scale(s: torch.Tensor, ndim: int, gather):
+    if s.dim() == 0:
+        return gather(s.reshape((1,) * max(ndim, 1)))
+    return gather(s.contiguous())
+
+
+if _functional is not None:
+
+    @dispatch.implements([_functional.all_gather_into_tensor.default])
+    def _f_all_gather(func, args, kwargs):
+        x, group_size, group_name = args
+        _check_float8([x], "all_gather_into_tensor")
+        if x.dim() == 0:
+            raise ValueError("all_gather_into_tensor of a 0-d Float8Tensor: give it a dim to gather along")
+        data = func(_bits(x).contiguous(), group_size, group_name).view(x.fp8_dtype)
+        scale = _gathered_scale(x._scale_inv, x.dim(), lambda s: func(s, group_size, group_name))
+        return Float8Tensor(data, scale, x.dtype)
+
+    @dispatch.implements([_functional.broadcast.default])
+    def _f_broadcast(func, args, kwargs):
+        x, src, group_name = args
+        _check_float8([x], "broadcast")
+        data = func(_bits(x).contiguous(), src, group_name).view(x.fp8_dtype)
+        return Float8Tensor(data, func(x._scale_inv.contiguous(), src, group_name), x.dtype)
+
+    @dispatch.implements([_functional.all_reduce.default])
+    def _f_all_reduce(func, args, kwargs):
+        # The high-precision path of the c10d handler; the sum must be known to re-quantize it, so the
+        # reduction is waited for here.
+        x, reduce_op, group_name = args
+        _check_float8([x], "all_reduce")
+        total = _functional.wait_tensor(func(x.dequantize(torch.float32), reduce_op, group_name))
+        return layout_quantizer(x)._quantize(total.to(x.dtype), False)
+
+    def _f_wrap(func, args, kwargs):
+        # In eager, torch wraps a functional collective's output in an AsyncCollectiveTensor that waits on
+        # first use. A Float8Tensor is waited for here instead (no overlap in eager; traced code never
+        # comes here), and an alias of the same bits comes back.
+        (t,) = args
+        _f_wait(_functional.wait_tensor.default, (t,), {})
+        return share_writes(Float8Tensor(t._data, t._scale_inv, t.dtype, t._transpose_raw), t)
+
+    if hasattr(_functional, "_wrap_tensor_autograd"):  # not in every torch version
+        dispatch.implements([_functional._wrap_tensor_autograd.default])(_f_wrap)
+
+    @dispatch.implements([_functional.wait_tensor.default])
+    def _f_wait(func, args, kwargs):
+        (t,) = args
+        func(t._data)
+        func(t._scale_inv)
+        if t._transpose_raw is not None:
+            func(t._transpose_raw)
+        return t
 
 
 _register_refusals()
