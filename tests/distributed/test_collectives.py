@@ -140,6 +140,7 @@ def _functional(rank, world):
 
     q = Float8Tensor.quantize
     g = dist.group.WORLD
+    gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # torch 2.11 has only the latter
     full = torch.cat([_x(r) for r in range(world)])
     # per-tensor scales differ across ranks: each rank's block of rows keeps its scale, bits untouched
     out = fc.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(q(_x(rank)), world, g.group_name))
@@ -149,7 +150,7 @@ def _functional(rank, world):
         _same(Float8Tensor(block.fp8_data, block.scale_inv.reshape(()), block.dtype), q(_x(r)))
     assert torch.equal(out.dequantize(), torch.cat([q(_x(r)).dequantize() for r in range(world)]))
     # the public wrapper (an AsyncCollectiveTensor around ours) and row-wise scales
-    rows = fc.all_gather_single(q(_x(rank), scaling=RowwiseScaling()), 0, g)
+    rows = gather_single(q(_x(rank), scaling=RowwiseScaling()), 0, g)
     assert torch.equal(rows.dequantize(), q(full, scaling=RowwiseScaling()).dequantize())
     b = fc.wait_tensor(torch.ops._c10d_functional.broadcast(q(_x(rank)), 0, g.group_name))
     _same(b, q(_x(0)))
@@ -157,7 +158,7 @@ def _functional(rank, world):
     _same(s, q(sum(q(_x(r)).dequantize() for r in range(world))))
     # traced: torch.compile(fullgraph=True) of a functional all-gather of a Float8Tensor, no graph break
     def gather(x):
-        return fc.all_gather_single(x, 0, g).dequantize()
+        return gather_single(x, 0, g).dequantize()
 
     compiled = torch.compile(gather, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(q(_x(rank))), gather(q(_x(rank))))

@@ -80,5 +80,7 @@ def test_fused_equals_unfused(name, dtype):
             assert err < FUSED_TOLERANCE[dtype], (name, err)
 
 
-# bf16: ~1 in 16 elements sits within a bf16 ulp of an FP8 midpoint and moves one FP8 code (~6%): ~2-3%.
-FUSED_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 5e-2}
+# bf16: ~1 in 16 elements sits within a bf16 ulp of an FP8 midpoint and moves one FP8 code (~6%): ~2-3%
+# with torch 2.13 (largest 0.028, relu_silu); torch 2.11's CPU bf16 arithmetic gives up to 0.056 there,
+# the same before and after the quantizer change (measured on the GPU machine, 2026-11-22).
+FUSED_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 7e-2}
