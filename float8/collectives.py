@@ -17,8 +17,11 @@ float32 scale-inverse, and leaves correct Float8Tensors behind (docs/design.md Â
   layout, identically on every rank. reduce_scatter, reduce and all_to_all of FP8 data raise: dequantize
   first. So does every other c10d or functional collective not handled here: nothing falls back silently.
 - Functional collectives (`_c10d_functional`: torch.compile, DTensor) all_gather_into_tensor, broadcast,
-  all_reduce and wait_tensor return new Float8Tensors. Traced code cannot compare scales on the host, so
-  a functional all-gather of per-tensor scaled tensors keeps each rank's scale for its block of rows.
+  all_reduce and wait_tensor return new Float8Tensors. A functional all-gather of per-tensor scaled
+  tensors keeps each rank's scale for its block of rows; in eager, where ranks shared one scale, the
+  result has that one scale (one small wait). Traced code cannot compare scales on the host and keeps the
+  blocks. So DTensor's distribute_tensor, redistribute (Shard <-> Replicate, uneven shards too) and
+  to_local keep FP8 bytes and values.
 - A receiving tensor's transpose cache is dropped (its bits changed); views of it see the write.
 - The collectives run synchronously inside the handler (data, then scales) and return the Work of the
   last step (complete for collectives; for send/recv the scale's, which the caller waits for), so
@@ -360,6 +363,13 @@ if _functional is not None:
             raise ValueError("all_gather_into_tensor of a 0-d Float8Tensor: give it a dim to gather along")
         data = func(_bits(x).contiguous(), group_size, group_name).view(x.fp8_dtype)
         scale = _gathered_scale(x._scale_inv, x.dim(), lambda s: func(s, group_size, group_name))
+        if x._scale_inv.dim() == 0 and not torch.compiler.is_compiling():
+            # Eager: one small wait tells whether the ranks shared one scale (a tensor quantized whole and
+            # then sharded, or a quantizer with an amax group); then the result has that one scale, which
+            # FP8 GEMMs and DTensor's unpadding of uneven shards need.
+            scale = _functional.wait_tensor(scale)
+            if bool((scale == scale.reshape(-1)[0]).all()):
+                scale = scale.reshape(-1)[0].clone()
         return Float8Tensor(data, scale, x.dtype)
 
     @dispatch.implements([_functional.broadcast.default])

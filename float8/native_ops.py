@@ -337,6 +337,57 @@ def _permute(func, args, kwargs):
     return _wrap(src, src._data.permute(dims), s, transpose_cache_after("drop", src))
 
 
+@dispatch.implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_like(func, args, kwargs):
+    """A new Float8Tensor of another size in the same format (zeros: +0.0 bits). It shares a per-tensor
+    source's scale object (zeros are zeros under any scale, and `cat` with the source stays FP8, as when
+    DTensor pads an uneven shard); per-row/block sources give scales of 1 in their layout where the size
+    allows it, else one scale of 1. A different dtype gives a plain tensor of that dtype."""
+    src, size = args[0], list(args[1])
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or src.device
+    if dtype is not None and dtype != src.dtype:
+        return func(src._data, size, dtype=dtype, device=device)
+    data = func(src._data, size, dtype=src.fp8_dtype, device=device)
+    s = src._scale_inv
+    if s.dim() == 0:
+        return Float8Tensor(data, s if s.device == data.device else s.to(data.device), src.dtype)
+    blocks = block_shape(src._data.shape, s.shape)
+    if len(size) == len(blocks) and all(n % b == 0 for n, b in zip(size, blocks)) and size[-1] == src.shape[-1]:
+        scale = torch.ones([n // b for n, b in zip(size, blocks)], dtype=torch.float32, device=device)
+    else:
+        scale = torch.ones((), dtype=torch.float32, device=device)
+    return Float8Tensor(data, scale, src.dtype)
+
+
+# ---- padding -----------------------------------------------------------------------------------------
+@dispatch.implements([aten.constant_pad_nd.default])
+def _pad(func, args, kwargs):
+    """Zero padding stays FP8 (the zero bits are +0.0 in both formats, so any scale keeps them 0): what
+    DTensor does to even out uneven shards before a collective. Padded scale entries are 1; a pad that
+    would cut a scale block raises. Padding with another value goes to the fallback."""
+    src, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    if value != 0 or any(p < 0 for p in pad):
+        return _fallback(func, args, kwargs)
+    data = func(src._data.view(torch.uint8), pad, 0).view(src.fp8_dtype)
+    s = src._scale_inv
+    if s.dim() == 0:
+        return Float8Tensor(data, s, src.dtype)
+    blocks = block_shape(src._data.shape, s.shape)
+    scale_pad = []
+    for i in range(0, len(pad), 2):
+        dim = src.dim() - 1 - i // 2
+        lo, hi = pad[i], pad[i + 1]
+        if lo % blocks[dim] or hi % blocks[dim] or (s.shape[dim] == 1 and src.shape[dim] > 1 and (lo or hi)):
+            raise ValueError(
+                f"zero padding {pad} of a Float8Tensor with scale_inv {tuple(s.shape)} for data {tuple(src.shape)} "
+                "would cut a scale block; dequantize first"
+            )
+        scale_pad += [lo // blocks[dim], hi // blocks[dim]]
+    return Float8Tensor(data, func(s, scale_pad, 1.0), src.dtype)
+
+
 # ---- cat ---------------------------------------------------------------------------------------------
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:

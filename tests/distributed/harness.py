@@ -2,8 +2,8 @@
 
 `run_ranks(fn, world=2)` spawns `world` processes that join one gloo group (a TCP store on a free local
 port), call `fn(rank, world)`, and report back; the caller raises if any rank raised (with every rank's
-traceback), and kills all of them if they do not finish within `timeout` seconds: a test never hangs, and
-a failure on one rank fails the test.
+traceback), and kills all of them if they do not finish within `timeout` seconds or as soon as one dies
+without a result (a crashed backend): a test never hangs, and a failure on one rank fails the test.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
 
 
@@ -48,12 +50,20 @@ def run_ranks(fn, world: int = 2, timeout: float = 120.0):
     for p in procs:
         p.start()
     got = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, payload = results.get(timeout=timeout)
-            got[rank] = (status, payload)
-    except Exception:  # queue.Empty: some rank hung
-        raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s") from None
+        while len(got) < world:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+                got[rank] = (status, payload)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+            if dead and results.empty():
+                raise AssertionError(f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s")
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -264,3 +264,26 @@ def test_constructor_validates_its_parts():
         Float8Tensor(data, torch.ones(3, 1), torch.float32)
     with pytest.raises(ValueError, match="transpose cache"):
         Float8Tensor(data, torch.ones(()), torch.float32, transpose=data)
+
+
+def test_zero_padding_and_new_zeros_stay_fp8():
+    # What DTensor does to uneven shards: pad with zeros, or cat with new_zeros. Both stay FP8, values exact.
+    import torch.nn.functional as F
+
+    from float8 import RowwiseScaling
+
+    t = Float8Tensor.quantize(torch.randn(5, 32))
+    p = F.pad(t, (0, 0, 0, 3))
+    assert isinstance(p, Float8Tensor) and p.shape == (8, 32)
+    assert torch.equal(p.dequantize()[:5], t.dequantize()) and (p.dequantize()[5:] == 0).all()
+    z = t.new_zeros((3, 32))
+    assert isinstance(z, Float8Tensor) and (z.dequantize() == 0).all()
+    c = torch.cat([t, z])
+    assert isinstance(c, Float8Tensor) and torch.equal(c.dequantize(), p.dequantize())
+    r = Float8Tensor.quantize(torch.randn(5, 32), scaling=RowwiseScaling())
+    pr = F.pad(r, (0, 0, 0, 3))
+    assert tuple(pr.scale_inv.shape) == (8, 1) and torch.equal(pr.dequantize()[:5], r.dequantize())
+    assert torch.equal(torch.cat([r, r.new_zeros((3, 32))]).dequantize(), pr.dequantize())
+    with pytest.raises(ValueError, match="cut a scale block"):
+        F.pad(r, (0, 3))  # a column pad would stretch the row scales over new columns
+    assert type(t.new_zeros((2, 2), dtype=torch.bfloat16)) is torch.Tensor
