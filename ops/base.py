@@ -26,6 +26,19 @@ from float8.quantizer import QuantRequest
 DEFAULT_RECIPE = Recipe()
 
 
+def check_gathered(op, params: list) -> list:
+    """params, unless one is still a sharded DTensor: FSDP2's fully_shard on an op that runs inside a
+    Sequential, which runs its ops without their forward (so without FSDP's gathering hooks)."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+        raise ValueError(
+            f"{type(op).__name__}'s parameters are sharded DTensors (fully_shard on an op inside a Sequential): "
+            "a Sequential runs its ops without their forward, so FSDP never gathers them. Shard the Sequential "
+            "(a block) instead, or call the op on its own."
+        )
+    return params
+
+
 class OpContext:
     """What one op saves for its backward; `run` is shared by all ops of one forward (residual stacks)."""
 
@@ -73,7 +86,7 @@ class BasicOp(torch.nn.Module):
     # ---- protocol ----------------------------------------------------------------------------------
     def op_params(self) -> List[torch.nn.Parameter]:
         """The parameters whose gradients op_backward returns, in that order."""
-        return [p for p in self.parameters(recurse=False)]
+        return check_gathered(self, [p for p in self.parameters(recurse=False)])
 
     def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
         """What this op wants its forward input as; `grad`: whether a backward pass will run; `tokens`:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout
-from float8.ops.base import BasicOp, OpContext
+from float8.ops.base import BasicOp, OpContext, check_gathered
 from float8.ops.bias import Bias
 from float8.ops.functional import (
     check_fp8_weight_grad,
@@ -145,7 +145,7 @@ class Linear(BasicOp):
         return self._expansion
 
     def op_params(self) -> List[torch.nn.Parameter]:
-        return [self.weight]  # the bias belongs to the Bias op of the expansion
+        return check_gathered(self, [self.weight])  # the bias belongs to the Bias op of the expansion
 
     # ---- what this op asks of its neighbours -----------------------------------------------------
     def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:

@@ -9,6 +9,7 @@ without a result (a crashed backend): a test never hangs, and a failure on one r
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -25,6 +26,7 @@ def _free_port() -> int:
 
 def _worker(fn, rank, world, port, results, timeout):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
     import torch.distributed as dist
 
     try:
@@ -36,7 +38,9 @@ def _worker(fn, rank, world, port, results, timeout):
             out = fn(rank, world)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        buf = io.BytesIO()
+        torch.save(out, buf)  # as bytes: tensors sent through the queue would live in this process's shared memory
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, "error", traceback.format_exc()))
 
@@ -72,4 +76,6 @@ def run_ranks(fn, world: int = 2, timeout: float = 120.0):
     errors = [f"rank {r}:\n{payload}" for r, (status, payload) in sorted(got.items()) if status == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
-    return [got[r][1] for r in range(world)]
+    import torch
+
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world)]

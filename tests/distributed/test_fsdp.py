@@ -1,0 +1,88 @@
+"""FSDP2 (fully_shard) of float8.ops models on 2 gloo ranks, with high-precision weight all-gather and FP8
+compute: single ops and a Sequential shard, train, and track the one-process run. (The FP8 all-gather of
+weights is not built yet.)"""
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+STEPS = 3
+
+
+def _model():
+    import float8.ops as ops
+    from float8 import Recipe
+
+    torch.manual_seed(0)
+
+    def block():
+        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=Recipe.rowwise())
+
+    return ops.Sequential(block(), block())  # blocks are Sequentials: FSDP2 shards them one by one
+
+
+def _train(model, batches, rank=None, world=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches:
+        if rank is not None:
+            x = x.chunk(world)[rank]
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 64, generator=g) for _ in range(STEPS)]
+
+
+def _fsdp(rank, world):
+    import float8.ops as ops
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    x = _batches()[0]
+    single = _model()
+    # Row-wise input scaling: a row's scale is its own, so sharding the batch changes no forward bit.
+    with torch.no_grad():
+        expected = single(x).chunk(world)[rank]
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    with torch.no_grad():
+        assert torch.equal(model(x.chunk(world)[rank]), expected)
+    _train(model, _batches(), rank, world)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for one in (ops.Linear(64, 32), ops.RMSNorm(64)):  # single ops shard too
+        fully_shard(one)
+        one(torch.randn(4, 64)).float().sum().backward()
+    # An op sharded inside a Sequential: the Sequential runs its ops without their forward (and FSDP's
+    # hooks), so its weight would stay sharded. That is refused, naming the fix.
+    inner = ops.Sequential(ops.Linear(64, 32))
+    fully_shard(inner[0])
+    try:
+        inner(torch.randn(4, 64))
+    except ValueError as e:
+        assert "Shard the Sequential" in str(e), str(e)
+    else:
+        raise AssertionError("an op sharded inside a Sequential ran")
+    return {n: t.detach() for n, t in full.items()}
+
+
+def test_fsdp2_trains_like_one_process():
+    from tests.tolerances import SQNR_DB, sqnr_db
+
+    sharded = run_ranks(_fsdp)
+    single = _model()
+    _train(single, _batches())
+    for name, p in single.named_parameters():
+        assert torch.equal(sharded[0][name], sharded[1][name])  # every rank holds the same model
+        # Each rank's loss is the mean over its half of the batch and FSDP averages the gradients: the same
+        # update as one process on the whole batch, up to FP8 rounding of the transposed (column-wise) scales.
+        assert sqnr_db(p.detach(), sharded[0][name]) >= SQNR_DB["grad"], name
