@@ -342,6 +342,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
         if fp8_dtype is not None:
             self.bind(fp8_dtype)
         self.amax_group = check_amax_group(amax_group)
+        self.deferred = None  # a list while a run defers its amax reductions (record, reduce_deferred)
         self.register_buffer("amax_history", torch.empty(recipe.history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.empty((), dtype=torch.float32, device=device))
         self.reset_parameters()
@@ -417,12 +418,25 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor) -> None:
-        """Fold one amax into the history and compute the next scale, in place, on the device."""
+        """Fold one amax into the history and compute the next scale, in place, on the device.
+
+        With an amax group, the amax is reduced (MAX) over it first: at once, or, while a run defers the
+        reductions (`deferred`, set by a Sequential), together with the run's other amaxes in one
+        all-reduce at its end (`reduce_deferred`)."""
         if self.fp8_dtype is None:
             raise RuntimeError("DelayedScalingState.record before the state knows its format: bind(fp8_dtype) first")
         amax = amax.detach().float().reshape(())
+        self.has_history = True
+        if self.amax_group is not None and self.deferred is not None:
+            self.deferred.append((self, amax.clone()))
+            return
         if self.amax_group is not None:
             amax = all_reduce_amax(amax.clone(), self.amax_group)
+        self.fold(amax)
+
+    @torch.no_grad()
+    def fold(self, amax: torch.Tensor) -> None:
+        """Record an amax that is already reduced over the group: history and next scale, device ops only."""
         finite = torch.isfinite(amax)
         history = self.amax_history
         rolled = torch.roll(history, 1)
@@ -431,7 +445,6 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
         reduced = history.amax() if self.recipe.amax_compute_algo == "max" else history[0]
         candidate = scale_from_amax(reduced, self.fp8_dtype, self.recipe.margin, self.recipe.power_of_2)
         self.scale.copy_(torch.where(finite, candidate, self.scale))
-        self.has_history = True
 
     def update(self, amax: torch.Tensor, fp8_dtype=None) -> None:
         """`record`, binding the format first if given (the older name of this method)."""
@@ -441,6 +454,19 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
 
     def extra_repr(self) -> str:
         return f"{self.recipe!r}, fp8_dtype={self.fp8_dtype}"
+
+
+def reduce_deferred(pending: list) -> None:
+    """Reduce the amaxes that delayed states deferred during a run, one all-reduce per process group (one
+    for a Sequential's whole step), and fold each into its state. `pending`: [(state, amax)], emptied."""
+    by_group = {}
+    for state, amax in pending:
+        by_group.setdefault(id(state.amax_group), []).append((state, amax))
+    pending.clear()
+    for entries in by_group.values():
+        amaxes = all_reduce_amax(torch.stack([a for _, a in entries]), entries[0][0].amax_group)
+        for (state, _), amax in zip(entries, amaxes):
+            state.fold(amax)
 
 
 class LinearQuantizers(NamedTuple):

@@ -65,6 +65,7 @@ class BasicOp(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self._recipe: Optional[Recipe] = None
+        self._amax_group = None
 
     # ---- recipe ----------------------------------------------------------------------------------
     @property
@@ -82,6 +83,20 @@ class BasicOp(torch.nn.Module):
 
     def _recipe_changed(self) -> None:
         pass
+
+    @property
+    def amax_group(self):
+        """The process group over which this op's per-tensor amaxes are reduced (MAX), or None."""
+        return self._amax_group
+
+    def set_amax_group(self, group, overwrite: bool = False) -> None:
+        """Give the op an amax reduction group (a Sequential hands its own to ops that have none)."""
+        from float8.quantizer import check_amax_group
+
+        if group is not None or overwrite:
+            if self._amax_group is None or overwrite:
+                self._amax_group = check_amax_group(group)
+                self._recipe_changed()
 
     # ---- protocol ----------------------------------------------------------------------------------
     def op_params(self) -> List[torch.nn.Parameter]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
-from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout
+from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, check_amax_group
 from float8.ops.base import BasicOp, OpContext, check_gathered
 from float8.ops.bias import Bias
 from float8.ops.functional import (
@@ -92,10 +92,14 @@ class Linear(BasicOp):
     x: (..., in_features) float32/bfloat16/float16 (or a Float8Tensor from the op before); y: (...,
     out_features) in x's dtype. `weight`: (out_features, in_features) and `bias`: (out_features,) like
     nn.Linear (same initialisation). Options, keyword-only: bias, device, dtype, recipe (a float8.Recipe;
-    a Sequential's recipe otherwise, else Recipe()).
+    a Sequential's recipe otherwise, else Recipe()), amax_group (a process group over which per-tensor
+    amaxes are reduced, so that all ranks quantize with one scale; a Sequential's otherwise).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, device=None, dtype=None, recipe=None):
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool = True, device=None, dtype=None, recipe=None,
+        amax_group=None,
+    ):  # fmt: skip
         super().__init__()
         self.in_features = _check_features(in_features, "in_features")
         self.out_features = _check_features(out_features, "out_features")
@@ -104,6 +108,7 @@ class Linear(BasicOp):
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._weight_cache = _WeightCache()
         self._expansion: Optional[list] = None
+        self._amax_group = check_amax_group(amax_group)
         self.set_recipe(recipe)
         self.reset_parameters()
 
@@ -126,7 +131,8 @@ class Linear(BasicOp):
 
     # ---- quantizers, built by the recipe ---------------------------------------------------------
     def _recipe_changed(self) -> None:
-        for role, quantizer in zip(LinearQuantizers._fields, self.recipe.quantizers(device=self.weight.device)):
+        built = self.recipe.quantizers(device=self.weight.device, amax_group=self.amax_group)
+        for role, quantizer in zip(LinearQuantizers._fields, built):
             name = f"{role}_quantizer"
             self._modules.pop(name, None)
             setattr(self, name, quantizer)  # a DelayedScalingState registers as a submodule (its history)

@@ -12,7 +12,8 @@ from typing import List, Optional
 
 import torch
 
-from float8 import Float8Tensor, Recipe
+from float8 import DelayedScalingState, Float8Tensor, Recipe
+from float8.quantizer import check_amax_group, reduce_deferred
 from float8.ops.base import BasicOp, OpContext, RunState
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.linear import Linear
@@ -41,25 +42,48 @@ class _Runner:
         self.ops, self.fuse = ops, fuse
         self.run = RunState(grad, lead)
         self.ctxs = [OpContext(self.run, input_requires_grad if i == 0 else True) for i in range(len(ops))]
+        # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
+        # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
+        self.grouped = [
+            q for op in ops for q in getattr(op, "quantizers", ())
+            if isinstance(q, DelayedScalingState) and q.amax_group is not None
+        ]  # fmt: skip
+        self.pending: list = []
+
+    def _deferring(self, on: bool) -> None:
+        for q in self.grouped:
+            q.deferred = self.pending if on else None
 
     def forward(self, x):
         ops, grad = self.ops, self.run.grad
         units = match(ops, FORWARD_FUSIONS, self.fuse)
-        for k, (i, unit) in enumerate(units):
-            nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
-            # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
-            request = nxt.input_request(grad, x.shape[0]) if nxt is not None and self.fuse else None
-            x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
+        self._deferring(True)
+        try:
+            for k, (i, unit) in enumerate(units):
+                nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
+                # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
+                request = nxt.input_request(grad, x.shape[0]) if nxt is not None and self.fuse else None
+                x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
+        finally:
+            self._deferring(False)
+        if not grad and self.pending:
+            reduce_deferred(self.pending)  # no backward to wait for
         return x
 
     def backward(self, dy):
         ops = self.ops
         grads = [None] * len(ops)
-        for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
-            prev = ops[i - 1] if i > 0 else None
-            request = prev.grad_request(self.ctxs[i - 1]) if prev is not None and self.fuse else None
-            dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
-            grads[i : i + len(unit.ops)] = unit_grads
+        self._deferring(True)
+        try:
+            for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
+                prev = ops[i - 1] if i > 0 else None
+                request = prev.grad_request(self.ctxs[i - 1]) if prev is not None and self.fuse else None
+                dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
+                grads[i : i + len(unit.ops)] = unit_grads
+        finally:
+            self._deferring(False)
+        if self.pending:
+            reduce_deferred(self.pending)  # the step's forward and backward amaxes, one all-reduce per group
         flat = []
         for op, op_grads in zip(ops, grads):
             n = len(op.op_params())
@@ -113,9 +137,14 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Ten
 
 
 class Sequential(torch.nn.Module):
-    """Ops in order, fused. Indexable and iterable like nn.Sequential; `recipe` applies to ops without one."""
+    """Ops in order, fused. Indexable and iterable like nn.Sequential.
 
-    def __init__(self, *ops: torch.nn.Module, recipe: Optional[Recipe] = None, fuse: bool = True):
+    Options, keyword-only: recipe (applies to ops without one), fuse (False runs every op on its own),
+    amax_group (a process group for ops without one: per-tensor amaxes are reduced with MAX over it, so all
+    ranks quantize with one scale; delayed scaling's amaxes of one step go out in one all-reduce).
+    """
+
+    def __init__(self, *ops: torch.nn.Module, recipe: Optional[Recipe] = None, fuse: bool = True, amax_group=None):
         super().__init__()
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a float8.Recipe, got {type(recipe).__name__}")
@@ -124,13 +153,17 @@ class Sequential(torch.nn.Module):
                 raise TypeError(f"Sequential takes ops or nn.Modules; item {i} is a {type(op).__name__}")
         self.ops = torch.nn.ModuleList(ops)
         self.recipe, self.fuse = recipe, fuse
+        self.amax_group = check_amax_group(amax_group)
         for op in ops:
             if isinstance(op, BasicOp):
                 op.set_recipe(recipe)
+                op.set_amax_group(amax_group)
         _check_residual_pairs(ops)
 
     def __getitem__(self, i):
-        return Sequential(*self.ops[i], recipe=self.recipe, fuse=self.fuse) if isinstance(i, slice) else self.ops[i]
+        if isinstance(i, slice):
+            return Sequential(*self.ops[i], recipe=self.recipe, fuse=self.fuse, amax_group=self.amax_group)
+        return self.ops[i]
 
     def __len__(self) -> int:
         return len(self.ops)
