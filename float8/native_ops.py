@@ -48,6 +48,7 @@ def transpose_cache_after(how: str, src: Float8Tensor, derive=None):
 
 def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Float8Tensor:
     out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
+    out._gathered_master = src._gathered_master
     if _aliases(data, src):
         share_writes(out, src)  # a view: writes through it must reach src's cache check, and back
     return out
@@ -272,6 +273,25 @@ def _view(func, args, kwargs):
         # Per-row and 1xK layouts: leading dims may be reshaped freely, the last dim keeps its blocks.
         s = s.reshape(tuple(data.shape[:-1]) + (s.shape[-1],))
     return _wrap(src, data, s, transpose_cache_after("drop", src))
+
+
+@dispatch.implements([aten.as_strided.default])
+@_shares_versions
+def _as_strided(func, args, kwargs):
+    """The same strided view of the FP8 bits (strides count elements, one byte each). One scale follows any
+    such view; per-row and block scales only the identity view (FSDP2 makes one of its unsharded weight)."""
+    src, size, stride = args[0], list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    data = func(src._data, size, stride, offset)
+    s = src._scale_inv
+    if s.dim() and (tuple(data.shape) != tuple(src.shape) or data.stride() != src._data.stride()
+                    or data.storage_offset() != src._data.storage_offset()):  # fmt: skip
+        raise ValueError(
+            f"as_strided{tuple(size), tuple(stride), offset} of a Float8Tensor with scale_inv {tuple(s.shape)}: its "
+            "scale blocks cannot follow a view other than the identity; dequantize() first"
+        )
+    same = tuple(data.shape) == tuple(src.shape) and data.stride() == src._data.stride()
+    return _wrap(src, data, s, transpose_cache_after("alias" if same else "drop", src))
 
 
 @dispatch.implements([aten.unsqueeze.default])

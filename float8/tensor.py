@@ -75,6 +75,9 @@ class Float8Tensor(torch.Tensor):
         self._scale_inv = scale_inv
         self._transpose_raw = transpose
         self._writes = [0]  # shared by the Float8Tensors that alias these bits (share_writes); see below
+        # An FSDP2 all-gather of a trainable high-precision master (float8/fsdp.py): a Linear computes its
+        # weight gradient, which FSDP reduce-scatters into the master's.
+        self._gathered_master = False
         self._t_stamp = _stamp(self)
         return self
 

@@ -69,7 +69,7 @@ class LinearSaved:
 
 def check_fp8_weight_grad(weight: torch.Tensor) -> None:
     """An FP8-only weight has no high-precision master to apply a gradient to: refuse to train it."""
-    if isinstance(weight, Float8Tensor) and weight.requires_grad:
+    if isinstance(weight, Float8Tensor) and weight.requires_grad and not weight._gathered_master:
         raise ValueError(
             "the weight is an FP8-only Float8Tensor that requires grad, but there is no high-precision master "
             "weight for an optimizer to update (its gradient would be lost). Freeze it "

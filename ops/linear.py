@@ -251,4 +251,6 @@ class Linear(BasicOp):
         dx, dw = linear_bwd(dy2, saved, self.quantizers, self.weight.dtype)
         if dx is not None:
             dx = dx.reshape(*ctx.lead, self.in_features)
-        return dx, [dw if not isinstance(self.weight, Float8Tensor) else None]
+        w = self.weight
+        trainable = not isinstance(w, Float8Tensor) or w._gathered_master  # FSDP2's FP8 copy of a master
+        return dx, [dw if trainable else None]

@@ -86,3 +86,76 @@ def test_fsdp2_trains_like_one_process():
         # Each rank's loss is the mean over its half of the batch and FSDP averages the gradients: the same
         # update as one process on the whole batch, up to FP8 rounding of the transposed (column-wise) scales.
         assert sqnr_db(p.detach(), sharded[0][name]) >= SQNR_DB["grad"], name
+
+
+def _fp8_model():
+    import float8.ops as ops
+    from float8 import Recipe, RowwiseScaling, TensorwiseScaling
+
+    torch.manual_seed(0)
+    # Row-wise inputs and gradients (local to their rows), a per-tensor weight: the forward is the same
+    # arithmetic sharded or not, so its bits can be compared.
+    recipe = Recipe(input=RowwiseScaling(), weight=TensorwiseScaling(), grad=RowwiseScaling())
+
+    def block():
+        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=recipe)
+
+    return ops.Sequential(block(), block())
+
+
+def _fsdp_fp8(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
+    from float8 import Float8Tensor
+
+    model = _fp8_model()
+    wrapped = f8fsdp.enable_fp8_all_gather(model)
+    assert len(wrapped) == 4, wrapped
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    shard = model[0][1].weight.to_local()
+    bits, meta = shard.fsdp_pre_all_gather(model[0][1].weight.device_mesh)
+    assert bits[0].dtype == torch.uint8 and bits[0].numel() == shard.numel()  # 1 byte per element on the wire
+
+    single = _fp8_model()
+    x = _batches()[0]
+    with torch.no_grad():
+        expected = single(x).chunk(world)[rank]
+        assert torch.equal(model(x.chunk(world)[rank]), expected)  # FP8-gathered weights: the same bits
+
+    seen = []
+    lin = model[0][1]
+    run_linear = lin.op_forward  # a Sequential runs op_forward, not forward (no module hooks): watch it
+
+    def watched(ctx, x, out_request=None, bias=None):
+        seen.append(type(lin.weight).__name__)
+        return run_linear(ctx, x, out_request, bias)
+
+    lin.op_forward = watched
+    losses = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, batch in enumerate(_batches()):
+        if step:
+            assert f8fsdp.precompute_scales(model) == 4
+        loss = model(batch.chunk(world)[rank]).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert seen and all(name == "Float8Tensor" for name in seen), seen  # the Linear computed with FP8 weights
+    return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def test_fsdp2_fp8_all_gather_trains_like_one_process():
+    from tests.tolerances import SQNR_DB, sqnr_db
+
+    sharded = run_ranks(_fsdp_fp8)
+    single = _fp8_model()
+    _train(single, _batches())
+    for name, p in single.named_parameters():
+        a, b = sharded[0][name], sharded[1][name]
+        a, b = getattr(a, "master", a), getattr(b, "master", b)
+        assert torch.equal(a, b)
+        assert sqnr_db(p.detach(), a) >= SQNR_DB["grad"], name

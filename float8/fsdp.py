@@ -1,0 +1,154 @@
+"""FSDP2 all-gathers a Linear's weight as FP8: 1 byte per element on the wire instead of 2 (bf16) or 4.
+
+    float8.fsdp.enable_fp8_all_gather(model)      # before fully_shard: the one switch
+    fully_shard(block) ...; fully_shard(model)
+    ... loss.backward(); optimizer.step()
+    float8.fsdp.precompute_scales(model)          # optional: all weights' scales in one all-reduce a step
+
+The choice (docs/design.md §9): a weight wrapper, not FP8 primary weights. `Float8TrainingWeight` wraps the
+high-precision master shard (what the optimizer updates, in float32 or bfloat16); every op on it runs on
+the master, so optimizers, state dicts and gradient clipping see a plain tensor. Only FSDP2's all-gather
+sees FP8: `fsdp_pre_all_gather` quantizes the local shard with one scale for the whole weight (its amax
+reduced with MAX over the data-parallel group, or the scale `precompute_scales` computed for all weights in
+one all-reduce), FSDP gathers the bytes (as uint8, which every backend moves), and `fsdp_post_all_gather`
+returns the unsharded weight as a Float8Tensor, which the Linear uses directly for its GEMMs and computes
+the weight's high-precision gradient for (FSDP reduce-scatters it into the master's gradient). FP8 primary
+weights would save the master's memory but put the optimizer's arithmetic on FP8 values (updates smaller
+than an FP8 step vanish); keeping masters is the trade-off issue 10's master-weight work builds on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from float8.kernels import amax as amax_kernel
+from float8.kernels import quantize_tensorwise
+from float8.kernels.reference import scale_from_amax
+from float8.quantizer import all_reduce_amax
+from float8.tensor import Float8Tensor
+
+aten = torch.ops.aten
+# Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).
+_KEEP_WRAPPED = {
+    aten.detach.default, aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
+    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+    aten.narrow.default, aten.clone.default, aten._to_copy.default, aten.empty_like.default,
+    aten.new_zeros.default, aten.new_empty.default, aten.zeros_like.default, aten.t.default,
+    aten.alias.default, aten.reshape.default, aten._pin_memory.default,
+}  # fmt: skip
+
+
+class Float8TrainingWeight(torch.Tensor):
+    """A high-precision master weight (shard) that FSDP2 all-gathers as FP8.
+
+    Every op runs on the wrapped master (`master`), so to everything but FSDP's all-gather it is the
+    master itself; in-place ops (optimizer steps) write into it. fp8_dtype: the format of the gathered
+    weight (the Linear's forward format).
+    """
+
+    @staticmethod
+    def __new__(cls, master: torch.Tensor, fp8_dtype=torch.float8_e4m3fn):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, master.shape, strides=master.stride(), storage_offset=master.storage_offset(), dtype=master.dtype,
+            device=master.device, requires_grad=master.requires_grad,
+        )  # fmt: skip
+        self.master = master
+        self.fp8_dtype = fp8_dtype
+        self.precomputed_scale: Optional[torch.Tensor] = None
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Float8TrainingWeight({self.fp8_dtype}, master={self.master!r})"
+
+    def __tensor_flatten__(self):
+        return ["master"], (self.fp8_dtype,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Float8TrainingWeight(inner["master"], *ctx)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        weights = []
+
+        def unwrap(t):
+            if isinstance(t, Float8TrainingWeight):
+                weights.append(t)
+                return t.master
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        fp8 = weights[0].fp8_dtype
+        if func in _KEEP_WRAPPED:
+            return tree_map(lambda t: Float8TrainingWeight(t, fp8) if isinstance(t, torch.Tensor) else t, out)
+        if func._schema.is_mutable:
+            # A write into a master (an optimizer step): a scale computed before it is stale.
+            for w in weights:
+                w.precomputed_scale = None
+            if isinstance(args[0], Float8TrainingWeight):
+                return args[0]
+        return out
+
+    # ---- FSDP2 ----------------------------------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        """The local shard as FP8 bytes (uint8) under one scale for the whole weight."""
+        scale = self.precomputed_scale
+        if scale is None:  # one all-reduce for this weight; precompute_scales does all weights in one
+            amax = all_reduce_amax(amax_kernel(self.master), mesh.get_group())
+            scale = scale_from_amax(amax, self.fp8_dtype)
+        data, _, scale_inv, _ = quantize_tensorwise(self.master, self.fp8_dtype, scale.reshape(()))
+        return (data.view(torch.uint8),), (scale_inv,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded weight: a Float8Tensor of the gathered bytes, marked as a trainable master's copy."""
+        (bits,) = all_gather_outputs
+        (scale_inv,) = metadata
+        if out is not None:  # FSDP reuses the unsharded parameter: same storage, new scale
+            out._scale_inv.copy_(scale_inv)
+            return
+        weight = Float8Tensor(bits.view(self.fp8_dtype), scale_inv.clone(), param_dtype)
+        weight._gathered_master = True
+        return weight, (bits,)
+
+
+def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3fn) -> list:
+    """Wrap the weights of the model's float8.ops Linears (per-tensor weight scaling) so that FSDP2
+    all-gathers them as FP8; call before fully_shard. Returns the names of the wrapped weights. A Linear
+    whose weight cannot be served (row-wise or block weight scaling, an FP8-only weight) keeps the
+    high-precision all-gather."""
+    from float8.quantizer import ScaleLayout
+
+    wrapped = []
+    for name, module in model.named_modules():
+        quantizers = getattr(module, "quantizers", None)
+        weight = getattr(module, "weight", None)
+        if quantizers is None or not isinstance(weight, torch.nn.Parameter) or isinstance(weight, Float8Tensor):
+            continue
+        if quantizers.weight.layout is not ScaleLayout.TENSOR or isinstance(weight.data, Float8TrainingWeight):
+            continue
+        module.weight = torch.nn.Parameter(Float8TrainingWeight(weight.data, fp8_dtype), requires_grad=weight.requires_grad)
+        wrapped.append(f"{name}.weight" if name else "weight")
+    return wrapped
+
+
+@torch.no_grad()
+def precompute_scales(model: torch.nn.Module) -> int:
+    """After optimizer.step(): the scales of all FP8-gathered weights, from one all-reduce of their amaxes
+    per data-parallel group (instead of one per weight at each all-gather). Returns how many weights.
+    A scale is forgotten as soon as its master is written (the next optimizer step): never stale."""
+    groups = {}
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if isinstance(local, Float8TrainingWeight):
+            group = p.device_mesh.get_group() if hasattr(p, "device_mesh") else None
+            groups.setdefault(id(group), (group, []))[1].append(local)
+    for group, weights in groups.values():
+        amaxes = torch.stack([amax_kernel(w.master) for w in weights])
+        if group is not None:
+            all_reduce_amax(amaxes, group)
+        for w, amax in zip(weights, amaxes):
+            w.precomputed_scale = scale_from_amax(amax, w.fp8_dtype)
+    return sum(len(w) for _, w in groups.values())
