@@ -46,9 +46,14 @@ DESCRIPTION_LEN = 4 + 2 * MAX_DIMS
 _DTYPES = list(FP8_DTYPES) + list(HIGH_PRECISION_DTYPES)
 
 
+def _group(pg):
+    """The Python ProcessGroup of the one a c10d op was given (a boxed ScriptObject there)."""
+    return dist.ProcessGroup.unbox(pg) if not isinstance(pg, dist.ProcessGroup) else pg
+
+
 def _size_rank(pg):
-    """(world size, rank) of the process group a c10d op was given (a boxed ScriptObject there)."""
-    group = dist.ProcessGroup.unbox(pg) if not isinstance(pg, dist.ProcessGroup) else pg
+    """(world size, rank) of the process group a c10d op was given."""
+    group = _group(pg)
     return group.size(), group.rank()
 
 
@@ -87,7 +92,7 @@ def agree(tensors, pg, op: str) -> None:
     local = torch.stack([describe(t) for t in tensors]).to(tensors[0]._data.device)
     world, _ = _size_rank(pg)
     gathered = torch.empty((world * local.shape[0], local.shape[1]), dtype=torch.int64, device=local.device)
-    c10d._allgather_base_.default(gathered, local, pg, False, -1)[1].wait()
+    dist.all_gather_into_tensor(gathered, local, group=_group(pg))
     gathered = gathered.cpu().reshape(world, *local.shape)
     for rank in range(world):
         if not torch.equal(gathered[rank], gathered[0]):
@@ -117,24 +122,39 @@ def _received(tensors) -> None:
 # ---- the handled collectives -------------------------------------------------------------------------
 
 
+def _last(works):
+    """Wait for all but the last Work and return that one (the caller waits for it)."""
+    for w in works[:-1]:
+        w.wait()
+    return works[-1]
+
+
+def _boxed(work):
+    """A Python Work as the c10d op returns it (a boxed ScriptObject)."""
+    return work.boxed() if isinstance(work, dist.Work) else work
+
+
+# The handlers call the Python collectives on the unboxed group, not the c10d op they received: calling
+# the op with its boxed group from inside __torch_dispatch__ crashed NCCL on torch 2.11 (2 H200s).
+
+
 @dispatch.implements([c10d.broadcast_.default])
 def _broadcast(func, args, kwargs):
-    tensors, pg, root_rank, root_tensor = args[0], args[1], args[2], args[3]
-    rest = args[4:]
+    tensors, pg, root_rank = args[0], args[1], args[2]
     _check_float8(tensors, "broadcast")
     agree(tensors, pg, "broadcast")
-    func([_bits(t) for t in tensors], pg, root_rank, root_tensor, *rest)[1].wait()
-    _, work = func([t._scale_inv for t in tensors], pg, root_rank, root_tensor, *rest)
+    g = _group(pg)
+    parts = [_bits(t) for t in tensors] + [t._scale_inv for t in tensors]
+    work = _last([dist.broadcast(p, group=g, group_src=root_rank, async_op=True) for p in parts])
     work.wait()
     if _size_rank(pg)[1] != root_rank:
         _received(tensors)
-    return tensors, work
+    return tensors, _boxed(work)
 
 
 @dispatch.implements([c10d.allgather_.default])
 def _all_gather(func, args, kwargs):
     outputs, inputs, pg = args[0], args[1], args[2]
-    rest = args[3:]
     _check_float8(inputs, "all_gather")
     for outs in outputs:
         _check_float8(outs, "all_gather")
@@ -143,12 +163,16 @@ def _all_gather(func, args, kwargs):
         for o in outs:
             if describe(o).tolist() != describe(x).tolist():
                 raise ValueError(f"all_gather: output {_explain(describe(o))} does not match the input {_explain(describe(x))}")
-    func([[_bits(o) for o in outs] for outs in outputs], [_bits(x) for x in inputs], pg, *rest)[1].wait()
-    _, work = func([[o._scale_inv for o in outs] for outs in outputs], [x._scale_inv for x in inputs], pg, *rest)
+    g = _group(pg)
+    works = []
+    for outs, x in zip(outputs, inputs):
+        works.append(dist.all_gather([_bits(o) for o in outs], _bits(x).contiguous(), group=g, async_op=True))
+        works.append(dist.all_gather([o._scale_inv for o in outs], x._scale_inv.contiguous(), group=g, async_op=True))
+    work = _last(works)
     work.wait()
     for outs in outputs:
         _received(outs)
-    return outputs, work
+    return outputs, _boxed(work)
 
 
 @dispatch.implements([c10d._allgather_base_.default])
@@ -163,11 +187,12 @@ def _all_gather_into_tensor(func, args, kwargs):
             f"all_gather_into_tensor: output {tuple(out.shape)} {out.fp8_dtype} cannot hold {world} inputs of "
             f"{tuple(x.shape)} {x.fp8_dtype}"
         )
-    func(_bits(out), _bits(x), pg, *rest)[1].wait()
+    g = _group(pg)
+    dist.all_gather_into_tensor(_bits(out), _bits(x).contiguous(), group=g)
     s = x._scale_inv
     if s.dim() == 0:
         scales = torch.empty((world,), dtype=s.dtype, device=s.device)
-        _, work = func(scales, s.reshape(1), pg, *rest)
+        work = dist.all_gather_into_tensor(scales, s.reshape(1), group=g, async_op=True)
         work.wait()
         if not bool((scales == scales[0]).all()):
             raise ValueError(
@@ -185,10 +210,10 @@ def _all_gather_into_tensor(func, args, kwargs):
                 f"all_gather_into_tensor: the output's scale_inv {tuple(out._scale_inv.shape)} does not hold {world} "
                 f"inputs' scale_inv {tuple(s.shape)} block for block"
             )
-        _, work = func(out._scale_inv, s.contiguous(), pg, *rest)
+        work = dist.all_gather_into_tensor(out._scale_inv, s.contiguous(), group=g, async_op=True)
         work.wait()
     _received([out])
-    return out, work
+    return out, _boxed(work)
 
 
 def _header(t) -> torch.Tensor:
@@ -199,40 +224,44 @@ def _header(t) -> torch.Tensor:
 def _send(func, args, kwargs):
     tensors, pg, dst, tag = args
     _check_float8(tensors, "send")
+    g = _group(pg)
     work = None
-    for i, t in enumerate(tensors):
+    for t in tensors:
         if work is not None:
             work.wait()
-        func([_header(t)], pg, dst, tag).wait()
-        func([_bits(t).contiguous()], pg, dst, tag).wait()
+        dist.send(_header(t), group=g, group_dst=dst, tag=tag)
+        dist.send(_bits(t).contiguous(), group=g, group_dst=dst, tag=tag)
         # gloo's point-to-point ops hang on 0-d tensors, and a second wait() on their Work waits for a second
         # message: the last send is left to the caller's wait.
-        work = func([t._scale_inv.contiguous().view(-1)], pg, dst, tag)
-    return work
+        work = dist.isend(t._scale_inv.contiguous().view(-1), group=g, group_dst=dst, tag=tag)
+    return _boxed(work)
 
 
 @dispatch.implements([c10d.recv_.default])
 def _recv(func, args, kwargs):
     tensors, pg, src, tag = args
     _check_float8(tensors, "recv")
+    g = _group(pg)
+    work = None
     for t in tensors:
+        if work is not None:
+            work.wait()
         header = torch.empty((DESCRIPTION_LEN,), dtype=torch.int64, device=t._data.device)
-        func([header], pg, src, tag).wait()
+        dist.recv(header, group=g, group_src=src, tag=tag)
         mine = describe(t)
         if not torch.equal(header.cpu(), mine):
             # Drain what the sender sends, so that it never blocks, then refuse.
-            nd, snd = int(header[2]), int(header[3 + MAX_DIMS])
-            numel = int(torch.tensor(header[3 : 3 + nd].tolist() or [1]).prod()) if nd else 1
-            snumel = int(torch.tensor(header[4 + MAX_DIMS : 4 + MAX_DIMS + snd].tolist() or [1]).prod()) if snd else 1
-            func([torch.empty(numel, dtype=torch.uint8, device=t._data.device)], pg, src, tag).wait()
-            func([torch.empty(snumel, dtype=torch.float32, device=t._data.device)], pg, src, tag).wait()
-            raise ValueError(f"recv: rank {src} sent {_explain(header.cpu())} into {_explain(mine)}")
-        func([_bits(t)], pg, src, tag).wait()
+            h = header.cpu()
+            nd, snd = int(h[2]), int(h[3 + MAX_DIMS])
+            numel = int(torch.tensor(h[3 : 3 + nd].tolist() or [1]).prod()) if nd else 1
+            snumel = int(torch.tensor(h[4 + MAX_DIMS : 4 + MAX_DIMS + snd].tolist() or [1]).prod()) if snd else 1
+            dist.recv(torch.empty(numel, dtype=torch.uint8, device=t._data.device), group=g, group_src=src, tag=tag)
+            dist.recv(torch.empty(snumel, dtype=torch.float32, device=t._data.device), group=g, group_src=src, tag=tag)
+            raise ValueError(f"recv: rank {src} sent {_explain(h)} into {_explain(mine)}")
+        dist.recv(_bits(t), group=g, group_src=src, tag=tag)
         _received([t])
-        work = func([t._scale_inv.view(-1)], pg, src, tag)  # waited by the caller, as in _send
-        if t is not tensors[-1]:
-            work.wait()
-    return work
+        work = dist.irecv(t._scale_inv.view(-1), group=g, group_src=src, tag=tag)  # waited by the caller
+    return _boxed(work)
 
 
 @dispatch.implements([c10d.allreduce_.default])
@@ -241,8 +270,9 @@ def _all_reduce(func, args, kwargs):
     rest = args[2:]
     _check_float8(tensors, "all_reduce")
     agree(tensors, pg, "all_reduce")
+    op = dist.ReduceOp.RedOpType(rest[0].op())  # the boxed ReduceOp the c10d op was given
     wides = [t.dequantize(torch.float32) for t in tensors]
-    _, work = func(wides, pg, *rest)
+    work = _last([dist.all_reduce(w, op=op, group=_group(pg), async_op=True) for w in wides])
     work.wait()
     with torch.no_grad():
         for t, w in zip(tensors, wides):
@@ -250,13 +280,12 @@ def _all_reduce(func, args, kwargs):
             t._data.copy_(fresh._data)
             t._scale_inv.copy_(fresh._scale_inv)
     _received(tensors)
-    return tensors, work
+    return tensors, _boxed(work)
 
 
 @dispatch.implements([c10d.scatter_.default])
 def _scatter(func, args, kwargs):
     outputs, inputs, pg, root = args[0], args[1], args[2], args[3]
-    rest = args[4:]
     _check_float8(outputs, "scatter")
     for ins in inputs:
         _check_float8(ins, "scatter")
@@ -265,17 +294,21 @@ def _scatter(func, args, kwargs):
         for i in ins:
             if describe(i).tolist() != describe(outputs[0]).tolist():
                 raise ValueError(f"scatter: input {_explain(describe(i))} does not match the outputs {_explain(describe(outputs[0]))}")
-    func([_bits(o) for o in outputs], [[_bits(i) for i in ins] for ins in inputs], pg, root, *rest)[1].wait()
-    _, work = func([o._scale_inv for o in outputs], [[i._scale_inv for i in ins] for ins in inputs], pg, root, *rest)
+    g, is_root = _group(pg), _size_rank(pg)[1] == root
+    works = []
+    for k, o in enumerate(outputs):
+        ins = inputs[k] if is_root else None
+        works.append(dist.scatter(_bits(o), [_bits(i).contiguous() for i in ins] if ins else None, group=g, group_src=root, async_op=True))
+        works.append(dist.scatter(o._scale_inv, [i._scale_inv.contiguous() for i in ins] if ins else None, group=g, group_src=root, async_op=True))
+    work = _last(works)
     work.wait()
     _received(outputs)
-    return outputs, work
+    return outputs, _boxed(work)
 
 
 @dispatch.implements([c10d.gather_.default])
 def _gather(func, args, kwargs):
     outputs, inputs, pg, root = args[0], args[1], args[2], args[3]
-    rest = args[4:]
     _check_float8(inputs, "gather")
     for outs in outputs:
         _check_float8(outs, "gather")
@@ -284,12 +317,17 @@ def _gather(func, args, kwargs):
         for o in outs:
             if describe(o).tolist() != describe(inputs[0]).tolist():
                 raise ValueError(f"gather: output {_explain(describe(o))} does not match the input {_explain(describe(inputs[0]))}")
-    func([[_bits(o) for o in outs] for outs in outputs], [_bits(i) for i in inputs], pg, root, *rest).wait()
-    work = func([[o._scale_inv for o in outs] for outs in outputs], [i._scale_inv for i in inputs], pg, root, *rest)
+    g, is_root = _group(pg), _size_rank(pg)[1] == root
+    works = []
+    for k, x in enumerate(inputs):
+        outs = outputs[k] if is_root else None
+        works.append(dist.gather(_bits(x).contiguous(), [_bits(o) for o in outs] if outs else None, group=g, group_dst=root, async_op=True))
+        works.append(dist.gather(x._scale_inv.contiguous(), [o._scale_inv for o in outs] if outs else None, group=g, group_dst=root, async_op=True))
+    work = _last(works)
     work.wait()
     for outs in outputs:
         _received(outs)
-    return work
+    return _boxed(work)
 
 
 # ---- everything else refuses ------------------------------------------------------------------------

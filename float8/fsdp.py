@@ -122,6 +122,15 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3
     from float8.quantizer import ScaleLayout
 
     wrapped = []
+    if any(p.is_cuda for p in model.parameters()):
+        # Measured on 2 H200s with NCCL (tests/distributed/nccl_smoke.py, 2026-11-22): the forward equals one
+        # GPU's bit for bit, but AdamW training went NaN from the second step; not understood yet. Refused
+        # rather than run: every path gives the right result or says why it cannot.
+        raise NotImplementedError(
+            "FSDP2's FP8 all-gather is verified on CPU (gloo) only: on CUDA/NCCL, training went NaN after the "
+            "first step in testing. Keep the high-precision all-gather (do not call enable_fp8_all_gather) for "
+            "CUDA models until this is fixed."
+        )
     for name, module in model.named_modules():
         quantizers = getattr(module, "quantizers", None)
         weight = getattr(module, "weight", None)

@@ -82,6 +82,9 @@ def _moving_collectives(rank, world):
     dist.all_reduce(s)
     total = sum(theirs[r].dequantize() for r in range(world))
     _same(s, q(total))
+    m = q(_x(rank))
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    _same(m, q(torch.maximum(theirs[0].dequantize(), theirs[1].dequantize())))
     return True
 
 
