@@ -25,7 +25,13 @@ float32 scale-inverse, and leaves correct Float8Tensors behind (docs/design.md Â
 - A receiving tensor's transpose cache is dropped (its bits changed); views of it see the write.
 - The collectives run synchronously inside the handler (data, then scales) and return the Work of the
   last step (complete for collectives; for send/recv the scale's, which the caller waits for), so
-  `async_op=True` and `isend`/`irecv` work but do not overlap.
+  `async_op=True` works but does not overlap. `isend` blocks until its header and bits are received:
+  two ranks that `isend` to each other before posting their `irecv` deadlock (post the receive first on
+  one side, or order them by rank). Point-to-point cannot check what the other side passes before moving
+  data: a plain tensor sent into a Float8Tensor's `recv` (or the reverse) is a protocol mismatch that
+  gloo aborts or that leaves garbage in the plain receiver; pass Float8Tensors on both sides.
+- Each rank checks its own arguments (receiving tensors whole, contiguous and distinct; outputs matching
+  the input) and sends the verdict along with its descriptions: a problem on one rank raises on all.
 """
 
 from __future__ import annotations
@@ -85,15 +91,54 @@ def _explain(d: torch.Tensor) -> str:
     return f"{_DTYPES[int(d[0])]} shape {shape} (scale_inv {scale}, nominal {_DTYPES[int(d[1])]})"
 
 
-def agree(tensors, pg, op: str) -> None:
-    """Every rank holds tensors of the same description (format, dtype, shape, scale layout), or every rank
-    raises a ValueError naming the difference. One all-gather of a few int64s."""
+# What a rank found wrong with its own arguments, sent along with its descriptions so that every rank raises.
+PROBLEMS = (
+    "",
+    "an output does not match the input (format, shape or scale layout)",
+    "outputs share their bits or scale (e.g. chunks of one tensor), so each cannot hold its own scale",
+    "a receiving tensor is part of a larger one (it shares its scale and transpose with the rest): pass whole tensors",
+    "a tensor is not contiguous: pass contiguous ones",
+)
+
+
+def problem_of(tensors, inputs=None, receiving: bool = True) -> int:
+    """The PROBLEMS index of a rank's own arguments: tensors that receive (whole, contiguous, distinct, and
+    matching `inputs`' description where given)."""
+    seen = set()
+    for t in tensors:
+        if inputs is not None and describe(t).tolist() != describe(inputs[0]).tolist():
+            return 1
+        if receiving:
+            for part in (t._data, t._scale_inv):
+                ptr = _storage_ptr(part)
+                if ptr is not None and part.numel():
+                    if ptr in seen:
+                        return 2
+                    seen.add(ptr)
+            if t._data.numel() * t._data.element_size() != t._data.untyped_storage().nbytes():
+                return 3
+        if not t._data.is_contiguous():
+            return 4
+    return 0
+
+
+def agree(tensors, pg, op: str, problem: int = 0) -> None:
+    """Every rank holds tensors of the same description (format, dtype, shape, scale layout) and found no
+    problem with its own arguments (`problem`, a PROBLEMS index), or every rank raises a ValueError naming
+    the rank and the difference. One all-gather of a few int64s; nothing is moved before it."""
     # On the data's device: NCCL moves CUDA tensors only.
-    local = torch.stack([describe(t) for t in tensors]).to(tensors[0]._data.device)
+    rows = torch.stack([describe(t) for t in tensors])
+    local = torch.cat([rows, torch.full((rows.shape[0], 1), problem, dtype=torch.int64)], dim=1)
+    local = local.to(tensors[0]._data.device)
     world, _ = _size_rank(pg)
     gathered = torch.empty((world * local.shape[0], local.shape[1]), dtype=torch.int64, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=_group(pg))
     gathered = gathered.cpu().reshape(world, *local.shape)
+    for rank in range(world):
+        code = int(gathered[rank][:, -1].max())
+        if code:
+            raise ValueError(f"{op} of Float8Tensors: on rank {rank}, {PROBLEMS[code]}")
+    gathered = gathered[..., :-1]
     for rank in range(world):
         if not torch.equal(gathered[rank], gathered[0]):
             i = int((gathered[rank] != gathered[0]).any(dim=1).nonzero()[0])
@@ -101,6 +146,13 @@ def agree(tensors, pg, op: str) -> None:
                 f"{op} of Float8Tensors: rank {rank} holds {_explain(gathered[rank][i])} where rank 0 holds "
                 f"{_explain(gathered[0][i])}; every rank must pass tensors of the same format, shape and scale layout"
             )
+
+
+def _storage_ptr(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # fake tensors while torch.compile traces
+        return None
 
 
 def _check_float8(tensors, op: str) -> None:
@@ -142,7 +194,7 @@ def _boxed(work):
 def _broadcast(func, args, kwargs):
     tensors, pg, root_rank = args[0], args[1], args[2]
     _check_float8(tensors, "broadcast")
-    agree(tensors, pg, "broadcast")
+    agree(tensors, pg, "broadcast", problem_of(tensors))
     g = _group(pg)
     parts = [_bits(t) for t in tensors] + [t._scale_inv for t in tensors]
     work = _last([dist.broadcast(p, group=g, group_src=root_rank, async_op=True) for p in parts])
@@ -158,11 +210,8 @@ def _all_gather(func, args, kwargs):
     _check_float8(inputs, "all_gather")
     for outs in outputs:
         _check_float8(outs, "all_gather")
-    agree(inputs, pg, "all_gather")
-    for outs, x in zip(outputs, inputs):
-        for o in outs:
-            if describe(o).tolist() != describe(x).tolist():
-                raise ValueError(f"all_gather: output {_explain(describe(o))} does not match the input {_explain(describe(x))}")
+    problem = max((problem_of(outs, [x]) for outs, x in zip(outputs, inputs)), default=0)
+    agree(inputs, pg, "all_gather", problem)
     g = _group(pg)
     works = []
     for outs, x in zip(outputs, inputs):
@@ -180,36 +229,33 @@ def _all_gather_into_tensor(func, args, kwargs):
     out, x, pg = args[0], args[1], args[2]
     rest = args[3:]
     _check_float8([out, x], "all_gather_into_tensor")
-    agree([x], pg, "all_gather_into_tensor")
     world, _ = _size_rank(pg)
-    if out.fp8_dtype != x.fp8_dtype or out.shape[0] != world * x.shape[0] or out.shape[1:] != x.shape[1:]:
-        raise ValueError(
-            f"all_gather_into_tensor: output {tuple(out.shape)} {out.fp8_dtype} cannot hold {world} inputs of "
-            f"{tuple(x.shape)} {x.fp8_dtype}"
-        )
-    g = _group(pg)
-    dist.all_gather_into_tensor(_bits(out), _bits(x).contiguous(), group=g)
     s = x._scale_inv
+    fits = (
+        out.fp8_dtype == x.fp8_dtype and out.shape[0] == world * x.shape[0] and out.shape[1:] == x.shape[1:]
+        and (s.dim() == 0) == (out._scale_inv.dim() == 0)
+        and (s.dim() == 0 or (
+            tuple(out._scale_inv.shape) == (world * s.shape[0],) + tuple(s.shape[1:])
+            and block_shape(out._data.shape, out._scale_inv.shape) == block_shape(x._data.shape, s.shape)
+        ))
+    )  # fmt: skip
+    agree([x], pg, "all_gather_into_tensor", 1 if not fits else problem_of([out]))
+    g = _group(pg)
     if s.dim() == 0:
+        # The scales first: if they differ, nothing has been written yet.
         scales = torch.empty((world,), dtype=s.dtype, device=s.device)
-        work = dist.all_gather_into_tensor(scales, s.reshape(1), group=g, async_op=True)
-        work.wait()
+        dist.all_gather_into_tensor(scales, s.reshape(1), group=g)
         if not bool((scales == scales[0]).all()):
             raise ValueError(
                 "all_gather_into_tensor of per-tensor scaled Float8Tensors with different scales on different ranks "
                 f"(scale_inv {scales.tolist()}): one output tensor holds one scale. Quantize with one scale across "
                 "the group (TensorwiseQuantizer(amax_group=group)), or all_gather into a list"
             )
+        work = dist.all_gather_into_tensor(_bits(out), _bits(x).contiguous(), group=g, async_op=True)
+        work.wait()
         out._scale_inv.copy_(scales[0])
     else:
-        expected = (world * s.shape[0],) + tuple(s.shape[1:])
-        if tuple(out._scale_inv.shape) != expected or block_shape(out._data.shape, out._scale_inv.shape) != block_shape(
-            x._data.shape, s.shape
-        ):
-            raise ValueError(
-                f"all_gather_into_tensor: the output's scale_inv {tuple(out._scale_inv.shape)} does not hold {world} "
-                f"inputs' scale_inv {tuple(s.shape)} block for block"
-            )
+        dist.all_gather_into_tensor(_bits(out), _bits(x).contiguous(), group=g)
         work = dist.all_gather_into_tensor(out._scale_inv, s.contiguous(), group=g, async_op=True)
         work.wait()
     _received([out])
@@ -249,7 +295,8 @@ def _recv(func, args, kwargs):
         header = torch.empty((DESCRIPTION_LEN,), dtype=torch.int64, device=t._data.device)
         dist.recv(header, group=g, group_src=src, tag=tag)
         mine = describe(t)
-        if not torch.equal(header.cpu(), mine):
+        own = problem_of([t])
+        if own or not torch.equal(header.cpu(), mine):
             # Drain what the sender sends, so that it never blocks, then refuse.
             h = header.cpu()
             nd, snd = int(h[2]), int(h[3 + MAX_DIMS])
@@ -257,7 +304,8 @@ def _recv(func, args, kwargs):
             snumel = int(torch.tensor(h[4 + MAX_DIMS : 4 + MAX_DIMS + snd].tolist() or [1]).prod()) if snd else 1
             dist.recv(torch.empty(numel, dtype=torch.uint8, device=t._data.device), group=g, group_src=src, tag=tag)
             dist.recv(torch.empty(snumel, dtype=torch.float32, device=t._data.device), group=g, group_src=src, tag=tag)
-            raise ValueError(f"recv: rank {src} sent {_explain(h)} into {_explain(mine)}")
+            why = PROBLEMS[own] if own else f"rank {src} sent {_explain(h)} into {_explain(mine)}"
+            raise ValueError(f"recv: {why}")
         dist.recv(_bits(t), group=g, group_src=src, tag=tag)
         _received([t])
         work = dist.irecv(t._scale_inv.view(-1), group=g, group_src=src, tag=tag)  # waited by the caller
@@ -269,7 +317,7 @@ def _all_reduce(func, args, kwargs):
     tensors, pg = args[0], args[1]
     rest = args[2:]
     _check_float8(tensors, "all_reduce")
-    agree(tensors, pg, "all_reduce")
+    agree(tensors, pg, "all_reduce", problem_of(tensors))
     op = dist.ReduceOp.RedOpType(rest[0].op())  # the boxed ReduceOp the c10d op was given
     wides = [t.dequantize(torch.float32) for t in tensors]
     work = _last([dist.all_reduce(w, op=op, group=_group(pg), async_op=True) for w in wides])
@@ -289,11 +337,8 @@ def _scatter(func, args, kwargs):
     _check_float8(outputs, "scatter")
     for ins in inputs:
         _check_float8(ins, "scatter")
-    agree(outputs, pg, "scatter")
-    for ins in inputs:
-        for i in ins:
-            if describe(i).tolist() != describe(outputs[0]).tolist():
-                raise ValueError(f"scatter: input {_explain(describe(i))} does not match the outputs {_explain(describe(outputs[0]))}")
+    problem = problem_of(outputs) or max((problem_of(ins, outputs, receiving=False) for ins in inputs), default=0)
+    agree(outputs, pg, "scatter", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
     works = []
     for k, o in enumerate(outputs):
@@ -312,11 +357,8 @@ def _gather(func, args, kwargs):
     _check_float8(inputs, "gather")
     for outs in outputs:
         _check_float8(outs, "gather")
-    agree(inputs, pg, "gather")
-    for outs in outputs:
-        for o in outs:
-            if describe(o).tolist() != describe(inputs[0]).tolist():
-                raise ValueError(f"gather: output {_explain(describe(o))} does not match the input {_explain(describe(inputs[0]))}")
+    problem = max((problem_of(outs, inputs) for outs in outputs), default=0)
+    agree(inputs, pg, "gather", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
     works = []
     for k, x in enumerate(inputs):

@@ -109,19 +109,35 @@ def _mismatches(rank, world):
         else:
             raise AssertionError(f"no {exc.__name__} ({match})")
 
-    # different per-tensor scales cannot share one output tensor
-    out = q(torch.zeros(8 * world, 32))
+    # different per-tensor scales cannot share one output tensor; nothing is written before that is known
+    out = q(torch.randn(8 * world, 32), with_transpose=True)
+    before = out.fp8_data.clone()
     expect(ValueError, "different scales", lambda: dist.all_gather_into_tensor(out, q(_x(rank))))
+    assert torch.equal(out.fp8_data.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(out.transpose_cache.view(torch.uint8), out.fp8_data.t().contiguous().view(torch.uint8))
+    # a problem with one rank's own arguments raises on every rank
+    wrong = q(torch.zeros(8 * world + 16 * rank, 32))
+    expect(ValueError, "on rank 1, an output does not match", lambda: dist.all_gather_into_tensor(wrong, q(_x(rank))))
+    base = q(_x(rank, (16, 32)))
+    expect(ValueError, "part of a larger one", lambda: dist.broadcast(base[0:8], src=0))
+    big = q(torch.zeros(8 * world, 32))
+    expect(ValueError, "part of a larger one", lambda: dist.all_gather(list(big.chunk(world)), q(_x(rank))))
+    same = q(torch.zeros(8, 32))
+    expect(ValueError, "share their bits or scale", lambda: dist.all_gather([same, same.detach()], q(_x(rank))))
+    tall = q(_x(rank, (32, 8)))
+    expect(ValueError, "not contiguous", lambda: dist.broadcast(tall.t() if rank == 0 else q(_x(rank)), src=0))
     # shapes that do not match across ranks: every rank raises, nobody hangs
     expect(ValueError, "rank 1 holds", lambda: dist.broadcast(q(_x(rank, (8, 32 + 16 * rank))), src=0))
     # formats that do not match
     fmt = torch.float8_e4m3fn if rank == 0 else torch.float8_e5m2
     expect(ValueError, "rank 1 holds", lambda: dist.all_gather([q(torch.zeros(8, 32), fmt) for _ in range(world)], q(_x(rank), fmt)))
-    # a receiver of another shape drains the payload (the sender returns) and raises
+    # a receiver of another shape, or a non-contiguous one, drains the payload (the sender returns) and raises
     if rank == 0:
+        dist.send(q(_x(0)), dst=1)
         dist.send(q(_x(0)), dst=1)
     else:
         expect(ValueError, "recv: rank 0 sent", lambda: dist.recv(q(torch.zeros(4, 32)), src=0))
+        expect(ValueError, "not contiguous", lambda: dist.recv(q(torch.zeros(32, 8)).t(), src=0))
     # mixing FP8 and plain tensors, and what is not handled
     expect(TypeError, "mixes Float8Tensors and plain", lambda: dist.all_gather_into_tensor(torch.zeros(8 * world, 32), q(_x(rank))))
     expect(NotImplementedError, "reduce-scatter", lambda: dist.reduce_scatter_tensor(q(torch.zeros(8, 32)), q(_x(rank, (8 * world, 32)))))
@@ -132,7 +148,7 @@ def _mismatches(rank, world):
 
 def test_mismatches_raise_on_every_rank_and_nothing_hangs():
     counts = run_ranks(_mismatches)
-    assert counts[0] == counts[1] - 1 == 6  # rank 1 also saw the recv mismatch
+    assert counts[0] == counts[1] - 2 == 11  # rank 1 also saw the two refused receives
 
 
 def _functional(rank, world):
