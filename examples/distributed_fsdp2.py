@@ -72,6 +72,7 @@ def main() -> None:
         if fp8_gather:
             float8.fsdp.precompute_scales(model)
         say(f"step {step}: loss {loss.item():.5f}")
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
     say("done")
 

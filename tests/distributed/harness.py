@@ -36,6 +36,7 @@ def _worker(fn, rank, world, port, results, timeout):
         )  # fmt: skip
         try:
             out = fn(rank, world)
+            dist.barrier()  # no rank tears the group down while another still talks to it
         finally:
             dist.destroy_process_group()
         buf = io.BytesIO()
