@@ -8,6 +8,7 @@ On CUDA the FP8 all-gather is refused for now (README, "Distributed"): the FSDP2
 high precision and computes in FP8.
 """
 
+import datetime
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=2))  # never hangs
     world = dist.get_world_size()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -43,7 +43,7 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers the f
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.quantizer import layout_quantizer
-from float8.tensor import Float8Tensor, _is_float8, block_shape, mark_written, share_writes
+from float8.tensor import Float8Tensor, _is_float8, block_shape, is_whole, mark_written, share_writes, storage_address
 
 c10d = torch.ops.c10d
 MAX_DIMS = 8
@@ -110,12 +110,12 @@ def problem_of(tensors, inputs=None, receiving: bool = True) -> int:
             return 1
         if receiving:
             for part in (t._data, t._scale_inv):
-                ptr = _storage_ptr(part)
+                ptr = storage_address(part)
                 if ptr is not None and part.numel():
                     if ptr in seen:
                         return 2
                     seen.add(ptr)
-            if t._data.numel() * t._data.element_size() != t._data.untyped_storage().nbytes():
+            if not is_whole(t):
                 return 3
         if not t._data.is_contiguous():
             return 4
@@ -148,13 +148,6 @@ def agree(tensors, pg, op: str, problem: int = 0) -> None:
             )
 
 
-def _storage_ptr(t: torch.Tensor):
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # fake tensors while torch.compile traces
-        return None
-
-
 def _check_float8(tensors, op: str) -> None:
     for t in tensors:
         if not _is_float8(t):
@@ -172,6 +165,11 @@ def _received(tensors) -> None:
 
 
 # ---- the handled collectives -------------------------------------------------------------------------
+
+
+def _parts(t: Float8Tensor):
+    """What moves of a Float8Tensor, in order: its bits (uint8) and its scale-inverse."""
+    return (_bits(t), t._scale_inv)
 
 
 def _last(works):
@@ -213,10 +211,10 @@ def _all_gather(func, args, kwargs):
     problem = max((problem_of(outs, [x]) for outs, x in zip(outputs, inputs)), default=0)
     agree(inputs, pg, "all_gather", problem)
     g = _group(pg)
-    works = []
-    for outs, x in zip(outputs, inputs):
-        works.append(dist.all_gather([_bits(o) for o in outs], _bits(x).contiguous(), group=g, async_op=True))
-        works.append(dist.all_gather([o._scale_inv for o in outs], x._scale_inv.contiguous(), group=g, async_op=True))
+    works = [
+        dist.all_gather([_parts(o)[i] for o in outs], _parts(x)[i].contiguous(), group=g, async_op=True)
+        for outs, x in zip(outputs, inputs) for i in range(2)
+    ]  # fmt: skip
     work = _last(works)
     work.wait()
     for outs in outputs:
@@ -340,11 +338,11 @@ def _scatter(func, args, kwargs):
     problem = problem_of(outputs) or max((problem_of(ins, outputs, receiving=False) for ins in inputs), default=0)
     agree(outputs, pg, "scatter", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
-    works = []
-    for k, o in enumerate(outputs):
-        ins = inputs[k] if is_root else None
-        works.append(dist.scatter(_bits(o), [_bits(i).contiguous() for i in ins] if ins else None, group=g, group_src=root, async_op=True))
-        works.append(dist.scatter(o._scale_inv, [i._scale_inv.contiguous() for i in ins] if ins else None, group=g, group_src=root, async_op=True))
+    works = [
+        dist.scatter(_parts(o)[i], [_parts(x)[i].contiguous() for x in inputs[k]] if is_root else None, group=g, group_src=root,
+                     async_op=True)
+        for k, o in enumerate(outputs) for i in range(2)
+    ]  # fmt: skip
     work = _last(works)
     work.wait()
     _received(outputs)
@@ -360,11 +358,11 @@ def _gather(func, args, kwargs):
     problem = max((problem_of(outs, inputs) for outs in outputs), default=0)
     agree(inputs, pg, "gather", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
-    works = []
-    for k, x in enumerate(inputs):
-        outs = outputs[k] if is_root else None
-        works.append(dist.gather(_bits(x).contiguous(), [_bits(o) for o in outs] if outs else None, group=g, group_dst=root, async_op=True))
-        works.append(dist.gather(x._scale_inv.contiguous(), [o._scale_inv for o in outs] if outs else None, group=g, group_dst=root, async_op=True))
+    works = [
+        dist.gather(_parts(x)[i].contiguous(), [_parts(o)[i] for o in outputs[k]] if is_root else None, group=g, group_dst=root,
+                    async_op=True)
+        for k, x in enumerate(inputs) for i in range(2)
+    ]  # fmt: skip
     work = _last(works)
     work.wait()
     for outs in outputs:

@@ -132,9 +132,9 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3
             "CUDA models until this is fixed."
         )
     for name, module in model.named_modules():
-        quantizers = getattr(module, "quantizers", None)
+        quantizers = getattr(module, "quantizers", ())  # a Linear's three; () for other ops and modules
         weight = getattr(module, "weight", None)
-        if quantizers is None or not isinstance(weight, torch.nn.Parameter) or isinstance(weight, Float8Tensor):
+        if not quantizers or not isinstance(weight, torch.nn.Parameter) or isinstance(weight, Float8Tensor):
             continue
         if quantizers.weight.layout is not ScaleLayout.TENSOR or isinstance(weight.data, Float8TrainingWeight):
             continue

@@ -17,7 +17,15 @@ import torch
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.quantizer import requantize_into
-from float8.tensor import Float8Tensor, _is_float8, block_shape, check_whole, mark_written, share_writes
+from float8.tensor import (
+    Float8Tensor,
+    _is_float8,
+    block_shape,
+    check_whole,
+    mark_written,
+    share_writes,
+    storage_address,
+)
 
 aten = torch.ops.aten
 
@@ -57,20 +65,11 @@ def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Flo
 def _aliases(data: torch.Tensor, src: Float8Tensor) -> bool:
     """Whether `data` lies in the storage of src's bits or of its cache (False where storages have no
     address: fake and functional tensors while torch.compile traces)."""
-    ptr = _storage_ptr(data)
+    ptr = storage_address(data)
     if ptr is None:
         return False
     cache = src._transpose_raw
-    return ptr == _storage_ptr(src._data) or (cache is not None and ptr == _storage_ptr(cache))
-
-
-def _storage_ptr(t: torch.Tensor):
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
-        return None
+    return ptr == storage_address(src._data) or (cache is not None and ptr == storage_address(cache))
 
 
 def _fallback(func, args, kwargs):

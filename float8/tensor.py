@@ -260,11 +260,28 @@ def block_shape(data_shape, scale_shape) -> tuple:
     return tuple(blocks)
 
 
+def is_whole(t: Float8Tensor) -> bool:
+    """Whether t's bits fill their storage: not a part of a larger tensor (whose scale and transpose the
+    part would share)."""
+    d = t._data
+    return d.numel() * d.element_size() == d.untyped_storage().nbytes()
+
+
+def storage_address(t: torch.Tensor):
+    """The address of t's storage, or None where storages have none: fake and functional tensors while
+    torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+        return None
+
+
 def check_whole(dst: Float8Tensor) -> None:
     """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
     base's transpose) with the rest, which a write through the part would silently corrupt."""
-    d = dst._data
-    if d.numel() * d.element_size() != d.untyped_storage().nbytes():
+    if not is_whole(dst):
         raise ValueError(
             f"in-place write into a view of a Float8Tensor (shape {tuple(dst.shape)} of a larger tensor): the "
             "view shares its scale and transpose with the whole tensor. Write the whole tensor (e.g. "

@@ -62,6 +62,10 @@ class RunState:
 class BasicOp(torch.nn.Module):
     """Base of all ops. Subclasses implement op_forward / op_backward; parameters via `op_params`."""
 
+    # The quantizers an op holds (a Linear's three); none by default. A class attribute, so that asking
+    # every op of a run for them costs no nn.Module attribute miss.
+    quantizers: tuple = ()
+
     def __init__(self):
         super().__init__()
         self._recipe: Optional[Recipe] = None

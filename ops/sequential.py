@@ -45,7 +45,7 @@ class _Runner:
         # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
         # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
         self.grouped = [
-            q for op in ops for q in getattr(op, "quantizers", ())
+            q for op in ops for q in op.quantizers
             if isinstance(q, DelayedScalingState) and q.amax_group is not None
         ]  # fmt: skip
         self.pending: list = []

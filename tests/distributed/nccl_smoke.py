@@ -5,6 +5,7 @@
 Not collected by pytest (it needs 2 GPUs); prints one line per check and exits non-zero on a failure.
 """
 
+import datetime
 import os
 import sys
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
+    # Every collective ends: one that waits longer than this raises instead of hanging.
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=2))
     dev = torch.device("cuda", rank)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

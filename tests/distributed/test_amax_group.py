@@ -6,6 +6,8 @@ import torch
 
 from tests.distributed.harness import run_ranks
 
+TIMEOUT_S = 120  # every run ends: the harness kills both ranks after this, and fails the test
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -46,7 +48,7 @@ def _delayed_sequential(rank, world):
 
 
 def test_delayed_amaxes_one_all_reduce_per_step_and_one_scale_everywhere():
-    (steps0, scales0, hist0), (steps1, scales1, hist1) = run_ranks(_delayed_sequential)
+    (steps0, scales0, hist0), (steps1, scales1, hist1) = run_ranks(_delayed_sequential, timeout=TIMEOUT_S)
     # Step 1 has no history: current scaling, each amax reduced before its cast. Then one all-reduce a step.
     assert steps0 == steps1 and steps0[1:] == [1, 1, 1], steps0
     for a, b in zip(scales0 + hist0, scales1 + hist1):
@@ -73,7 +75,7 @@ def test_current_scaling_with_a_group_uses_the_global_amax():
     import float8.ops as ops
     from float8 import Float8Tensor
 
-    y0, y1 = run_ranks(_current_with_group)
+    y0, y1 = run_ranks(_current_with_group, timeout=TIMEOUT_S)
     torch.manual_seed(0)
     seq = ops.Sequential(ops.RMSNorm(32), ops.Linear(32, 32, bias=False))
     xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(r)) * (1 + 9 * r) for r in range(2)]

@@ -6,6 +6,8 @@ import torch
 
 from tests.distributed.harness import run_ranks
 
+TIMEOUT_S = 120  # every run ends: the harness kills both ranks after this, and fails the test
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -89,7 +91,7 @@ def _moving_collectives(rank, world):
 
 
 def test_collectives_move_fp8_bytes_and_scales():
-    assert run_ranks(_moving_collectives) == [True, True]
+    assert run_ranks(_moving_collectives, timeout=TIMEOUT_S) == [True, True]
 
 
 def _mismatches(rank, world):
@@ -147,7 +149,7 @@ def _mismatches(rank, world):
 
 
 def test_mismatches_raise_on_every_rank_and_nothing_hangs():
-    counts = run_ranks(_mismatches)
+    counts = run_ranks(_mismatches, timeout=TIMEOUT_S)
     assert counts[0] == counts[1] - 2 == 11  # rank 1 also saw the two refused receives
 
 
@@ -189,4 +191,4 @@ def _functional(rank, world):
 
 
 def test_functional_collectives_move_fp8_bytes_and_scales():
-    assert run_ranks(_functional) == [True, True]
+    assert run_ranks(_functional, timeout=TIMEOUT_S) == [True, True]

@@ -6,6 +6,8 @@ import torch
 
 from tests.distributed.harness import run_ranks
 
+TIMEOUT_S = 120  # every run ends: the harness kills both ranks after this, and fails the test
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -57,4 +59,4 @@ def _dtensor_cases(rank, world):
 
 
 def test_dtensor_keeps_fp8_bytes_and_values():
-    assert run_ranks(_dtensor_cases) == [[16, 17, 1, 16]] * 2
+    assert run_ranks(_dtensor_cases, timeout=TIMEOUT_S) == [[16, 17, 1, 16]] * 2

@@ -7,6 +7,8 @@ import torch
 
 from tests.distributed.harness import run_ranks
 
+TIMEOUT_S = 120  # every run ends: the harness kills both ranks after this, and fails the test
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS = 3
 
@@ -78,7 +80,7 @@ def _fsdp(rank, world):
 def test_fsdp2_trains_like_one_process():
     from tests.tolerances import SQNR_DB, sqnr_db
 
-    sharded = run_ranks(_fsdp)
+    sharded = run_ranks(_fsdp, timeout=TIMEOUT_S)
     single = _model()
     _train(single, _batches())
     for name, p in single.named_parameters():
@@ -152,7 +154,7 @@ def _fsdp_fp8(rank, world):
 def test_fsdp2_fp8_all_gather_trains_like_one_process():
     from tests.tolerances import SQNR_DB, sqnr_db
 
-    sharded = run_ranks(_fsdp_fp8)
+    sharded = run_ranks(_fsdp_fp8, timeout=TIMEOUT_S)
     single = _fp8_model()
     _train(single, _batches())
     for name, p in single.named_parameters():
