@@ -17,11 +17,14 @@ from float8.ops.bias import Bias
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
+from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
 from float8.ops.sequential import Float8PrecisionWarning, Sequential
 
 __all__ = [
     "Activation",
     "AddResidual",
+    "AllGather",
+    "AllReduce",
     "Attention",
     "BasicOp",
     "Bias",
@@ -35,6 +38,7 @@ __all__ = [
     "Quantize",
     "RMSNorm",
     "ReLU",
+    "ReduceScatter",
     "Reshape",
     "Residual",
     "Sequential",

@@ -42,9 +42,10 @@ def check_gathered(op, params: list) -> list:
 class OpContext:
     """What one op saves for its backward; `run` is shared by all ops of one forward (residual stacks)."""
 
-    def __init__(self, run: "RunState", input_requires_grad: bool = True):
+    def __init__(self, run: "RunState", input_requires_grad: bool = True, first: bool = False):
         self.run = run
         self.input_requires_grad = input_requires_grad
+        self.first = first  # the first op of the run: its input comes from outside the Sequential
 
 
 class RunState:
@@ -57,6 +58,8 @@ class RunState:
         self.lead = tuple(lead)
         self.residuals: List[torch.Tensor] = []
         self.residual_grads: List[torch.Tensor] = []
+        # Process groups whose ranks were found to hold activations of one shape in this run (ops/parallel.py).
+        self.shapes_agreed: set = set()
 
 
 class BasicOp(torch.nn.Module):
@@ -65,6 +68,10 @@ class BasicOp(torch.nn.Module):
     # The quantizers an op holds (a Linear's three); none by default. A class attribute, so that asking
     # every op of a run for them costs no nn.Module attribute miss.
     quantizers: tuple = ()
+    # A process group over which the gradients of this op's parameters are summed in backward, or None:
+    # set on ops whose parameters are replicated across a sequence-parallel group while each rank sees only
+    # its own tokens (norms and biases between the collectives of a tensor-parallel layer).
+    grad_sum_group = None
 
     def __init__(self):
         super().__init__()
@@ -137,9 +144,17 @@ class BasicOp(torch.nn.Module):
         return run_ops(self.expand(), x)
 
 
+def sequence_parallel(op: BasicOp, group) -> None:
+    """Mark op's parameters as replicated over the sequence-parallel `group` (see BasicOp.grad_sum_group)."""
+    if group is not None:
+        from float8.row_collectives import check_group
+
+        op.grad_sum_group = check_group(group, f"{type(op).__name__} sequence_parallel_group")
+
+
 def plain(x: torch.Tensor) -> torch.Tensor:
     """High-precision view of an op's input: FP8 tensors are dequantized (an op that wanted FP8 asked for it)."""
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain"]
+__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "sequence_parallel"]

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from float8.kernels.activation import dact_fp8
-from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel
 
 
 def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]):
@@ -28,9 +28,14 @@ class Bias(BasicOp):
     """y = x + bias over the last dim. x: (..., size); `bias`: (size,), zeros at start.
 
     parameter: an existing Parameter to use as the bias (a Linear's own, inside its expansion).
+    sequence_parallel_group: a process group whose ranks each hold a block of the tokens (sequence
+    parallelism): the bias gradient is summed over it.
     """
 
-    def __init__(self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None):
+    def __init__(
+        self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None,
+        sequence_parallel_group=None,
+    ):  # fmt: skip
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Bias: size must be a positive int, got {size!r}")
@@ -39,6 +44,7 @@ class Bias(BasicOp):
         elif tuple(parameter.shape) != (size,):
             raise ValueError(f"Bias({size}) got a parameter of shape {tuple(parameter.shape)}")
         self.bias = parameter
+        sequence_parallel(self, sequence_parallel_group)
         self.set_recipe(recipe)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):

@@ -94,18 +94,39 @@ class Linear(BasicOp):
     nn.Linear (same initialisation). Options, keyword-only: bias, device, dtype, recipe (a float8.Recipe;
     a Sequential's recipe otherwise, else Recipe()), amax_group (a process group over which per-tensor
     amaxes are reduced, so that all ranks quantize with one scale; a Sequential's otherwise).
+
+    Tensor parallelism (Megatron-style), over the process group `tp_group`:
+    - parallel="column": this rank holds rows [r*n, (r+1)*n) of the weight and bias (n = out_features /
+      world): the output is this rank's block of features. The input's gradient is summed over the group.
+    - parallel="row": this rank holds columns [r*k, (r+1)*k) of the weight (k = in_features / world) and
+      takes that block of the input's features; the outputs are summed over the group, then the (whole)
+      bias is added.
+    - sequence_parallel=True: outside the Linear, activations are sharded along tokens (sequence-first:
+      (S, B, features), each rank an equal block of S). A column-parallel Linear all-gathers its input as
+      FP8 (its input quantizer reduces its amax over the group, so the scale is one; the norm before it
+      writes that FP8), and a row-parallel one reduce-scatters its output (in high precision). Norms and
+      biases in the sharded region then see only local tokens: give them `sequence_parallel_group`.
+    in_features/out_features are the whole layer's; `weight` is this rank's shard (`local_in_features`,
+    `local_out_features`), initialised as the whole layer's would be. The ops of float8/ops/parallel.py
+    that do the communication are part of this op's `expand()`.
     """
 
     def __init__(
         self, in_features: int, out_features: int, *, bias: bool = True, device=None, dtype=None, recipe=None,
-        amax_group=None,
+        amax_group=None, parallel: Optional[str] = None, tp_group=None, sequence_parallel: bool = False,
     ):  # fmt: skip
         super().__init__()
         self.in_features = _check_features(in_features, "in_features")
         self.out_features = _check_features(out_features, "out_features")
+        self.parallel, self.tp_group, self.sequence_parallel = _check_parallel(
+            parallel, tp_group, sequence_parallel, in_features, out_features
+        )
+        world = tp_group.size() if tp_group is not None else 1
+        self.local_in_features = in_features // world if parallel == "row" else in_features
+        self.local_out_features = out_features // world if parallel == "column" else out_features
         factory = {"device": device, "dtype": dtype}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(self.local_out_features if parallel == "column" else out_features, **factory)) if bias else None
         self._weight_cache = _WeightCache()
         self._expansion: Optional[list] = None
         self._amax_group = check_amax_group(amax_group)
@@ -121,17 +142,27 @@ class Linear(BasicOp):
         self.refresh_fp8_weight()
         if isinstance(self.weight, Float8Tensor):
             return
-        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        # nn.Linear's kaiming_uniform_(a=sqrt(5)), written out with the whole layer's fan_in, so that a
+        # tensor-parallel shard is drawn from the distribution of the unsharded layer (same arithmetic as
+        # torch's, so an unsharded Linear matches nn.Linear bit for bit under one seed).
+        gain = torch.nn.init.calculate_gain("leaky_relu", math.sqrt(5))
+        torch.nn.init.uniform_(self.weight, -math.sqrt(3.0) * (gain / math.sqrt(self.in_features)), math.sqrt(3.0) * (gain / math.sqrt(self.in_features)))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
             torch.nn.init.uniform_(self.bias, -bound, bound)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        if self.parallel is not None:
+            s += f", parallel={self.parallel!r}, tp={self.tp_group.size()}, sequence_parallel={self.sequence_parallel}"
+        return s
 
     # ---- quantizers, built by the recipe ---------------------------------------------------------
     def _recipe_changed(self) -> None:
         built = self.recipe.quantizers(device=self.weight.device, amax_group=self.amax_group)
+        if self.sequence_parallel and self.parallel == "column" and self.amax_group is None:
+            # The input is all-gathered as FP8 under one per-tensor scale: its amax is reduced over the group.
+            built = built._replace(input=self.recipe.quantizers(device=self.weight.device, amax_group=self.tp_group).input)
         for role, quantizer in zip(LinearQuantizers._fields, built):
             name = f"{role}_quantizer"
             self._modules.pop(name, None)
@@ -144,11 +175,19 @@ class Linear(BasicOp):
         return LinearQuantizers(self.input_quantizer, self.weight_quantizer, self.grad_quantizer)
 
     def expand(self):
-        if self.bias is None:
-            return [self]
-        if self._expansion is None or self._expansion[1].bias is not self.bias:
-            self._expansion = [self, Bias(self.out_features, parameter=self.bias)]
+        if self._expansion is None or self._expansion_bias_of(self._expansion) is not self.bias:
+            self._expansion = _parallel_expansion(self, self._expansion_bias())
         return self._expansion
+
+    def _expansion_bias(self):
+        if self.bias is None:
+            return None
+        sp = self.tp_group if (self.parallel == "row" and self.sequence_parallel) else None
+        return Bias(self.bias.shape[0], parameter=self.bias, sequence_parallel_group=sp)
+
+    @staticmethod
+    def _expansion_bias_of(expansion):
+        return next((op.bias for op in expansion if isinstance(op, Bias)), None)
 
     def op_params(self) -> List[torch.nn.Parameter]:
         return check_gathered(self, [self.weight])  # the bias belongs to the Bias op of the expansion
@@ -170,14 +209,14 @@ class Linear(BasicOp):
         An FP8-only weight always runs in FP8; the CPU path always does (it exists to be exact)."""
         if isinstance(self.weight, Float8Tensor):
             return True
-        return fp8_pays_off(self.recipe, tokens, self.in_features, self.out_features, device)
+        return fp8_pays_off(self.recipe, tokens, self.local_in_features, self.local_out_features, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Alone and below the policy's size: exactly nn.Linear (native autograd, the same kernels), with as
         # little Python before it as nn.Linear has: at M = 1024 a bf16 Linear's fwd+bwd is about as long on
         # the GPU (0.15 ms) as on the H100 machine's host, so each microsecond here shows in the ratio.
         w = self.weight
-        if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
+        if type(x) is torch.Tensor and self.parallel is None and x.dim() >= 1 and x.shape[-1] == self.in_features:
             if not self.runs_in_fp8(x.numel() // self.in_features, x.device):
                 b = self.bias
                 if w.dtype != x.dtype:
@@ -226,14 +265,14 @@ class Linear(BasicOp):
 
     # ---- forward / backward --------------------------------------------------------------------
     def op_forward(self, ctx: OpContext, x, out_request=None, bias=None):
-        if x.dim() < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"Linear expects input (..., {self.in_features}), got shape {tuple(x.shape)}")
+        if x.dim() < 1 or x.shape[-1] != self.local_in_features:
+            raise ValueError(f"Linear expects input (..., {self.local_in_features}), got shape {tuple(x.shape)}")
         if ctx.run.grad:
             check_fp8_weight_grad(self.weight)
         need_wgrad = ctx.run.grad and self.weight.requires_grad
         need_dgrad = ctx.run.grad and ctx.input_requires_grad
         lead = x.shape[:-1]
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.local_in_features)
         ctx.lead = lead
         if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
             y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
@@ -243,14 +282,48 @@ class Linear(BasicOp):
                 x2, w8, wd, bias, self.quantizers,
                 need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=self.recipe.fprop_fast_accum,
             )  # fmt: skip
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*lead, self.local_out_features)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         saved, ctx.saved = ctx.saved, None
-        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, self.out_features)
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, self.local_out_features)
         dx, dw = linear_bwd(dy2, saved, self.quantizers, self.weight.dtype)
         if dx is not None:
-            dx = dx.reshape(*ctx.lead, self.in_features)
+            dx = dx.reshape(*ctx.lead, self.local_in_features)
         w = self.weight
         trainable = not isinstance(w, Float8Tensor) or w._gathered_master  # FSDP2's FP8 copy of a master
         return dx, [dw if trainable else None]
+
+
+def _check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: int, out_features: int):
+    if parallel is None:
+        if tp_group is not None or sequence_parallel:
+            raise ValueError("Linear: tp_group and sequence_parallel need parallel='column' or parallel='row'")
+        return None, None, False
+    if parallel not in ("column", "row"):
+        raise ValueError(f"Linear: parallel must be None, 'column' or 'row', got {parallel!r}")
+    from float8.row_collectives import check_group
+
+    check_group(tp_group, f"Linear(parallel={parallel!r}) tp_group")
+    world = tp_group.size()
+    dim, name = (out_features, "out_features") if parallel == "column" else (in_features, "in_features")
+    if dim % world:
+        raise ValueError(
+            f"Linear(parallel={parallel!r}): {name}={dim} does not split evenly over {world} ranks of tp_group"
+        )
+    return parallel, tp_group, bool(sequence_parallel)
+
+
+def _parallel_expansion(linear: Linear, bias: Optional[Bias]) -> list:
+    """The basic ops of a Linear: itself and its Bias, with the tensor-parallel collectives around them."""
+    from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
+
+    tail = [bias] if bias is not None else []
+    g = linear.tp_group
+    if linear.parallel is None:
+        return [linear] + tail
+    if linear.parallel == "column":
+        head = AllGather(g) if linear.sequence_parallel else AllReduce(g, in_backward=True)
+        return [head, linear] + tail
+    reduce = ReduceScatter(g) if linear.sequence_parallel else AllReduce(g)
+    return [linear, reduce] + tail

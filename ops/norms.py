@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from float8.kernels.norm import norm_bwd, norm_fp8, norm_fwd
-from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel
 
 
 def _check_size(normalized_shape, name: str) -> int:
@@ -39,8 +39,9 @@ class _Norm(BasicOp):
 
     rms: bool = True
 
-    def __init__(self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None):
+    def __init__(self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None, sequence_parallel_group=None):
         super().__init__()
+        sequence_parallel(self, sequence_parallel_group)
         self.normalized_shape = _check_size(normalized_shape, type(self).__name__)
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
@@ -76,12 +77,18 @@ class RMSNorm(_Norm):
 
     x: (..., normalized_shape), float32/bfloat16/float16; y: x's shape and dtype (or FP8 for a Linear after
     it in a Sequential). `weight`: (normalized_shape,), ones at start. Statistics in float32.
+    sequence_parallel_group: a process group whose ranks each hold a block of the tokens (sequence
+    parallelism): the weight gradient is summed over it.
     """
 
     rms = True
 
-    def __init__(self, normalized_shape: int, *, eps: float = 1e-6, device=None, dtype=None, recipe=None):
-        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe)
+    def __init__(
+        self, normalized_shape: int, *, eps: float = 1e-6, device=None, dtype=None, recipe=None, sequence_parallel_group=None
+    ):  # fmt: skip
+        super().__init__(
+            normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe, sequence_parallel_group=sequence_parallel_group
+        )  # fmt: skip
 
 
 class LayerNorm(_Norm):
@@ -89,9 +96,14 @@ class LayerNorm(_Norm):
 
     x: (..., normalized_shape), float32/bfloat16/float16; y: x's shape and dtype (or FP8 for a Linear after
     it in a Sequential). `weight` (ones) and `bias` (zeros): (normalized_shape,). Statistics in float32.
+    sequence_parallel_group: as RMSNorm's.
     """
 
     rms = False
 
-    def __init__(self, normalized_shape: int, *, eps: float = 1e-5, device=None, dtype=None, recipe=None):
-        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe)
+    def __init__(
+        self, normalized_shape: int, *, eps: float = 1e-5, device=None, dtype=None, recipe=None, sequence_parallel_group=None
+    ):  # fmt: skip
+        super().__init__(
+            normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe, sequence_parallel_group=sequence_parallel_group
+        )  # fmt: skip

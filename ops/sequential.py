@@ -41,7 +41,7 @@ class _Runner:
     def __init__(self, ops: List[BasicOp], fuse: bool, grad: bool, lead, input_requires_grad: bool):
         self.ops, self.fuse = ops, fuse
         self.run = RunState(grad, lead)
-        self.ctxs = [OpContext(self.run, input_requires_grad if i == 0 else True) for i in range(len(ops))]
+        self.ctxs = [OpContext(self.run, input_requires_grad if i == 0 else True, i == 0) for i in range(len(ops))]
         # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
         # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
         self.grouped = [
@@ -60,15 +60,29 @@ class _Runner:
         self._deferring(True)
         try:
             for k, (i, unit) in enumerate(units):
-                nxt = units[k + 1][1].ops[0] if k + 1 < len(units) else None
                 # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
-                request = nxt.input_request(grad, x.shape[0]) if nxt is not None and self.fuse else None
+                request = self._request_after(units, k, x.shape[0]) if self.fuse else None
                 x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
         finally:
             self._deferring(False)
         if not grad and self.pending:
             reduce_deferred(self.pending)  # no backward to wait for
         return x
+
+    def _request_after(self, units, k: int, rows: int):
+        """What the op after unit k wants its input as. An op that only moves rows (AllGather) passes the
+        request of the op after it on (`relay`), so the producer before it writes what the consumer reads."""
+        relays = []
+        for _, unit in units[k + 1 :]:
+            op = unit.ops[0]
+            if not getattr(op, "relays_request", False):
+                request = op.input_request(self.run.grad, rows)
+                for relay in reversed(relays):
+                    request = relay.relay(request)
+                return request
+            relays.append(op)
+            rows *= op.group.size()
+        return None
 
     def backward(self, dy):
         ops = self.ops
@@ -84,11 +98,27 @@ class _Runner:
             self._deferring(False)
         if self.pending:
             reduce_deferred(self.pending)  # the step's forward and backward amaxes, one all-reduce per group
+        _sum_over_groups(ops, grads)
         flat = []
         for op, op_grads in zip(ops, grads):
             n = len(op.op_params())
             flat.extend((list(op_grads or []) + [None] * n)[:n])
         return dy, flat
+
+
+def _sum_over_groups(ops, grads) -> None:
+    """Sum the gradients of ops with a grad_sum_group (sequence-parallel norms and biases) over that group:
+    one all-reduce per group, of all its gradients flattened together."""
+    by_group = {}
+    for op, op_grads in zip(ops, grads):
+        if op.grad_sum_group is not None:
+            by_group.setdefault(id(op.grad_sum_group), (op.grad_sum_group, []))[1].extend(g for g in op_grads or [] if g is not None)
+    for group, tensors in by_group.values():
+        if tensors:
+            flat = torch.cat([t.reshape(-1).float() for t in tensors])
+            torch.distributed.all_reduce(flat, group=group)
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view_as(t))
 
 
 class _RunFunction(torch.autograd.Function):

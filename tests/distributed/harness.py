@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, results, timeout):
+def _worker(fn, rank, world, port, results, timeout, args):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
     import torch.distributed as dist
@@ -35,7 +35,7 @@ def _worker(fn, rank, world, port, results, timeout):
             timeout=datetime.timedelta(seconds=timeout),
         )  # fmt: skip
         try:
-            out = fn(rank, world)
+            out = fn(rank, world, *args)
             dist.barrier()  # no rank tears the group down while another still talks to it
         finally:
             dist.destroy_process_group()
@@ -46,12 +46,12 @@ def _worker(fn, rank, world, port, results, timeout):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int = 2, timeout: float = 120.0):
-    """fn(rank, world) on `world` gloo ranks; returns [result of rank 0, rank 1, ...] or raises."""
+def run_ranks(fn, world: int = 2, timeout: float = 120.0, args: tuple = ()):
+    """fn(rank, world, *args) on `world` gloo ranks; returns [result of rank 0, rank 1, ...] or raises."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, timeout / 2)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, timeout / 2, args)) for r in range(world)]
     for p in procs:
         p.start()
     got = {}

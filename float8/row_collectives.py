@@ -1,0 +1,123 @@
+"""Collectives along the rows (tokens) of a 2-D activation, for tensor and sequence parallelism.
+
+The ops of float8/ops/parallel.py call these. Rows are dim 0; each rank holds an equal block of them, in
+rank order. Unlike the c10d handlers (float8/collectives.py), which first agree with one small all-gather
+on what every rank passes, these run on the hot path of every layer: the ops guarantee the shapes (and
+check them where a mismatch could go unnoticed), and the scale check of an FP8 gather costs no host sync.
+
+- `gather_rows` all-gathers a plain tensor, or a Float8Tensor as its FP8 bytes (uint8) plus its scales:
+  row-wise and block scales travel with their rows; a per-tensor scale must be one across the group. A
+  caller whose quantizer reduces the amax over the group knows the scales are equal (`one_scale=True`):
+  the gathered scales are still compared on the device, and a mismatch makes the result's scale NaN (every
+  value it gives is NaN, never a finite wrong one). Otherwise (`one_scale=False`) they are compared on the
+  host and a mismatch raises ValueError on every rank.
+- `reduce_scatter_rows` and `all_reduce_sum` reduce in high precision (a Float8Tensor is dequantized
+  first): FP8 bits under different scales cannot be summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from float8.tensor import Float8Tensor
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has the old names only.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def check_group(group, who: str):
+    """`group`, if it is a ProcessGroup of an initialized torch.distributed; else a ValueError naming `who`."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{who} needs torch.distributed initialized (init_process_group) and a process group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{who} takes a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return group
+
+
+MAX_DIMS = 8
+
+
+def check_same_shape(x: torch.Tensor, group, who: str) -> None:
+    """Every rank of `group` holds an activation of x's shape, or every rank raises a ValueError naming the
+    shapes (a collective of tensors of different sizes would hang or mix up data). One all-gather of a few
+    int64s and one host sync: the ops call it once per run, not once per collective."""
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {tuple(x.shape)}")
+    local = torch.full((MAX_DIMS + 1,), -1, dtype=torch.int64)
+    local[0] = x.dim()
+    local[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    local = local.to(x.device)
+    gathered = _gather(local.reshape(1, -1), group).cpu()
+    shapes = [tuple(int(v) for v in row[1 : 1 + int(row[0])]) for row in gathered]
+    if any(shape != shapes[0] for shape in shapes):
+        raise ValueError(
+            f"{who}: the ranks of the group hold activations of different shapes {shapes}; tensor- and "
+            "sequence-parallel collectives need the same shape on every rank (equal blocks of the sequence)"
+        )
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def gather_rows(x: torch.Tensor, group, *, with_transpose: bool = False, one_scale: bool = False) -> torch.Tensor:
+    """All-gather the rows of x (M, ...) into (world * M, ...): a plain tensor in its dtype, a Float8Tensor
+    as FP8 bytes with its scales (see the module docstring for per-tensor scales and `one_scale`). With
+    `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM)."""
+    if not isinstance(x, Float8Tensor):
+        return _gather(x, group)
+    bits = _gather(x._data.view(torch.uint8), group).view(x.fp8_dtype)
+    s = x._scale_inv
+    if s.dim() == 0:
+        scales = _gather(s.reshape(1), group)
+        if one_scale:
+            # No host sync: a mismatch turns the scale NaN, so that nothing computed from it is finite.
+            scale_inv = torch.where((scales == scales[0]).all(), scales[0], torch.full_like(scales[0], float("nan")))
+        else:
+            if not bool((scales == scales[0]).all()):
+                raise ValueError(
+                    f"all-gather of per-tensor scaled FP8 rows: the ranks' scales differ ({scales.tolist()}), and "
+                    "one tensor holds one scale. Quantize with a quantizer whose amax_group is this group, or "
+                    "gather high precision"
+                )
+            scale_inv = scales[0].clone()
+    else:
+        if x.shape[0] % s.shape[0]:
+            raise ValueError(f"all-gather of FP8 rows: a scale block spans {x.shape[0]} rows unevenly ({tuple(s.shape)})")
+        scale_inv = _gather(s, group)
+    transpose = None
+    if with_transpose and torch.is_grad_enabled() and bits.dim() == 2:
+        transpose = bits.t().contiguous()
+    return Float8Tensor(bits, scale_inv, x.dtype, transpose=transpose)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.dequantize() if isinstance(x, Float8Tensor) else x
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x (world * M, ...) over the group, in high precision, and keep this rank's block of M rows."""
+    x = _plain(x)
+    world = group.size()
+    if x.shape[0] % world:
+        raise ValueError(
+            f"reduce-scatter of rows: {x.shape[0]} rows do not split evenly over {world} ranks; sequence-parallel "
+            f"activations need a token count divisible by the group size"
+        )
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over the group, in high precision (a new tensor; x is left as it is)."""
+    out = _plain(x).clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+__all__ = ["all_reduce_sum", "check_group", "check_same_shape", "gather_rows", "reduce_scatter_rows"]

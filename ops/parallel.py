@@ -1,0 +1,131 @@
+"""Collective ops for tensor and sequence parallelism (Megatron-style), on a given process group.
+
+Activations between ops are 2-D (tokens, features); these ops move rows (tokens). With sequence
+parallelism each rank holds an equal block of the tokens, in rank order: feed activations sequence-first,
+(S, B, features) sharded along S (or 2-D (tokens, features) sharded along tokens), so that a rank's block
+is contiguous. Each op's backward is its forward's conjugate:
+
+    AllGather        forward: all-gather rows        backward: reduce-scatter (sum) in high precision
+    ReduceScatter    forward: reduce-scatter (sum)   backward: all-gather rows
+    AllReduce        forward: all-reduce (sum)       backward: identity
+    AllReduce(in_backward=True)  forward: identity   backward: all-reduce (sum)
+
+AllGather passes the request of the op after it (a Linear's "FP8 from this quantizer") on to the op
+before it, so the norm kernel before a sequence-parallel Linear writes the FP8 that is gathered: half the
+bytes of a bf16 all-gather. The per-tensor scale is then one across the group because that Linear's
+input quantizer reduces its amax over the group (ops/linear.py sets this up; float8/row_collectives.py
+says what happens if the scales still differ). `Linear(..., parallel=..., tp_group=...)` places these ops
+itself (its `expand`); they are public for layers built by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from float8 import Float8Tensor
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
+from float8.quantizer import ScaleLayout
+from float8.row_collectives import all_reduce_sum, check_group, check_same_shape, gather_rows, reduce_scatter_rows
+
+
+class _RowCollective(BasicOp):
+    def __init__(self, group):
+        super().__init__()
+        self.group = check_group(group, type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return f"group size={self.group.size()}"
+
+    def _agree(self, ctx: OpContext, x) -> None:
+        # Once per run and group: every rank runs the same ops, so the first collective of a run checks the
+        # shapes and the rest follow from them (a host sync per run, not per collective).
+        if id(self.group) not in ctx.run.shapes_agreed:
+            check_same_shape(x, self.group, type(self).__name__)
+            ctx.run.shapes_agreed.add(id(self.group))
+
+    def _set_lead(self, ctx: OpContext, rows_before: int, rows_after: int) -> None:
+        # The token dims restored on the Sequential's output: the first (the sequence) changes size.
+        lead = ctx.run.lead
+        if lead and rows_before:
+            first = lead[0] * rows_after // rows_before
+            ctx.run.lead = (first, *lead[1:])
+
+
+class AllGather(_RowCollective):
+    """All-gather the rows of the activation over `group` (sequence parallel -> full sequence). An FP8 input
+    moves as FP8 bytes; the gradient is reduce-scattered (summed) in high precision."""
+
+    relays_request = True
+
+    def _one_scale(self, request: Optional[QuantRequest]) -> bool:
+        # The quantizer makes one per-tensor scale across the group: its amax is reduced over this group.
+        return request is not None and request.quantizer.layout is ScaleLayout.TENSOR and request.quantizer.amax_group is self.group
+
+    def relay(self, request: Optional[QuantRequest]) -> Optional[QuantRequest]:
+        """The request this op passes to the op before it, given the request of the op after it: the same
+        quantizer, without the transpose (that of the local rows is of no use: it is made after the
+        gather), when that quantizer's scale is one across the group; else None (the op before writes high
+        precision, which is gathered and then quantized)."""
+        return QuantRequest(request.quantizer, False) if self._one_scale(request) else None
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        self._agree(ctx, x)
+        rows = x.shape[0]
+        if isinstance(x, Float8Tensor):
+            # Written for the relayed request by the op before: one scale by construction (checked on the
+            # device). An FP8 input from outside the run: its scales are compared on the host.
+            relayed = not ctx.first and self._one_scale(out_request)
+            transpose = relayed and out_request.with_transpose and ctx.run.grad
+            y = gather_rows(x, self.group, with_transpose=transpose, one_scale=relayed)
+        else:
+            y = gather_rows(x, self.group)
+            if out_request is not None:
+                y = out_request.quantize(y)
+        self._set_lead(ctx, rows, y.shape[0])
+        return y
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        return reduce_scatter_rows(plain(dy), self.group), []
+
+
+class ReduceScatter(_RowCollective):
+    """Sum the activation over `group` and keep this rank's block of rows (the end of a row-parallel
+    Linear under sequence parallelism); the gradient is all-gathered."""
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        self._agree(ctx, x)
+        rows = x.shape[0]
+        y = reduce_scatter_rows(plain(x), self.group)
+        self._set_lead(ctx, rows, y.shape[0])
+        return y
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        dx = gather_rows(plain(dy), self.group)
+        return (dx_request.quantize(dx) if dx_request is not None else dx), []
+
+
+class AllReduce(_RowCollective):
+    """Sum the activation over `group` (the end of a row-parallel Linear without sequence parallelism);
+    the backward is the identity. With in_backward=True it is the conjugate: the identity forward and the
+    sum of the gradient over the group backward (the start of a column-parallel Linear)."""
+
+    def __init__(self, group, *, in_backward: bool = False):
+        super().__init__(group)
+        self.in_backward = in_backward
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, in_backward={self.in_backward}"
+
+    def op_forward(self, ctx: OpContext, x, out_request=None):
+        self._agree(ctx, x)
+        if self.in_backward:
+            return x
+        return all_reduce_sum(x, self.group)
+
+    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        if not self.in_backward:
+            return dy, []
+        return all_reduce_sum(dy, self.group), []
+
+
+__all__ = ["AllGather", "AllReduce", "ReduceScatter"]

@@ -1,0 +1,252 @@
+"""Tensor and sequence parallelism in the ops API on 2 gloo ranks: column- and row-parallel Linears and a
+Megatron-style MLP block as one Sequential, against the unsharded layer."""
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+TIMEOUT_S = 120  # every run ends: the harness kills both ranks after this, and fails the test
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+D, FFN, S, B = 64, 128, 16, 2  # hidden, FFN width, whole sequence, batch
+
+
+def _recipe(kind):
+    from float8 import Recipe
+
+    return Recipe.delayed() if kind == "delayed" else Recipe()
+
+
+def _unsharded(kind):
+    import float8.ops as ops
+
+    torch.manual_seed(0)
+    return ops.Sequential(
+        ops.Residual(), ops.RMSNorm(D), ops.Linear(D, 2 * FFN, bias=False), ops.SwiGLU(), ops.Linear(FFN, D),
+        ops.AddResidual(), recipe=_recipe(kind),
+    )  # fmt: skip
+
+
+def _tp_block(group, sp: bool, kind):
+    import float8.ops as ops
+
+    return ops.Sequential(
+        ops.Residual(),
+        ops.RMSNorm(D, sequence_parallel_group=group if sp else None),
+        ops.Linear(D, 2 * FFN, bias=False, parallel="column", tp_group=group, sequence_parallel=sp),
+        ops.SwiGLU(),
+        ops.Linear(FFN, D, parallel="row", tp_group=group, sequence_parallel=sp),
+        ops.AddResidual(),
+        recipe=_recipe(kind),
+    )
+
+
+def _gate_up_rows(rank, world):
+    """The rows of the fused gate/up weight (2*FFN, D) rank `rank` holds: its block of the gate and its
+    block of the up projection, so that SwiGLU's halves of the local output pair up."""
+    n = FFN // world
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), FFN + torch.arange(rank * n, (rank + 1) * n)])
+
+
+def _shard_from(full, tp, rank, world):
+    """Copy the unsharded block's parameters into the TP block's shards."""
+    n = FFN // world
+    with torch.no_grad():
+        tp[1].weight.copy_(full[1].weight)
+        tp[2].weight.copy_(full[2].weight[_gate_up_rows(rank, world)])
+        tp[4].weight.copy_(full[4].weight[:, rank * n : (rank + 1) * n])
+        tp[4].bias.copy_(full[4].bias)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(S, B, D, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def _run_tp(rank, world, sp, kind):
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import float8.row_collectives as rc
+    from float8 import Float8Tensor
+
+    group = dist.new_group(list(range(world)))
+    full, tp = _unsharded(kind), _tp_block(group, sp, kind)
+    _shard_from(full, tp, rank, world)
+    moved, gathered_fp8 = [], []
+    real_gather, real_rows = rc._all_gather_single, rc.gather_rows
+
+    def counted_gather(out, inp, group=None, async_op=False):
+        moved.append(inp.numel() * inp.element_size())
+        return real_gather(out, inp, group=group, async_op=async_op)
+
+    def watched_rows(x, group, **kw):
+        gathered_fp8.append(isinstance(x, Float8Tensor))
+        return real_rows(x, group, **kw)
+
+    import float8.ops.parallel as parallel
+
+    with mock.patch.object(rc, "_all_gather_single", counted_gather), mock.patch.object(parallel, "gather_rows", watched_rows):
+        # Sequence-first: with sequence parallelism each rank holds a block of the sequence.
+        outs, dxs = _train(tp, [x.chunk(world)[rank] if sp else x for x in _inputs()])
+    params = {n: p.detach().clone() for n, p in tp.named_parameters()}
+    return {"y": outs, "dx": dxs, "params": params, "moved": moved, "gathered_fp8": gathered_fp8}
+
+
+def _train(model, inputs):
+    """SGD steps on the mean of y**2 over the whole batch (on every layout); the outputs and input grads."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    outs, dxs = [], []
+    for x in inputs:
+        x = x.detach().requires_grad_()
+        y = model(x)
+        (y.float().pow(2).sum() / (S * B * D)).backward()
+        outs.append(y.detach())
+        dxs.append(x.grad)
+        opt.step()
+        opt.zero_grad()
+    return outs, dxs
+
+
+def _reference(kind):
+    full = _unsharded(kind)
+    return (full, *_train(full, _inputs()))
+
+
+def _sp_run(rank, world, kind):
+    return _run_tp(rank, world, True, kind)
+
+
+def _tp_run(rank, world, kind):
+    return _run_tp(rank, world, False, kind)
+
+
+def _close(ref, got, name, db=30.0):
+    from tests.tolerances import sqnr_db
+
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert sqnr_db(ref.float(), got.float()) >= db, (name, sqnr_db(ref.float(), got.float()))
+
+
+def _check_against_unsharded(results, sp, kind):
+    world = len(results)
+    full, outs, dxs = _reference(kind)
+    n = FFN // world
+    for step in range(len(outs)):
+        y = torch.cat([r["y"][step] for r in results]) if sp else results[0]["y"][step]
+        dx = torch.cat([r["dx"][step] for r in results]) if sp else results[0]["dx"][step]
+        _close(outs[step], y, f"y step {step}")
+        _close(dxs[step], dx, f"dx step {step}")
+        if not sp:  # every rank holds the whole activation, and the same one
+            assert torch.equal(results[0]["y"][step], results[1]["y"][step])
+    # After 3 SGD steps, each rank's shard tracks the unsharded layer's.
+    for rank, r in enumerate(results):
+        p = r["params"]
+        _close(full[1].weight, p["ops.1.weight"], "norm weight")
+        _close(full[2].weight[_gate_up_rows(rank, world)], p["ops.2.weight"], "column weight")
+        _close(full[4].weight[:, rank * n : (rank + 1) * n], p["ops.4.weight"], "row weight")
+        _close(full[4].bias, p["ops.4.bias"], "row bias")
+    # Replicated parameters stay equal on every rank (their gradients are summed over the group).
+    for name in ("ops.1.weight", "ops.4.bias"):
+        assert torch.equal(results[0]["params"][name], results[1]["params"][name]), name
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_sequence_parallel_block_matches_unsharded(kind):
+    results = run_ranks(_sp_run, timeout=TIMEOUT_S, args=(kind,))
+    _check_against_unsharded(results, sp=True, kind=kind)
+    for r in results:
+        # The sequence-parallel all-gather moves FP8: 1 byte per element of the local (S/2, B, D) block,
+        # plus a 4-byte scale; the gradient's all-gather (backward of the reduce-scatter) is bf16.
+        local = (S // 2) * B * D
+        fwd = [m for m in r["moved"] if m in (local, 4)]
+        assert fwd.count(local) == 3 and fwd.count(4) == 3, r["moved"]
+        assert r["gathered_fp8"][0::2] == [True] * 3, r["gathered_fp8"]  # the norm's FP8, gathered
+
+
+def test_tensor_parallel_block_matches_unsharded():
+    results = run_ranks(_tp_run, timeout=TIMEOUT_S, args=("current",))
+    _check_against_unsharded(results, sp=False, kind="current")
+
+
+# ---- bad input: a clear error on every rank, never a hang or a wrong result --------------------------------
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _bad_inputs(rank, world):
+    import torch.distributed as dist
+
+    import float8.ops as ops
+    from float8 import Float8Tensor
+    from float8.row_collectives import gather_rows
+
+    group = dist.new_group(list(range(world)))
+    out = {}
+    # Ranks holding different numbers of tokens (an uneven split of the sequence).
+    gather = ops.Sequential(ops.AllGather(group))
+    out["shapes"] = _error_of(lambda: gather(torch.randn(4 + rank, D)))
+    # Tokens that do not split over the group, the same on every rank: reduce-scatter cannot keep a block.
+    out["uneven"] = _error_of(lambda: ops.Sequential(ops.ReduceScatter(group))(torch.randn(3, D)))
+    # FP8 input from outside the Sequential, quantized per rank: different scales, one tensor.
+    x8 = Float8Tensor.quantize(torch.randn(4, D) * (rank + 1))
+    out["scales"] = _error_of(lambda: gather(x8))
+    # The same through the no-sync path (a quantizer said the scale is one): NaN, never finite wrong values.
+    out["nan"] = bool(gather_rows(x8, group, one_scale=True).dequantize().isnan().all())
+    same = Float8Tensor.quantize(torch.randn(4, D, generator=torch.Generator().manual_seed(0)))
+    out["ok"] = torch.equal(gather_rows(same, group, one_scale=True).dequantize(), torch.cat([same.dequantize()] * world))
+    # Row-wise scales travel with their rows.
+    rows8 = Float8Tensor.quantize(torch.randn(4, D) * (rank + 1), scaling=__import__("float8").RowwiseScaling())
+    got = gather_rows(rows8, group)
+    out["rowwise"] = got.dequantize()[4 * rank : 4 * rank + 4].equal(rows8.dequantize()) and got._scale_inv.shape == (8, 1)
+    return out
+
+
+def test_bad_input_raises_on_every_rank():
+    for r in run_ranks(_bad_inputs, timeout=TIMEOUT_S):
+        assert "different shapes [(4, 64), (5, 64)]" in r["shapes"], r["shapes"]
+        assert "do not split evenly over 2 ranks" in r["uneven"], r["uneven"]
+        assert "scales differ" in r["scales"], r["scales"]
+        assert r["nan"] and r["ok"] and r["rowwise"], r
+
+
+def test_parallel_linear_arguments_are_checked():
+    import float8.ops as ops
+
+    with pytest.raises(ValueError, match="parallel must be None, 'column' or 'row'"):
+        ops.Linear(8, 8, parallel="diagonal", tp_group=object())
+    with pytest.raises(ValueError, match="need parallel="):
+        ops.Linear(8, 8, sequence_parallel=True)
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        ops.Linear(8, 8, parallel="column")  # no process group (and none initialized here)
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        ops.AllGather(None)
+
+
+def _wrong_groups(rank, world):
+    import torch.distributed as dist
+
+    import float8.ops as ops
+
+    group = dist.new_group(list(range(world)))
+    out = {
+        "not a group": _error_of(lambda: ops.AllReduce("tp")),
+        "none": _error_of(lambda: ops.Linear(8, 8, parallel="row", tp_group=None)),
+        "uneven weight": _error_of(lambda: ops.Linear(8, 7, parallel="column", tp_group=group)),
+    }
+    return out
+
+
+def test_wrong_or_missing_group_and_uneven_weight_shards_raise():
+    for r in run_ranks(_wrong_groups, timeout=TIMEOUT_S):
+        assert "takes a torch.distributed ProcessGroup, got str" in r["not a group"], r
+        assert "takes a torch.distributed ProcessGroup, got NoneType" in r["none"], r
+        assert "out_features=7 does not split evenly over 2 ranks" in r["uneven weight"], r
