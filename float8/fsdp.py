@@ -106,6 +106,11 @@ class Float8TrainingWeight(torch.Tensor):
         """The unsharded weight: a Float8Tensor of the gathered bytes, marked as a trainable master's copy."""
         (bits,) = all_gather_outputs
         (scale_inv,) = metadata
+        if scale_inv.is_cuda:
+            # FSDP2 calls fsdp_pre_all_gather on its copy-in stream, so the scale was allocated there. Tell the
+            # caching allocator it is read on this stream too: else its block can go to the next weight's
+            # prefetch (on the copy-in stream) before this stream has read it.
+            scale_inv.record_stream(torch.cuda.current_stream())
         if out is not None:  # FSDP reuses the unsharded parameter: same storage, new scale
             out._scale_inv.copy_(scale_inv)
             return
@@ -122,15 +127,6 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3
     from float8.quantizer import ScaleLayout
 
     wrapped = []
-    if any(p.is_cuda for p in model.parameters()):
-        # Measured on 2 H200s with NCCL (tests/distributed/nccl_smoke.py, 2026-11-22): the forward equals one
-        # GPU's bit for bit, but AdamW training went NaN from the second step; not understood yet. Refused
-        # rather than run: every path gives the right result or says why it cannot.
-        raise NotImplementedError(
-            "FSDP2's FP8 all-gather is verified on CPU (gloo) only: on CUDA/NCCL, training went NaN after the "
-            "first step in testing. Keep the high-precision all-gather (do not call enable_fp8_all_gather) for "
-            "CUDA models until this is fixed."
-        )
     for name, module in model.named_modules():
         quantizers = getattr(module, "quantizers", ())  # a Linear's three; () for other ops and modules
         weight = getattr(module, "weight", None)

@@ -18,15 +18,19 @@ class Attention(BasicOp):
 
     Input (..., batch, seq, (num_heads + 2 * num_kv_heads) * head_dim), output (..., batch, seq,
     num_heads * head_dim), in the input's dtype. Options, keyword-only: num_kv_heads (grouped KV heads,
-    default num_heads), causal (default True).
+    default num_heads), causal (default True), sequence_first (token dims (..., seq, batch), the layout of
+    sequence-parallel activations; default False).
     """
 
-    def __init__(self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True):
+    def __init__(
+        self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
+    ):  # fmt: skip
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.num_kv_heads, self.causal = num_heads, head_dim, num_kv_heads, causal
+        self.sequence_first = sequence_first
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"
@@ -40,13 +44,19 @@ class Attention(BasicOp):
             raise ValueError(
                 f"Attention(heads={h}, kv_heads={hk}, head_dim={d}) needs {expected} features, got {qkv.shape[-1]}"
             )
-        b, s = int(torch.tensor(lead[:-1]).prod()) if len(lead) > 1 else 1, lead[-1]
-        x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
+        if self.sequence_first:  # (S, B): the rows are position-major
+            s, b = lead[-2], lead[-1]
+            x = qkv.reshape(s, b, h + 2 * hk, d).permute(1, 2, 0, 3)  # (B, heads, S, D)
+        else:
+            b, s = int(torch.tensor(lead[:-1]).prod()) if len(lead) > 1 else 1, lead[-1]
+            x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
         q, k, v = x.split([h, hk, hk], dim=1)
         if hk != h:
             k = k.repeat_interleave(h // hk, dim=1)
             v = v.repeat_interleave(h // hk, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.sequence_first:
+            return o.permute(2, 0, 1, 3).reshape(s * b, h * d)
         return o.transpose(1, 2).reshape(b * s, h * d)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):

@@ -2,8 +2,8 @@
 
 Activations between ops are 2-D (tokens, features); these ops move rows (tokens). With sequence
 parallelism each rank holds an equal block of the tokens, in rank order: feed activations sequence-first,
-(S, B, features) sharded along S (or 2-D (tokens, features) sharded along tokens), so that a rank's block
-is contiguous. Each op's backward is its forward's conjugate:
+(S, B, features) sharded along S (or batch-first with batch 1, or 2-D (tokens, features) sharded along
+tokens), so that a rank's block is contiguous; ops.Attention(sequence_first=True) reads (S, B) token dims. Each op's backward is its forward's conjugate:
 
     AllGather        forward: all-gather rows        backward: reduce-scatter (sum) in high precision
     ReduceScatter    forward: reduce-scatter (sum)   backward: all-gather rows
@@ -44,11 +44,23 @@ class _RowCollective(BasicOp):
             ctx.run.shapes_agreed.add(id(self.group))
 
     def _set_lead(self, ctx: OpContext, rows_before: int, rows_after: int) -> None:
-        # The token dims restored on the Sequential's output: the first (the sequence) changes size.
-        lead = ctx.run.lead
-        if lead and rows_before:
-            first = lead[0] * rows_after // rows_before
-            ctx.run.lead = (first, *lead[1:])
+        # The token dims restored on the Sequential's output. Rows are the token dims flattened, so
+        # concatenating (or splitting) rank blocks of rows scales the first dim larger than 1: the sequence
+        # of a sequence-first (S, B) activation, or of a batch-first one with batch 1.
+        lead = list(ctx.run.lead)
+        i = next((i for i, n in enumerate(lead) if n > 1), None)
+        if i is None or rows_before == rows_after:
+            if lead and rows_before != rows_after:
+                lead[-1] = lead[-1] * rows_after // rows_before
+                ctx.run.lead = tuple(lead)
+            return
+        if (lead[i] * rows_after) % rows_before:
+            raise ValueError(
+                f"{type(self).__name__}: token dims {tuple(lead)} cannot be split over {self.group.size()} ranks along "
+                f"dim {i}; sequence-parallel activations are sequence-first (S, B, features), S divisible by the group"
+            )
+        lead[i] = lead[i] * rows_after // rows_before
+        ctx.run.lead = tuple(lead)
 
 
 class AllGather(_RowCollective):

@@ -93,12 +93,7 @@ def main() -> int:
     batch = torch.randn(64 * world, 256, generator=torch.Generator().manual_seed(3)).to(dev)
     for precompute in (False, True):
         sharded, single = model(), model()
-        try:
-            f8fsdp.enable_fp8_all_gather(sharded)
-        except NotImplementedError:  # refused on CUDA until the NaN below is understood
-            sharded = sharded.cpu()
-            f8fsdp.enable_fp8_all_gather(sharded)
-            sharded = sharded.to(dev)
+        f8fsdp.enable_fp8_all_gather(sharded)
         for block in sharded:
             fully_shard(block)
         fully_shard(sharded)
@@ -129,10 +124,20 @@ def main() -> int:
         bad = [n for n, p in zip(names, params) if not bool(torch.isfinite(p).all())]
         check(f"FSDP2 FP8 all-gather trains, AdamW (finite; precompute_scales={precompute})", not bad)
 
+    tp_checks(rank, world, dev, check)
+
     if rank == 0:
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
+
+
+def tp_checks(rank, world, dev, check):
+    """A sequence-parallel attention + MLP layer on 2 GPUs against the unsharded layer on one GPU."""
+    from tests.distributed.test_tensor_parallel import SP_LAYER_MIN_DB, sp_layer_sqnr
+
+    for name, db in sp_layer_sqnr(rank, world, dev).items():
+        check(f"TP+SP layer {name} vs unsharded ({db:.1f} dB)", db >= SP_LAYER_MIN_DB[name])
 
 
 if __name__ == "__main__":

@@ -250,3 +250,80 @@ def test_wrong_or_missing_group_and_uneven_weight_shards_raise():
         assert "takes a torch.distributed ProcessGroup, got str" in r["not a group"], r
         assert "takes a torch.distributed ProcessGroup, got NoneType" in r["none"], r
         assert "out_features=7 does not split evenly over 2 ranks" in r["uneven weight"], r
+
+
+def sp_layer_sqnr(rank, world, dev) -> dict:
+    """SQNR (dB) of a sequence-parallel attention + MLP layer (ops.Linear(parallel=..., sequence_parallel=True),
+    ops.Attention(sequence_first=True)) against the unsharded layer, on `dev`: output, input grad, weight grads."""
+    import float8.ops as ops
+    from float8 import Recipe
+    import torch.distributed as dist
+
+    from tests.tolerances import sqnr_db
+
+    d, h, kv, hd, f, s = 256, 4, 2, 64, 512, 256
+    group = dist.new_group(list(range(world)))
+    recipe = Recipe(min_fp8_gemm_flops=0)
+
+    def layer(tp):
+        w = world if tp else 1
+        col = {"parallel": "column", "tp_group": group, "sequence_parallel": True} if tp else {}
+        row = {"parallel": "row", "tp_group": group, "sequence_parallel": True} if tp else {}
+        spg = group if tp else None
+        return ops.Sequential(
+            ops.Residual(), ops.RMSNorm(d, sequence_parallel_group=spg),
+            ops.Linear(d, (h + 2 * kv) * hd, bias=False, **col),
+            ops.Attention(h // w, hd, num_kv_heads=kv // w, sequence_first=True),
+            ops.Linear(h * hd, d, **row), ops.AddResidual(),
+            ops.Residual(), ops.RMSNorm(d, sequence_parallel_group=spg), ops.Linear(d, 2 * f, bias=False, **col),
+            ops.SwiGLU(), ops.Linear(f, d, **row), ops.AddResidual(), recipe=recipe,
+        ).to(dev)  # fmt: skip
+
+    torch.manual_seed(0)
+    full, tp = layer(False), layer(True)
+    n_q, n_kv, n_f = h // world * hd, kv // world * hd, f // world
+    qkv_rows = torch.cat([
+        torch.arange(rank * n_q, (rank + 1) * n_q), h * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
+        (h + kv) * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
+    ])  # fmt: skip
+    up_rows = torch.cat([torch.arange(rank * n_f, (rank + 1) * n_f), f + torch.arange(rank * n_f, (rank + 1) * n_f)])
+    with torch.no_grad():
+        for i in (1, 7):
+            tp[i].weight.copy_(full[i].weight)
+        tp[2].weight.copy_(full[2].weight[qkv_rows.to(dev)])
+        tp[4].weight.copy_(full[4].weight[:, rank * n_q : (rank + 1) * n_q])
+        tp[8].weight.copy_(full[8].weight[up_rows.to(dev)])
+        tp[10].weight.copy_(full[10].weight[:, rank * n_f : (rank + 1) * n_f])
+        for i in (4, 10):
+            tp[i].bias.copy_(full[i].bias)
+    x = torch.randn(s, 2, d, generator=torch.Generator().manual_seed(5)).to(dev, torch.bfloat16).requires_grad_()
+    mine = x.detach().chunk(world)[rank].requires_grad_()
+    y_full, y_tp = full(x), tp(mine)
+    y_full.float().pow(2).sum().backward()
+    y_tp.float().pow(2).sum().backward()
+    up = up_rows.to(dev)
+    return {
+        "output": sqnr_db(y_full.chunk(world)[rank], y_tp),
+        "input grad": sqnr_db(x.grad.chunk(world)[rank], mine.grad),
+        "norm weight grad": sqnr_db(full[1].weight.grad, tp[1].weight.grad),
+        "column weight grad": sqnr_db(full[8].weight.grad[up], tp[8].weight.grad),
+        "row weight grad": sqnr_db(full[10].weight.grad[:, rank * n_f : (rank + 1) * n_f], tp[10].weight.grad),
+        "row bias grad": sqnr_db(full[10].bias.grad, tp[10].bias.grad),
+    }
+
+
+# Both sides are FP8; gradients are E5M2 under scales of different extent (a shard's amax or the whole one):
+# the suite's gradient tolerance (tests/tolerances.py). Measured on 2 gloo ranks: output 45.7 dB, input grad
+# 37.3, weight grads 23.7-26.1.
+SP_LAYER_MIN_DB = {"output": 30.0, "input grad": 25.0, "norm weight grad": 17.0, "column weight grad": 17.0,
+                   "row weight grad": 17.0, "row bias grad": 17.0}  # fmt: skip
+
+
+def _sp_layer(rank, world):
+    return sp_layer_sqnr(rank, world, torch.device("cpu"))
+
+
+def test_sequence_parallel_attention_layer_matches_unsharded():
+    for r in run_ranks(_sp_layer, timeout=TIMEOUT_S):
+        for name, db in r.items():
+            assert db >= SP_LAYER_MIN_DB[name], (name, db, r)
