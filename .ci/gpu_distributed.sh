@@ -20,6 +20,6 @@ if [[ $stage == all || $stage == smoke ]]; then
         | tee "$OUT/nccl_smoke.log" | grep -v Warning | tail -40
 fi
 if [[ $stage == all || $stage == bench ]]; then
-    timeout ${BENCH_TIMEOUT:-400} torchrun --standalone --nproc_per_node 2 -m float8.bench.distributed --out "$OUT/distributed.json" "$@" 2>&1 \
+    timeout ${BENCH_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 -m float8.bench.distributed --out "$OUT/distributed.json" "$@" 2>&1 \
         | tee "$OUT/bench_distributed.log" | grep -v Warning | tail -30
 fi

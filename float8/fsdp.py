@@ -100,7 +100,14 @@ class Float8TrainingWeight(torch.Tensor):
             amax = all_reduce_amax(amax_kernel(self.master), mesh.get_group())
             scale = scale_from_amax(amax, self.fp8_dtype)
         data, _, scale_inv, _ = quantize_tensorwise(self.master, self.fp8_dtype, scale.reshape(()))
-        return (data.view(torch.uint8),), (scale_inv,)
+        bits = data.view(torch.uint8)
+        if outer_size is not None and bits.dim() and mesh.size() > 1:
+            # An uneven (or empty) shard: FSDP gathers equal blocks of ceil(rows / world) rows and trims the
+            # unsharded weight to its size afterwards; the padding rows are zeros that nothing reads.
+            padded_rows = -(-outer_size[0] // mesh.size())
+            if bits.shape[0] < padded_rows:
+                bits = torch.cat([bits, bits.new_zeros((padded_rows - bits.shape[0], *bits.shape[1:]))])
+        return (bits,), (scale_inv,)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded weight: a Float8Tensor of the gathered bytes, marked as a trainable master's copy."""

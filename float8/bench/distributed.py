@@ -109,7 +109,7 @@ def _fsdp_variant(name, cfg, rank, world, dev, steps, warm):
             model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn) for _ in range(blocks)])
         else:
             model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
-    if name == "float8, FP8 all-gather":
+    if name.startswith("float8, FP8 all-gather"):
         import float8.fsdp as f8fsdp
 
         f8fsdp.enable_fp8_all_gather(model)
@@ -130,28 +130,48 @@ def _fsdp_variant(name, cfg, rank, world, dev, steps, warm):
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     x = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16, generator=g)
     target = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16, generator=g)
-    losses = []
+    losses, allocated, fwd_peak = [], [], []
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x).float(), target.float())
+        torch.cuda.reset_peak_memory_stats()
+        out = model(x)
+        fwd_peak.append(torch.cuda.max_memory_allocated())
+        loss = F.mse_loss(out.float(), target.float())
+        del out
         loss.backward()
         opt.step()
         after_step()
         losses.append(loss.detach())
+        allocated.append(torch.cuda.memory_allocated())
 
+    gib = 2**30
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     ms = _timed_steps(step, warm, steps)
-    peak_after_timed = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated()  # of the last step (each step resets it)
+    result = {
+        "ms_per_step": ms, "peak_gib": peak / gib, "losses": [float(v) for v in losses],
+        "params_gib": before / gib, "end_of_forward_peak_gib": max(fwd_peak) / gib,
+        # Allocated after each step: flat from the second step on when nothing outlives its use.
+        "allocated_after_step_gib": [a / gib for a in allocated],
+        "all_gather_bytes_per_step": _all_gather_bytes(model, world),
+    }  # fmt: skip
     del opt, model
-    return {"ms_per_step": ms, "peak_gib": peak_after_timed / 2**30, "losses": [float(v) for v in losses]}
+    return result
 
 
-def _all_gather_bytes(cfg, world):
-    d, heads, kv, hd, ffn, blocks = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks"))
-    linear = d * (heads + 2 * kv) * hd + heads * hd * d + d * 2 * ffn + ffn * d
-    per_step = 2 * blocks * linear * (world - 1) // world  # forward and backward re-gather, received per rank
-    return {"bf16": 2 * per_step, "fp8": 1 * per_step + 2 * 4 * blocks * 4}
+def _all_gather_bytes(model, world):
+    """Bytes each rank receives by FSDP's weight all-gathers a step (forward, and backward's re-gather of
+    the resharded blocks): 1 byte per element of FP8-gathered weights (+ a 4-byte scale), else 2 (bf16)."""
+    from float8.fsdp import Float8TrainingWeight
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        fp8 = isinstance(local, Float8TrainingWeight) or "Float8" in type(local).__name__
+        total += p.numel() * (1 if fp8 else 2) + (4 * world if fp8 else 0)
+    return 2 * total * (world - 1) // world
 
 
 # ---- tensor + sequence parallel layer --------------------------------------------------------------------------
@@ -212,7 +232,7 @@ class TPBlockBf16(torch.nn.Module):
         return x + _ScatterSeq.apply(self.down(F.silu(g) * u), self.group)
 
 
-def _tp(cfg, rank, world, dev, steps, warm):
+def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
     group = dist.new_group(list(range(world)))
     d, heads, kv, hd, ffn, s = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "tp_tokens"))
     torch.manual_seed(0)
@@ -229,14 +249,29 @@ def _tp(cfg, rank, world, dev, steps, warm):
 
         torch.cuda.reset_peak_memory_stats()
         results[name] = {"ms_fwd_bwd": _timed_steps(fwd_bwd, warm, steps), "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if profile_dir and rank == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fwd_bwd()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+            with open(os.path.join(profile_dir, f"profile_tp_{name.split()[0]}.txt"), "w") as f:
+                f.write(table)
     return results
+
+
+def _write(out, path) -> None:
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=47, help="timed steps after 3 warm-up ones (50 in all)")
     p.add_argument("--only", choices=["fsdp", "tp"], default=None)
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -256,6 +291,7 @@ def main() -> None:
             variants.append("torchao tensorwise + FP8 all-gather + compile")
         except ImportError:
             pass
+        variants.append("float8, FP8 all-gather + compile")
         for name in variants:
             try:
                 out["fsdp"][name] = _fsdp_variant(name, cfg, rank, world, dev, args.steps, 3)
@@ -263,15 +299,15 @@ def main() -> None:
                 out["fsdp"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             torch.cuda.empty_cache()
             if rank == 0:
-                print(name, {k: v for k, v in out["fsdp"][name].items() if k != "losses"}, flush=True)
-        out["fsdp_all_gather_bytes"] = _all_gather_bytes(cfg, world)
+                brief = {k: v for k, v in out["fsdp"][name].items() if k not in ("losses", "allocated_after_step_gib")}
+                print(name, brief, flush=True)
+                _write(out, args.out)
     if args.only in (None, "tp"):
-        out["tp"] = _tp(cfg, rank, world, dev, args.steps * 2, 5)
+        out["tp"] = _tp(cfg, rank, world, dev, 20, 5, os.path.dirname(os.path.abspath(args.out)))
         if rank == 0:
             print(out["tp"], flush=True)
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        _write(out, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

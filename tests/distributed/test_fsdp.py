@@ -90,7 +90,7 @@ def test_fsdp2_trains_like_one_process():
         assert sqnr_db(p.detach(), sharded[0][name]) >= SQNR_DB["grad"], name
 
 
-def _fp8_model():
+def _fp8_model(hidden=128):
     import float8.ops as ops
     from float8 import Recipe, RowwiseScaling, TensorwiseScaling
 
@@ -100,28 +100,28 @@ def _fp8_model():
     recipe = Recipe(input=RowwiseScaling(), weight=TensorwiseScaling(), grad=RowwiseScaling())
 
     def block():
-        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=recipe)
+        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, hidden), ops.GELU(), ops.Linear(hidden, 64), recipe=recipe)
 
     return ops.Sequential(block(), block())
 
 
-def _fsdp_fp8(rank, world):
+def _fsdp_fp8(rank, world, hidden=128, reshard=True):
     from torch.distributed.fsdp import fully_shard
 
     import float8.fsdp as f8fsdp
     from float8 import Float8Tensor
 
-    model = _fp8_model()
+    model = _fp8_model(hidden)
     wrapped = f8fsdp.enable_fp8_all_gather(model)
     assert len(wrapped) == 4, wrapped
     for block in model:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
     shard = model[0][1].weight.to_local()
     bits, meta = shard.fsdp_pre_all_gather(model[0][1].weight.device_mesh)
     assert bits[0].dtype == torch.uint8 and bits[0].numel() == shard.numel()  # 1 byte per element on the wire
 
-    single = _fp8_model()
+    single = _fp8_model(hidden)
     x = _batches()[0]
     with torch.no_grad():
         expected = single(x).chunk(world)[rank]
@@ -151,14 +151,37 @@ def _fsdp_fp8(rank, world):
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-def test_fsdp2_fp8_all_gather_trains_like_one_process():
+# hidden=127: the first Linear's 127 rows shard 64/63 and the second's 64 rows of 127 columns evenly;
+# hidden=1: a (1, 64) weight leaves rank 1 an empty shard. reshard_after_forward=False keeps the gathered
+# FP8 weights from forward to backward.
+@pytest.mark.parametrize("hidden, reshard", [(128, True), (128, False), (127, True), (1, True)])
+def test_fsdp2_fp8_all_gather_trains_like_one_process(hidden, reshard):
     from tests.tolerances import SQNR_DB, sqnr_db
 
-    sharded = run_ranks(_fsdp_fp8, timeout=TIMEOUT_S)
-    single = _fp8_model()
+    sharded = run_ranks(_fsdp_fp8, timeout=TIMEOUT_S, args=(hidden, reshard))
+    single = _fp8_model(hidden)
     _train(single, _batches())
     for name, p in single.named_parameters():
         a, b = sharded[0][name], sharded[1][name]
         a, b = getattr(a, "master", a), getattr(b, "master", b)
         assert torch.equal(a, b)
         assert sqnr_db(p.detach(), a) >= SQNR_DB["grad"], name
+
+
+def _ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    _train(model, _batches(), rank, world)
+    return {n.removeprefix("module."): p.detach() for n, p in model.named_parameters()}
+
+
+def test_ddp_trains_like_one_process():
+    from tests.tolerances import SQNR_DB, sqnr_db
+
+    ddp = run_ranks(_ddp, timeout=TIMEOUT_S)
+    single = _model()
+    _train(single, _batches())
+    for name, p in single.named_parameters():
+        assert torch.equal(ddp[0][name], ddp[1][name]), name  # DDP's all-reduce keeps the replicas equal
+        assert sqnr_db(p.detach(), ddp[0][name]) >= SQNR_DB["grad"], name
