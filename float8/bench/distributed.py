@@ -52,7 +52,7 @@ class Block(torch.nn.Module):
         return x + self.down(F.silu(g) * u)
 
 
-def ops_block(d, heads, kv_heads, head_dim, ffn, **tp):
+def ops_block(d, heads, kv_heads, head_dim, ffn, recipe=None, **tp):
     """The same block from float8.ops (tp: group=..., sp=...: the tensor-parallel layer)."""
     import float8.ops as ops
 
@@ -76,6 +76,7 @@ def ops_block(d, heads, kv_heads, head_dim, ffn, **tp):
         ops.SwiGLU(),
         ops.Linear(ffn, d, bias=False, **par["row"]),
         ops.AddResidual(),
+        recipe=recipe,
     )
 
 
@@ -241,6 +242,8 @@ class TPBlockBf16(torch.nn.Module):
 
 
 def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
+    from float8 import Recipe
+
     group = dist.new_group(list(range(world)))
     d, heads, kv, hd, ffn, s = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "tp_tokens"))
     torch.manual_seed(0)
@@ -250,6 +253,11 @@ def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
     layers = {
         "bf16 TP+SP": TPBlockBf16(d, heads, kv, hd, ffn, group).to(dev, torch.bfloat16),
         "float8 TP+SP": ops_block(d, heads, kv, hd, ffn, group=group, sp=True).to(dev, torch.bfloat16),
+        # The default small-layer policy (Recipe.min_fp8_gemm_flops, 3e11) keeps a TP=2 shard's QKV (2.1e11
+        # FLOPs) and output projection (1.4e11) in bf16; this variant runs all four GEMMs in FP8.
+        "float8 TP+SP, every GEMM FP8": ops_block(
+            d, heads, kv, hd, ffn, recipe=Recipe(min_fp8_gemm_flops=0), group=group, sp=True
+        ).to(dev, torch.bfloat16),
     }
     for name, layer in layers.items():
         def fwd_bwd():
@@ -266,7 +274,7 @@ def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
             if rank == 0:
-              with open(os.path.join(profile_dir, f"profile_tp_{name.split()[0]}.txt"), "w") as f:
+              with open(os.path.join(profile_dir, f"profile_tp_{name.split()[0]}{'_all_fp8' if 'every' in name else ''}.txt"), "w") as f:
                   f.write(table)
     return results
 
