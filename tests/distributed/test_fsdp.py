@@ -1,6 +1,6 @@
-"""FSDP2 (fully_shard) of float8.ops models on 2 gloo ranks, with high-precision weight all-gather and FP8
-compute: single ops and a Sequential shard, train, and track the one-process run. (The FP8 all-gather of
-weights is not built yet.)"""
+"""FSDP2 (fully_shard) of float8.ops models on 2 gloo ranks: high-precision and FP8 weight all-gather (even,
+uneven and empty shards, reshard_after_forward True and False) with FP8 compute, single ops and Sequentials
+sharded, training that tracks the one-process run; and DDP of an ops model."""
 
 import pytest
 import torch
