@@ -146,7 +146,8 @@ class Linear(BasicOp):
         # tensor-parallel shard is drawn from the distribution of the unsharded layer (same arithmetic as
         # torch's, so an unsharded Linear matches nn.Linear bit for bit under one seed).
         gain = torch.nn.init.calculate_gain("leaky_relu", math.sqrt(5))
-        torch.nn.init.uniform_(self.weight, -math.sqrt(3.0) * (gain / math.sqrt(self.in_features)), math.sqrt(3.0) * (gain / math.sqrt(self.in_features)))
+        weight_bound = math.sqrt(3.0) * (gain / math.sqrt(self.in_features))
+        torch.nn.init.uniform_(self.weight, -weight_bound, weight_bound)
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
             torch.nn.init.uniform_(self.bias, -bound, bound)

@@ -48,12 +48,9 @@ class _RowCollective(BasicOp):
         # concatenating (or splitting) rank blocks of rows scales the first dim larger than 1: the sequence
         # of a sequence-first (S, B) activation, or of a batch-first one with batch 1.
         lead = list(ctx.run.lead)
-        i = next((i for i, n in enumerate(lead) if n > 1), None)
-        if i is None or rows_before == rows_after:
-            if lead and rows_before != rows_after:
-                lead[-1] = lead[-1] * rows_after // rows_before
-                ctx.run.lead = tuple(lead)
+        if not lead or rows_before == rows_after:
             return
+        i = next((i for i, n in enumerate(lead) if n > 1), len(lead) - 1)
         if (lead[i] * rows_after) % rows_before:
             raise ValueError(
                 f"{type(self).__name__}: token dims {tuple(lead)} cannot be split over {self.group.size()} ranks along "
