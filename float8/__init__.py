@@ -24,6 +24,7 @@ from float8.quantizer import (
 )
 from float8.recipe import BlockwiseScaling, DelayedScaling, Format, Recipe, RowwiseScaling, TensorwiseScaling
 from float8.tensor import Float8Tensor
+from float8.memory import memory_footprint
 
 __version__ = "0.1.0"
 
@@ -43,4 +44,5 @@ __all__ = [
     "StaticQuantizer",
     "RowwiseQuantizer",
     "BlockwiseQuantizer",
+    "memory_footprint",
 ]

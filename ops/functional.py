@@ -22,6 +22,7 @@ from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLay
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
 from float8.ops.base import BasicOp, plain
 from float8.ops.bias import bias_backward
+from float8.ops.cross_entropy import linear_cross_entropy
 from float8.ops.norms import LayerNorm, RMSNorm
 
 
@@ -35,6 +36,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "linear_bwd",
+    "linear_cross_entropy",
     "linear_fwd",
     "linear_fwd_high_precision",
     "quantize_weight",
@@ -122,7 +124,11 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
         x8 = qi._quantize(xh, False)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
         saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
-    return y, LinearSaved(layout, saved_x, wd if need_dgrad else None, out_dtype, need_wgrad, need_dgrad)
+    saved_w = None
+    if need_dgrad:
+        # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.
+        saved_w = column_major_only(wd) if layout is ScaleLayout.TENSOR and isinstance(wd, Float8Tensor) else wd
+    return y, LinearSaved(layout, saved_x, saved_w, out_dtype, need_wgrad, need_dgrad)
 
 
 def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):

@@ -6,15 +6,23 @@ delayed ones are submodules whose history is in the state dict from construction
 its weight.
 - The input is saved for backward as FP8, never as a high-precision copy, and only in the layout the
   weight-gradient GEMM reads: 1 byte per element.
-- The weight is quantized once per optimizer step: the FP8 copy is kept until the weight changes. The
-  cache is keyed by the weight's version counter (every in-place optimizer update moves it), its place
-  in its storage and the storage itself (a weak reference: replacing `weight.data` is seen even when the
-  new storage reuses the old address). Writes into the weight's storage that move no counter of the
-  weight (through `weight.data`, or through another tensor over the same storage) need
-  `refresh_fp8_weight()` after them (load_state_dict and .to() refresh by themselves). Under CUDA-graph
-  capture or torch.compile the weight is quantized inside the graph on every call (a replay cannot check
-  a version counter). Under no_grad/inference_mode no transpose is made. An FP8-only weight (a
-  Float8Tensor parameter, which must not require grad) is used as it is: 1 byte per parameter.
+- The weight's FP8 copy lives only as long as something reads it. In training (the weight's gradient is
+  computed) it is made in the forward, the forward GEMM reads it, and the backward keeps only the layout
+  the input-gradient GEMM reads (the transpose, 1 byte per parameter, freed after backward); nothing of
+  it is kept between steps, and gradient-accumulation micro-batches each quantize again (one
+  cast-transpose per weight, ~2 ms per step for 1.7B parameters on an H100, against 2 bytes per
+  parameter held). `float8.ops.requantize_weights` may make the next step's copies right after the
+  optimizer step; the next training forward takes them out of the cache. For inference and frozen
+  weights the copy is cached until the weight changes, keyed by the weight's version counter (every
+  in-place optimizer update moves it), its place in its storage and the storage itself (a weak
+  reference: replacing `weight.data` is seen even when the new storage reuses the old address, and the
+  stale copy is freed at the next call; replacing `weight` frees it at once). Writes into the
+  weight's storage that move no counter of the weight (through `weight.data`, or through another tensor
+  over the same storage) need `refresh_fp8_weight()` after them (load_state_dict and .to() refresh by
+  themselves). Under CUDA-graph capture or torch.compile the weight is quantized inside the graph on
+  every call (a replay cannot check a version counter). Under no_grad/inference_mode no transpose is
+  made. An FP8-only weight (a Float8Tensor parameter, which must not require grad) is used as it is: 1
+  byte per parameter.
 - Per-tensor recipes use the same FP8 bits transposed in the backward pass; per-row recipes quantize the
   transposed operands along their own rows; block recipes run the GEMMs on the dequantized operands
   (their numerics, not yet their speed). Mixed layouts that cannot meet in one FP8 GEMM do the same.
@@ -83,7 +91,14 @@ class _WeightCache:
         return self.w8, (self.wd if for_backward else None)
 
     def store(self, w: torch.Tensor, w8, wd) -> None:
+        # No callback on the weak reference: one that frees tensors while torch deallocates a storage
+        # crashed the interpreter (segfault in the CPU suite). Replacing `weight` clears the cache at once
+        # (Linear.__setattr__); replacing `weight.data` is seen, and the old copy freed, at the next call.
         self.key, self.storage, self.w8, self.wd = self._key(w), weakref.ref(w.untyped_storage()), w8, wd
+
+    def tensors(self) -> list:
+        """The FP8 copies held (for float8.memory_footprint)."""
+        return [t for t in (self.w8, self.wd) if t is not None]
 
 
 class Linear(BasicOp):
@@ -227,7 +242,17 @@ class Linear(BasicOp):
                 return F.linear(x, w, b)
         return super().forward(x)
 
-    # ---- the weight, quantized once per optimizer step ---------------------------------------------
+    # ---- the weight's FP8 copy ------------------------------------------------------------------------
+    def __setattr__(self, name, value):
+        # Replacing the weight (`op.weight = Parameter(...)`) drops the FP8 copy of the old one at once.
+        if name == "weight" and "_weight_cache" in self.__dict__:
+            self._weight_cache.clear()
+        super().__setattr__(name, value)
+
+    def cached_fp8_tensors(self) -> list:
+        """The FP8 weight copies this op holds between calls (counted by float8.memory_footprint)."""
+        return self._weight_cache.tensors()
+
     def refresh_fp8_weight(self) -> None:
         """Forget the cached FP8 weight. Needed only after writing the weight through `.data` in place
         (such writes move no version counter); loads, moves and replacing `.data` are seen by themselves."""
@@ -241,8 +266,14 @@ class Linear(BasicOp):
         self.refresh_fp8_weight()
         return super()._apply(fn, *args, **kwargs)
 
-    def quantized_weight(self, for_backward: bool):
-        """(forward operand, dgrad operand or None): FP8 copies of the weight, cached until it changes."""
+    def quantized_weight(self, for_backward: bool, training: bool = False):
+        """(forward operand, dgrad operand or None): FP8 copies of the weight.
+
+        training: this forward computes the weight's gradient, so the weight changes at the next optimizer
+        step. Its FP8 copy is then made for this step only and not kept (a copy left by
+        `float8.ops.requantize_weights` is taken and dropped from the cache): keeping it would hold 2 bytes
+        per parameter between steps that no later step reads. Otherwise (inference, a frozen weight) the copy
+        is cached until the weight changes."""
         w = self.weight
         if isinstance(w, Float8Tensor):
             return w, (w if for_backward else None)
@@ -255,6 +286,9 @@ class Linear(BasicOp):
             return quantize_weight(w, q, for_backward)
         cache = self._weight_cache
         hit = cache.lookup(w, for_backward)
+        if training:
+            cache.clear()
+            return hit if hit is not None else quantize_weight(w, q, for_backward)
         if hit is not None:
             return hit
         # Drop the stale copy first, so that old and new FP8 weights are not alive together (at
@@ -278,7 +312,7 @@ class Linear(BasicOp):
         if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
             y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
         else:
-            w8, wd = self.quantized_weight(for_backward=need_dgrad)
+            w8, wd = self.quantized_weight(for_backward=need_dgrad, training=need_wgrad)
             y, ctx.saved = linear_fwd(
                 x2, w8, wd, bias, self.quantizers,
                 need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=self.recipe.fprop_fast_accum,

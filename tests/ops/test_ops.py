@@ -75,24 +75,55 @@ def test_linear_recipes_reach_the_sqnr_floor(recipe):
     assert sqnr_db(dy.double().t() @ x.double(), lin.weight.grad) >= SQNR_DB["grad"]
 
 
-def test_linear_saves_its_input_as_fp8_and_quantizes_the_weight_once_per_step():
+def test_linear_saves_fp8_and_keeps_no_weight_copy_between_training_steps():
     lin = ops.Linear(64, 32, bias=False)
     ctx = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(ctx, torch.randn(16, 64))
     x8, w8 = ctx.saved.x, ctx.saved.w
     # The input is kept as FP8, 1 byte per element, in the one layout the weight gradient reads
-    # (column-major): no bf16 copy, and no second FP8 layout.
-    assert x8.data.dtype == torch.float8_e4m3fn and x8.transpose is None
-    assert x8.data.shape == (16, 64) and x8.data.mT.is_contiguous()
-    assert isinstance(w8, Float8Tensor) and w8.transpose_cache is not None
+    # (column-major): no bf16 copy, and no second FP8 layout. The same for the weight: only its
+    # transpose, which the input-gradient GEMM reads.
+    for saved, shape in ((x8, (16, 64)), (w8, (32, 64))):
+        assert saved.data.dtype == torch.float8_e4m3fn and saved.transpose is None
+        assert saved.data.shape == shape and saved.data.mT.is_contiguous()
+    # The weight is trained: its FP8 copy is not kept for a later step (the optimizer changes it).
+    assert lin.cached_fp8_tensors() == []
+    # A frozen weight does not change: its copy is cached and reused by every step.
+    lin.weight.requires_grad_(False)
+    frozen = OpContext(RunState(grad=True, lead=(16,)))
+    lin.op_forward(frozen, torch.randn(16, 64))
+    cached = lin.cached_fp8_tensors()
+    assert cached and all(isinstance(t, Float8Tensor) for t in cached)
     again = OpContext(RunState(grad=True, lead=(16,)))
     lin.op_forward(again, torch.randn(16, 64))
-    assert again.saved.w is w8  # same weight version: the FP8 copy is reused (micro-batches)
+    assert lin.cached_fp8_tensors()[0] is cached[0]
     with torch.no_grad():
-        lin.weight.mul_(0.5)  # an optimizer step bumps the version
-    third = OpContext(RunState(grad=True, lead=(16,)))
-    lin.op_forward(third, torch.randn(16, 64))
-    assert third.saved.w is not w8
+        lin.weight.mul_(0.5)  # a write bumps the version: the copy is re-made
+    lin.op_forward(OpContext(RunState(grad=True, lead=(16,))), torch.randn(16, 64))
+    assert lin.cached_fp8_tensors()[0] is not cached[0]
+
+
+def test_replacing_the_weight_frees_its_fp8_copy():
+    import gc
+    import weakref
+
+    lin = ops.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        lin(torch.randn(4, 64))
+    w8 = weakref.ref(lin.cached_fp8_tensors()[0])
+    with torch.no_grad():
+        lin.weight = torch.nn.Parameter(Float8Tensor.quantize(lin.weight), requires_grad=False)
+    gc.collect()
+    assert w8() is None and lin.cached_fp8_tensors() == []
+    # Replacing .data of a high-precision weight: the stale copy is dropped at the next call.
+    lin2 = ops.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        lin2(torch.randn(4, 64))
+    w8 = weakref.ref(lin2.cached_fp8_tensors()[0])
+    lin2.weight.data = torch.randn(32, 64)
+    lin2(torch.randn(4, 64)).sum().backward()  # a training step: no copy kept
+    gc.collect()
+    assert w8() is None and lin2.cached_fp8_tensors() == []
 
 
 def test_no_transpose_under_no_grad_or_inference_mode():

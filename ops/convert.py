@@ -1,0 +1,144 @@
+"""convert(model): swap a model's nn.Linear layers for float8.ops.Linear, in place.
+
+    model = float8.ops.convert(model)                                   # FP8 GEMMs, same parameters
+    model = float8.ops.convert(model, fp8_weights=True)                 # inference: 1-byte weights
+
+What is converted: every module whose type is exactly `torch.nn.Linear` (subclasses are skipped: their
+forward may do more than F.linear, and some, like nn.MultiheadAttention's out_proj, are never called as
+modules) for which `filter_fn(module, fqn)` is true, when FP8 can serve it:
+- in_features and out_features are multiples of 16 (the FP8 GEMMs' alignment; a padded GEMM would cost
+  more than it saves at such sizes);
+- the weight is float32, bfloat16 or float16 and not a sharded DTensor (convert before fully_shard);
+- with fp8_weights=True: the weight is on a real device (not meta) and not shared with another module
+  (tied embeddings: an FP8 copy would untie them and keep the high-precision one alive).
+Layers that fail a rule stay nn.Linear and are listed, each with its reason, in one ConversionWarning.
+A float8.ops.Linear (converted before) with a high-precision weight gets an FP8-only weight under
+fp8_weights=True, by the same rules.
+
+The new op takes the same Parameter objects (an optimizer built before conversion keeps working, tied
+weights stay tied), the same training flag, and the forward hooks of the old module are not carried over.
+fp8_weights=True replaces each converted weight by an FP8-only Float8Tensor parameter (1 byte per element
+plus a 4-byte scale, no transpose, requires_grad=False): for inference and for frozen, LoRA-style bases. The
+high-precision weight is freed once nothing else refers to it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
+from float8.quantizer import quantizer_for
+from float8.ops.linear import Linear
+
+__all__ = ["ConversionWarning", "convert", "skip_reason"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ConversionWarning(UserWarning):
+    """Some layers were left as they were by float8.ops.convert; the message lists them and why."""
+
+
+def skip_reason(linear: torch.nn.Linear, *, fp8_weights: bool = False, tied_to: Optional[str] = None) -> Optional[str]:
+    """Why `convert` leaves this layer as it is, or None when FP8 can serve it (the rules above)."""
+    if type(linear) is not torch.nn.Linear:
+        return f"{type(linear).__name__} is a subclass of nn.Linear (its forward may differ)"
+    k, n = linear.in_features, linear.out_features
+    if k % 16 or n % 16:
+        return f"in_features={k}, out_features={n}: FP8 GEMMs need multiples of 16"
+    w = linear.weight
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is not None and isinstance(w, dtensor):
+        return "the weight is a sharded DTensor: convert before fully_shard / parallelize_module"
+    if w.dtype not in _DTYPES:
+        return f"weight dtype {w.dtype} (float32, bfloat16 or float16 needed)"
+    if fp8_weights and w.device.type == "meta":
+        return "fp8_weights=True needs the weights' values (this one is on the meta device)"
+    if fp8_weights and tied_to is not None:
+        return f"fp8_weights=True: the weight is shared with {tied_to} (an FP8 copy would untie them)"
+    return None
+
+
+def convert(
+    model: torch.nn.Module,
+    *,
+    recipe: Optional[Recipe] = None,
+    filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
+    fp8_weights: bool = False,
+) -> torch.nn.Module:
+    """Replace model's nn.Linear layers by float8.ops.Linear in place and return the model.
+
+    recipe: the converted layers' Recipe (default Recipe()). filter_fn(module, fqn) -> bool picks the
+    layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). When model
+    is itself an nn.Linear, the returned op stands in for it.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a float8.Recipe, got {type(recipe).__name__}")
+    owners: dict = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{fqn}.{name}" if fqn else name)
+    skipped, swaps, fp8_only = [], [], []
+    for fqn, module in model.named_modules():
+        if isinstance(module, Linear):
+            if fp8_weights and not isinstance(module.weight, Float8Tensor) and (filter_fn is None or filter_fn(module, fqn)):
+                fp8_only.append((fqn, module))  # converted before: its weight becomes FP8-only now
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if filter_fn is not None and not filter_fn(module, fqn):
+            continue
+        others = [o for o in owners.get(id(module.weight), []) if o != (f"{fqn}.weight" if fqn else "weight")]
+        reason = skip_reason(module, fp8_weights=fp8_weights, tied_to=", ".join(others) or None)
+        if reason is not None:
+            skipped.append(f"{fqn or '<root>'}: {reason}")
+        else:
+            swaps.append((fqn, module))
+    for fqn, op in fp8_only:
+        others = [o for o in owners.get(id(op.weight), []) if o != (f"{fqn}.weight" if fqn else "weight")]
+        if others or op.weight.device.type == "meta":
+            why = f"shared with {', '.join(others)}" if others else "on the meta device"
+            skipped.append(f"{fqn or '<root>'}: fp8_weights=True, but the weight is {why}")
+            continue
+        op.weight = torch.nn.Parameter(_quantize_frozen(op.weight, op), requires_grad=False)
+    if skipped:
+        warnings.warn(
+            f"float8.ops.convert left {len(skipped)} layer(s) as they were:\n  " + "\n  ".join(skipped),
+            ConversionWarning,
+            stacklevel=2,
+        )
+    for fqn, module in swaps:
+        op = _float8_linear(module, recipe, fp8_weights)
+        if not fqn:
+            return op
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, op)
+    return model
+
+
+def _float8_linear(linear: torch.nn.Linear, recipe: Optional[Recipe], fp8_weights: bool) -> Linear:
+    w = linear.weight
+    # Built on the meta device (nothing allocated), then given the old module's Parameter objects.
+    op = Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", dtype=w.dtype, recipe=recipe)
+    op.weight = w
+    op.bias = linear.bias
+    op._recipe_changed()  # quantizers (delayed-scaling history) on the weight's device
+    op.train(linear.training)
+    if fp8_weights:
+        op.weight = torch.nn.Parameter(_quantize_frozen(w, op), requires_grad=False)
+    return op
+
+
+def _quantize_frozen(w: torch.Tensor, op: Linear) -> Float8Tensor:
+    # Current scaling with the recipe's weight layout: a delayed recipe's history describes activations
+    # over steps, and a frozen weight is quantized once.
+    q = op.weight_quantizer
+    if isinstance(op.recipe.weight, DelayedScaling):
+        q = quantizer_for(TensorwiseScaling(), op.recipe.format.forward_dtype, device=w.device)
+    with torch.no_grad():
+        return q.quantize(w.detach())
