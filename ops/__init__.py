@@ -13,6 +13,8 @@ from float8.ops import functional
 from float8.ops.activations import GELU, Activation, ReLU, SiLU, SwiGLU
 from float8.ops.attention import Attention
 from float8.ops.base import BasicOp, QuantRequest
+from float8.ops.convert import ConversionWarning, convert
+from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.bias import Bias
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
@@ -28,12 +30,14 @@ __all__ = [
     "Attention",
     "BasicOp",
     "Bias",
+    "ConversionWarning",
     "Dropout",
     "Float8PrecisionWarning",
     "GELU",
     "Identity",
     "LayerNorm",
     "Linear",
+    "LinearCrossEntropy",
     "QuantRequest",
     "Quantize",
     "RMSNorm",
@@ -44,5 +48,6 @@ __all__ = [
     "Sequential",
     "SiLU",
     "SwiGLU",
+    "convert",
     "functional",
 ]

@@ -1,0 +1,263 @@
+"""Fused linear + cross-entropy: loss = F.cross_entropy(x @ weight.t() + bias, target), without the logits.
+
+A large-vocabulary LM head (V = 128256, 16384 tokens) writes 4 GiB of bf16 logits, and the usual
+`.float()` before the loss makes it 12 GiB more. Here the tokens are taken in chunks: for each chunk the
+logits GEMM writes (chunk, V) in the activation dtype, one kernel (kernels/cross_entropy.py) runs an
+online softmax over each row in float32 and writes the gradient of the logits over them in place, and
+two GEMMs turn that gradient into the chunk's input gradient and into the weight gradient, which is
+accumulated in float32 across chunks. Three GEMMs in all, as in the unfused layer; the largest
+temporaries are one logits chunk and the float32 weight-gradient accumulator (V x H x 4 bytes; none when
+the weight is float32, whose gradient it is).
+
+- reduction "mean" or "sum": the gradients are computed in the forward (the loss is a scalar: its
+  gradient only scales them) and scaled by the incoming gradient in backward.
+- reduction "none": the forward keeps the per-row log-sum-exp; the backward recomputes the logits chunk by
+  chunk with each row's incoming gradient (a fourth GEMM, as the rows' weights are not known before).
+- FP8 GEMMs (recipe given, or an FP8-only weight): the weight is quantized once per call (with its
+  transpose when the input gradient is needed), each chunk of x and of the logits' gradient per tensor
+  (the recipe's forward and gradient formats), and the three GEMMs run in FP8.
+The loss is float32 (what the naive `F.cross_entropy(logits.float(), t)` returns).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from float8 import DelayedScaling, Float8Tensor, Recipe
+from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
+from float8.kernels.cross_entropy import ce_rows
+
+__all__ = ["LinearCrossEntropy", "check_cross_entropy_args", "default_chunk_tokens", "linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def default_chunk_tokens(tokens: int, hidden: int) -> int:
+    """Tokens per chunk: as many as the hidden size (a logits chunk then holds as many elements as the
+    weight), a multiple of 16 for the FP8 GEMMs, and never more than the input has."""
+    return max(16, min(hidden - hidden % 16, tokens + (-tokens) % 16))
+
+
+def check_cross_entropy_args(x, weight, target, bias, reduction: str, label_smoothing: float, name: str) -> None:
+    """TypeError/ValueError naming both sides for inputs of the wrong kind, dtype or shape."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, target)):
+        raise TypeError(f"{name} takes tensors x, weight, target; got {type(x).__name__}, {type(weight).__name__}, {type(target).__name__}")
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if x.dtype not in floats or isinstance(x, Float8Tensor):
+        raise TypeError(f"{name}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if weight.dtype not in floats:
+        raise TypeError(f"{name}: weight must be float32, bfloat16 or float16 (or an FP8-only Float8Tensor), got {weight.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: target must hold class indices (int64), got {target.dtype}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: x (..., H) and weight (V, H) must agree on H, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{name}: target must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {getattr(bias, 'shape', bias)}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if x.device != weight.device or x.device != target.device:
+        raise ValueError(f"{name}: x, weight and target must be on one device, got {x.device}, {weight.device}, {target.device}")
+
+
+def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str) -> None:
+    # One host sync per call: a label outside [0, V) would read out of bounds in the kernel.
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = target[bad][0].item()
+        raise ValueError(f"{name}: label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}")
+
+
+class _Plan:
+    """What one call computes, decided once in the forward."""
+
+    def __init__(self, x2, weight, bias, target, needs, ignore_index, smoothing, reduction, recipe, chunk):
+        self.need_dx, self.need_dw, self.need_db = needs
+        self.ignore_index, self.smoothing, self.reduction = ignore_index, smoothing, reduction
+        self.chunk = chunk
+        self.dtype = x2.dtype
+        self.fp8 = recipe is not None or isinstance(weight, Float8Tensor)
+        self.quantizers = (recipe or Recipe()).quantizers() if self.fp8 else None
+        self.w_dtype = weight.dtype
+        self.b_dtype = None if bias is None else bias.dtype
+
+
+def _weight_operands(weight, plan: _Plan):
+    """(operand of the logits GEMM, operand of the input-gradient GEMM): the weight in the GEMMs' format."""
+    if not plan.fp8:
+        w = weight.detach().to(plan.dtype)
+        return w, w
+    if isinstance(weight, Float8Tensor):
+        return weight, weight
+    w8 = plan.quantizers.weight._quantize(weight.detach(), plan.need_dx)
+    return w8, w8
+
+
+def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
+    if not plan.fp8:
+        return torch.nn.functional.linear(xc, w, bias)
+    xc8 = plan.quantizers.input._quantize(xc, write_grad and plan.need_dw)
+    return _mm(xc8, operand(w, transposed=True), bias=bias, out_dtype=plan.dtype, pad=True, fast_accum=True), xc8
+
+
+def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
+    """acc (V, H) float32 += dz.t() @ xc."""
+    if plan.fp8:
+        acc.add_(_mm(operand(dz, transposed=True), column_major_only(xc8), out_dtype=torch.float32, pad=True))
+    elif acc.device.type == "cuda" and dz.dtype != torch.float32:
+        torch.addmm(acc, dz.t(), xc, out_dtype=torch.float32, out=acc)  # bf16 operands, float32 sum: no temporary
+    else:
+        acc.addmm_(dz.t().float(), xc.float())
+
+
+def _chunks(n: int, chunk: int):
+    for c0 in range(0, n, chunk):
+        yield c0, min(n, c0 + chunk)
+
+
+def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
+    """One sweep over the token chunks: per-row loss and lse; with write_grad also dx, dw (float32), db
+    (float32) of sum_i scale_i * loss_i."""
+    n, h = x2.shape
+    v = weight.shape[0]
+    w_fwd, w_bwd = _weight_operands(weight, plan)
+    b = None if bias is None else bias.detach().to(plan.dtype)
+    loss = torch.empty(n, dtype=torch.float32, device=x2.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x2.device)
+    dx = torch.empty_like(x2) if write_grad and plan.need_dx else None
+    dw = torch.zeros(v, h, dtype=torch.float32, device=x2.device) if write_grad and plan.need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=x2.device) if write_grad and plan.need_db else None
+    for c0, c1 in _chunks(n, plan.chunk):
+        xc = x2[c0:c1]
+        out = _logits(xc, w_fwd, b, plan, write_grad)
+        z, xc8 = out if plan.fp8 else (out, None)
+        sc = scale if scale.dim() == 0 else scale[c0:c1]
+        loss[c0:c1], lse[c0:c1] = ce_rows(z, target[c0:c1], sc, plan.ignore_index, plan.smoothing, write_grad)
+        if not write_grad:
+            continue
+        if db is not None:
+            db += z.sum(0, dtype=torch.float32)
+        dz = plan.quantizers.grad._quantize(z, plan.need_dw) if plan.fp8 else z
+        del z
+        if dx is not None:
+            dx[c0:c1] = _mm(dz, w_bwd, out_dtype=plan.dtype, pad=True) if plan.fp8 else dz @ w_bwd
+        if dw is not None:
+            _accumulate_dw(dw, dz, xc, xc8, plan)
+    return loss, lse, dx, dw, db
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, target, plan: _Plan):
+        n_valid = (target != plan.ignore_index).sum()
+        ones = torch.ones((), dtype=torch.float32, device=x2.device)
+        scale = 1.0 / n_valid.float() if plan.reduction == "mean" else ones
+        eager = plan.reduction != "none" and (plan.need_dx or plan.need_dw or plan.need_db)
+        loss_rows, lse, dx, dw, db = _pass(x2, weight, bias, target, scale, plan, write_grad=eager)
+        ctx.plan = plan
+        if eager:
+            ctx.grads = (dx, dw, db)
+        elif plan.reduction == "none":
+            ctx.save_for_backward(x2, weight if not isinstance(weight, Float8Tensor) else None, bias, target)
+            ctx.fp8_weight = weight if isinstance(weight, Float8Tensor) else None
+        if plan.reduction == "none":
+            return loss_rows
+        total = loss_rows.sum()
+        return total * scale if plan.reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, g):
+        plan = ctx.plan
+        if plan.reduction == "none":
+            x2, weight, bias, target = ctx.saved_tensors
+            weight = weight if ctx.fp8_weight is None else ctx.fp8_weight
+            _, _, dx, dw, db = _pass(x2, weight, bias, target, g.float().contiguous(), plan, write_grad=True)
+        else:
+            (dx, dw, db), ctx.grads = ctx.grads, None
+            g32 = g.float()
+            dx = None if dx is None else dx.mul_(g32.to(dx.dtype))
+            dw = None if dw is None else dw.mul_(g32)
+            db = None if db is None else db.mul_(g32)
+        dw = None if dw is None else dw.to(plan.w_dtype)
+        db = None if db is None else db.to(plan.b_dtype)
+        return dx, dw, db, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    *,
+    recipe: Optional[Recipe] = None,
+    chunk_tokens: Optional[int] = None,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight, bias).float(), target, ...) without materializing the logits.
+
+    x: (..., H) float32/bfloat16/float16; weight: (V, H) high precision, or an FP8-only Float8Tensor
+    (frozen); target: x's leading shape, int64 class indices in [0, V) or ignore_index; bias: (V,) or None.
+    reduction "mean" (over non-ignored rows), "sum" or "none" (x's leading shape). Returns float32.
+    recipe: run the three GEMMs in FP8 with this Recipe's per-tensor formats (None: in x's dtype, unless the
+    weight is FP8). chunk_tokens: tokens per chunk (default `default_chunk_tokens`).
+    """
+    name = "linear_cross_entropy"
+    check_cross_entropy_args(x, weight, target, bias, reduction, label_smoothing, name)
+    if recipe is not None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"{name}: recipe must be a float8.Recipe, got {type(recipe).__name__}")
+        if any(isinstance(getattr(recipe, r), DelayedScaling) for r in ("input", "weight", "grad")):
+            raise ValueError(f"{name}: a functional call keeps no amax history: use current (per-tensor) scaling")
+    if isinstance(weight, Float8Tensor) and weight.requires_grad and not weight._gathered_master:
+        raise ValueError(f"{name}: the weight is an FP8-only Float8Tensor that requires grad, with no master weight to update")
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    t = target.reshape(-1).to(torch.int64)
+    _check_labels(t, weight.shape[0], ignore_index, name)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 16 or chunk_tokens % 16):
+        raise ValueError(f"{name}: chunk_tokens must be a positive multiple of 16, got {chunk_tokens!r}")
+    chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1])
+    grad = torch.is_grad_enabled()
+    needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
+    plan = _Plan(x2, weight, bias, t, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk)
+    loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """An LM head and its loss in one: loss = cross_entropy(x @ weight.t() + bias, target).
+
+    Holds weight (vocab, in_features) (and bias), initialised as nn.Linear's. `forward(x, target)` returns
+    the loss (see `linear_cross_entropy`). It can end an `ops.Sequential`, which then takes
+    `seq(x, target=...)`. Options, keyword-only: bias, device, dtype, ignore_index, label_smoothing,
+    reduction, recipe (None: GEMMs in the activation dtype; a Recipe: FP8 GEMMs), chunk_tokens.
+    """
+
+    def __init__(
+        self, in_features: int, vocab_size: int, *, bias: bool = False, device=None, dtype=None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+        recipe: Optional[Recipe] = None, chunk_tokens: Optional[int] = None,
+    ):  # fmt: skip
+        super().__init__()
+        lin = torch.nn.Linear(in_features, vocab_size, bias=bias, device=device, dtype=dtype)
+        self.weight, self.bias = lin.weight, lin.bias
+        self.in_features, self.vocab_size = in_features, vocab_size
+        self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
+        self.recipe, self.chunk_tokens = recipe, chunk_tokens
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, reduction={self.reduction!r}"
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(
+            x, self.weight, target, self.bias, self.ignore_index, self.label_smoothing, self.reduction,
+            recipe=self.recipe, chunk_tokens=self.chunk_tokens,
+        )  # fmt: skip
