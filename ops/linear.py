@@ -11,8 +11,8 @@ its weight.
   the input-gradient GEMM reads (the transpose, 1 byte per parameter, freed after backward); nothing of
   it is kept between steps, and gradient-accumulation micro-batches each quantize again (one
   cast-transpose per weight, ~2 ms per step for 1.7B parameters on an H100, against 2 bytes per
-  parameter held). `float8.ops.requantize_weights` may make the next step's copies right after the
-  optimizer step; the next training forward takes them out of the cache. For inference and frozen
+  parameter held). A copy already cached for this weight version (by an inference forward) is taken
+  out of the cache by the training forward that reads it. For inference and frozen
   weights the copy is cached until the weight changes, keyed by the weight's version counter (every
   in-place optimizer update moves it), its place in its storage and the storage itself (a weak
   reference: replacing `weight.data` is seen even when the new storage reuses the old address, and the
@@ -270,8 +270,8 @@ class Linear(BasicOp):
         """(forward operand, dgrad operand or None): FP8 copies of the weight.
 
         training: this forward computes the weight's gradient, so the weight changes at the next optimizer
-        step. Its FP8 copy is then made for this step only and not kept (a copy left by
-        `float8.ops.requantize_weights` is taken and dropped from the cache): keeping it would hold 2 bytes
+        step. Its FP8 copy is then made for this step only and not kept (a copy already cached for this
+        weight version is taken and dropped from the cache): keeping it would hold 2 bytes
         per parameter between steps that no later step reads. Otherwise (inference, a frozen weight) the copy
         is cached until the weight changes."""
         w = self.weight

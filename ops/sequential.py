@@ -215,13 +215,24 @@ class Sequential(torch.nn.Module):
         if segment:
             yield segment
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for seg in self._segments():
+    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x through the ops. A Sequential that ends with a LinearCrossEntropy takes the labels as `target`
+        and returns the loss."""
+        from float8.ops.cross_entropy import LinearCrossEntropy
+
+        ends_in_loss = len(self.ops) > 0 and isinstance(self.ops[-1], LinearCrossEntropy)
+        if ends_in_loss != (target is not None):
+            raise ValueError(
+                "a Sequential ending with LinearCrossEntropy needs target=" if ends_in_loss
+                else "target= is only taken by a Sequential that ends with LinearCrossEntropy"
+            )
+        segments = list(self._segments())
+        for seg in segments[:-1] if ends_in_loss else segments:
             if isinstance(seg, list):
                 x = run_ops(seg, x, self.fuse)
             else:
                 x = seg(x)
-        return x
+        return self.ops[-1](x, target) if ends_in_loss else x
 
 
 def _check_residual_pairs(ops) -> None:

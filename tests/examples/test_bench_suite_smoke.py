@@ -102,3 +102,19 @@ def test_unknown_case_letter_is_refused():
 
     with pytest.raises(SystemExit):
         suite.parse_args(["--cases", "a,z"])
+
+
+def test_memory_bench_runs_tiny(tmp_path):
+    """`python -m float8.bench.memory --tiny`: the LCE, inference and training-memory cases end to end."""
+    out = tmp_path / "memory.json"
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "float8.bench.memory", "--tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    lce = {r["variant"]: r for r in result["lce"]["rows"]}
+    assert all("error" not in r for r in lce.values()), lce
+    assert lce["float8 bf16"]["dx_sqnr_db"] >= 60 and lce["float8 FP8 GEMMs"]["dw_sqnr_db"] >= 25
+    assert [r["variant"] for r in result["inference"]["rows"]] == ["bf16", "float8 FP8-only weights"]
+    assert [r["variant"] for r in result["train"]["rows"]] == ["bf16 eager", "float8 eager"]

@@ -1,0 +1,271 @@
+"""Memory benchmarks of issue 10, one run: the fused LM head + loss, FP8-only inference, and what a training
+step holds.
+
+    python -m float8.bench.memory --out results.json [--tiny] [--only lce,inference,train]
+
+lce: loss and gradients of a (V=128256, H=4096) LM head on 16384 bf16 tokens, forward+backward: the naive
+    F.cross_entropy(F.linear(x, w).float(), t), float8's linear_cross_entropy in bf16 and with FP8 GEMMs,
+    Liger-Kernel's and Cut Cross-Entropy's fused losses (when they import). Time (median), peak memory
+    above the inputs, and the same less the gradients' own bytes; loss and gradients against the naive.
+inference: a ~1B-parameter stack of Llama blocks (d=2048, 16 blocks), bf16 against FP8-only weights
+    (ops.convert(..., fp8_weights=True)): weight bytes by torch.cuda.memory_allocated, forward time at
+    4096 tokens and at decode-shaped 16/64/128 tokens.
+train: 8 Llama blocks (d=4096, FFN 14336, 32 heads, 8 KV heads), 8x2048 tokens, AdamW (fused), whole
+    steps: memory allocated between steps and the step's peak, bf16 eager against float8.ops eager.
+Public APIs only. Timings are medians of CUDA-event times after warm-up; on a CPU (--tiny) it only checks
+the plumbing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+MiB = 2**20
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, dev, warm=2, reps=8):
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_above(fn, dev):
+    """(peak bytes allocated during fn above what was allocated before it, bytes left allocated after)."""
+    if dev.type != "cuda":
+        fn()
+        return 0, 0
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+
+
+def _sqnr(ref, got):
+    ref, got = ref.double(), got.double()
+    return round(float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp_min(1e-300))), 1)
+
+
+# ---- lce ---------------------------------------------------------------------------------------------------
+
+
+def _lce_variants():
+    from float8 import Recipe
+    from float8.ops.functional import linear_cross_entropy
+
+    variants = {
+        "naive (F.linear + .float() + F.cross_entropy)": lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t),
+        "float8 bf16": lambda x, w, t: linear_cross_entropy(x, w, t),
+        "float8 bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(x, w, t, chunk_tokens=1024),
+        "float8 FP8 GEMMs": lambda x, w, t: linear_cross_entropy(x, w, t, recipe=Recipe()),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        variants["Liger-Kernel 0.8.5"] = lambda x, w, t: liger(w, x, t)
+    except Exception as e:  # noqa: BLE001 - a peer that does not import is reported, not fatal
+        print(f"liger-kernel not measured: {type(e).__name__}: {e}")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        variants["Cut Cross-Entropy 25.1.1"] = lambda x, w, t: cce(x, w, t)
+    except Exception as e:  # noqa: BLE001
+        print(f"cut-cross-entropy not measured: {type(e).__name__}: {e}")
+    return variants
+
+
+def bench_lce(dev, tiny):
+    n, h, v = (256, 64, 1000) if tiny else (16384, 4096, 128256)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(n, h, device=dev, generator=g) * 1.0).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    grad_bytes = (x.numel() + w.numel()) * 2
+    rows, ref = [], None
+    for name, fn in _lce_variants().items():
+        def step():
+            x.grad = w.grad = None
+            fn(x, w, t).backward()
+
+        try:
+            ms = _time_ms(step, dev, warm=2, reps=3 if tiny else 8)
+            x.grad = w.grad = None
+            peak, _ = _peak_above(step, dev)
+            loss = fn(x, w, t).detach().float()
+        except Exception as e:  # noqa: BLE001 - recorded as a failed variant
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"{name}: FAILED {e}")
+            continue
+        got = (loss, x.grad.detach().clone(), w.grad.detach().clone())
+        if ref is None:
+            ref = got
+        row = {
+            "variant": name, "ms": round(ms, 2), "peak_MiB": round(peak / MiB, 1),
+            "peak_above_grads_MiB": round((peak - grad_bytes) / MiB, 1), "loss": round(float(loss), 5),
+            "dx_sqnr_db": _sqnr(ref[1], got[1]), "dw_sqnr_db": _sqnr(ref[2], got[2]),
+        }  # fmt: skip
+        rows.append(row)
+        print(row)
+        x.grad = w.grad = None
+        gc.collect()
+    base = rows[0].get("ms")
+    for r in rows:
+        if base and "ms" in r:
+            r["vs_naive"] = round(r["ms"] / base, 3)
+    return {"shape": {"tokens": n, "hidden": h, "vocab": v}, "grad_bytes_MiB": round(grad_bytes / MiB, 1), "rows": rows}
+
+
+# ---- inference -----------------------------------------------------------------------------------------------
+
+
+def _stack(dev, cfg, fp8):
+    import float8.ops as ops
+    from float8 import Recipe
+    from float8.bench.distributed import Block, ops_block
+
+    d, heads, kv, hd, ffn, blocks = cfg
+    torch.manual_seed(0)
+    with torch.device(dev):
+        if not fp8:
+            return torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)]).to(torch.bfloat16)
+        model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn, recipe=Recipe()) for _ in range(blocks)]).to(torch.bfloat16)
+    return ops.convert(model, fp8_weights=True)
+
+
+def bench_inference(dev, tiny):
+    cfg = (64, 4, 2, 16, 128, 2) if tiny else (2048, 16, 4, 128, 8192, 16)
+    token_counts = (16, 64) if tiny else (16, 64, 128, 4096)
+    out = {"config": dict(zip(("d", "heads", "kv_heads", "head_dim", "ffn", "blocks"), cfg)), "rows": []}
+    times = {}
+    for name, fp8 in (("bf16", False), ("float8 FP8-only weights", True)):
+        gc.collect()
+        before = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+        model = _stack(dev, cfg, fp8)
+        gc.collect()
+        held = (torch.cuda.memory_allocated() - before) if dev.type == "cuda" else 0
+        from float8 import memory_footprint
+
+        row = {"variant": name, "params": sum(p.numel() for p in model.parameters()),
+               "allocated_MiB": round(held / MiB, 1), "footprint_MiB": round(memory_footprint(model) / MiB, 1)}  # fmt: skip
+        with torch.inference_mode():
+            for m in token_counts:
+                x = torch.randn(1, m, cfg[0], device=dev, dtype=torch.bfloat16)
+                ms = _time_ms(lambda: model(x), dev, warm=3, reps=5 if tiny else 20)
+                row[f"ms_{m}_tokens"] = round(ms, 3)
+                times[(name, m)] = ms
+        out["rows"].append(row)
+        print(row)
+        del model
+    bf, f8 = out["rows"]
+    if bf["allocated_MiB"]:
+        out["weights_ratio"] = round(f8["allocated_MiB"] / bf["allocated_MiB"], 3)
+    out["speedup"] = {m: round(times[("bf16", m)] / times[("float8 FP8-only weights", m)], 3) for m in token_counts}
+    return out
+
+
+# ---- train ---------------------------------------------------------------------------------------------------
+
+
+def bench_train(dev, tiny):
+    from float8.bench.distributed import Block, ops_block
+
+    cfg = (64, 4, 2, 16, 128, 2) if tiny else (4096, 32, 8, 128, 14336, 8)
+    batch, seq = (2, 32) if tiny else (8, 2048)
+    d, heads, kv, hd, ffn, blocks = cfg
+    rows = []
+    for name in ("bf16 eager", "float8 eager"):
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        with torch.device(dev):
+            if name == "bf16 eager":
+                model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
+            else:
+                model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn) for _ in range(blocks)])
+        model.to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+        x = torch.randn(batch, seq, d, device=dev, dtype=torch.bfloat16)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(x).float().square().mean().backward()
+            opt.step()
+
+        for _ in range(2):
+            step()  # optimizer states exist from here on
+        between, peak = [], []
+        for _ in range(3):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                between.append(torch.cuda.memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                peak.append(torch.cuda.max_memory_allocated())
+        ms = _time_ms(step, dev, warm=1, reps=2 if tiny else 5)
+        row = {"variant": name, "ms_per_step": round(ms, 1),
+               "between_steps_GiB": round(max(between) / 2**30, 2) if between else None,
+               "step_peak_GiB": round(max(peak) / 2**30, 2) if peak else None}  # fmt: skip
+        rows.append(row)
+        print(row)
+        del model, opt, x
+    return {"config": {"d": d, "ffn": ffn, "blocks": blocks, "tokens": batch * seq}, "rows": rows}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--only", default="lce,inference,train")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }  # fmt: skip
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for case in args.only.split(","):
+        t0 = time.perf_counter()
+        result[case] = {"lce": bench_lce, "inference": bench_inference, "train": bench_train}[case](dev, args.tiny)
+        print(f"== {case}: {time.perf_counter() - t0:.0f} s", flush=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

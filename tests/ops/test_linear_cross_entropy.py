@@ -1,0 +1,156 @@
+"""float8.ops.functional.linear_cross_entropy and ops.LinearCrossEntropy against the unfused
+F.cross_entropy(F.linear(x, w, b).float(), t) in float64, the FP8 path within the tolerance table, no
+full float32 logits, and the bad-input errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import float8.ops as ops
+from float8 import Float8Tensor, Recipe
+from float8.ops.functional import linear_cross_entropy
+from tests.tolerances import SQNR_DB, sqnr_db
+
+N, H, V = 96, 64, 1000
+
+
+def _data(dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, N // 4, H, generator=g).to(dtype).requires_grad_(True)
+    w = (torch.randn(V, H, generator=g) * 0.2).to(dtype).requires_grad_(True)
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_(True) if bias else None
+    t = torch.randint(0, V, (4, N // 4), generator=g)
+    t[0, :5] = -100
+    return x, w, b, t
+
+
+def _reference(x, w, b, t, **kw):
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    bd = None if b is None else b.detach().double().requires_grad_(True)
+    loss = F.cross_entropy(F.linear(xd, wd, bd).reshape(-1, V), t.reshape(-1), **kw)
+    loss = loss.reshape(t.shape) if kw.get("reduction") == "none" else loss
+    return loss, xd, wd, bd
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [None, 16, 48])
+def test_matches_the_unfused_loss_and_gradients(reduction, smoothing, chunk):
+    x, w, b, t = _data()
+    ref, xd, wd, bd = _reference(x, w, b, t, reduction=reduction, label_smoothing=smoothing)
+    go = torch.rand_like(ref) + 0.5
+    ref.backward(go)
+    loss = linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=smoothing, chunk_tokens=chunk)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    loss.backward(go.float())
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    for ours, theirs in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_within_the_tolerance_table():
+    x, w, b, t = _data(torch.bfloat16)
+    ref, xd, wd, bd = _reference(x, w, b, t)
+    ref.backward()
+    loss = linear_cross_entropy(x, w, t, b)
+    loss.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
+    assert w.grad.dtype == b.grad.dtype == x.grad.dtype == torch.bfloat16
+    for ours, theirs in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert sqnr_db(theirs, ours) >= 35  # bf16 rounding of the logits and of the outputs
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp8_gemms_within_the_tolerance_table(reduction):
+    x, w, b, t = _data(torch.bfloat16, bias=False)
+    ref, xd, wd, _ = _reference(x, w, None, t, reduction=reduction)
+    ref.sum().backward()
+    loss = linear_cross_entropy(x, w, t, reduction=reduction, recipe=Recipe(), chunk_tokens=32)
+    loss.sum().backward()
+    assert sqnr_db(ref, loss) >= SQNR_DB["linear"]
+    assert sqnr_db(xd.grad, x.grad) >= SQNR_DB["grad"]
+    assert sqnr_db(wd.grad, w.grad) >= SQNR_DB["grad"]
+
+
+def test_fp8_only_weight_frozen():
+    x, w, _, t = _data(torch.bfloat16, bias=False)
+    w8 = Float8Tensor.quantize(w.detach())
+    ref, xd, _, _ = _reference(x, w, None, t)
+    ref.backward()
+    loss = linear_cross_entropy(x, w8, t)
+    loss.backward()
+    assert sqnr_db(ref, loss) >= SQNR_DB["linear"]
+    assert sqnr_db(xd.grad, x.grad) >= SQNR_DB["grad"]
+
+
+class _LargestFloat32(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
+                self.largest = max(self.largest, o.numel())
+        return out
+
+
+def test_never_materializes_float32_logits():
+    x, w, _, t = _data(torch.bfloat16, bias=False)
+    with _LargestFloat32() as mode:
+        linear_cross_entropy(x, w, t, chunk_tokens=16).backward()
+    # The weight gradient's float32 accumulator (V x H) is the largest; the logits (N x V) never exist in
+    # float32, and a chunk of them is 16 x V in bf16.
+    assert mode.largest == V * H < N * V
+
+
+def test_op_ends_a_sequential_and_inference_computes_no_gradients():
+    torch.manual_seed(0)
+    head = ops.LinearCrossEntropy(H, V, bias=True)
+    seq = ops.Sequential(ops.RMSNorm(H), head)
+    x = torch.randn(2, 8, H)
+    t = torch.randint(0, V, (2, 8))
+    loss = seq(x, target=t)
+    ref = F.cross_entropy(F.linear(F.rms_norm(x, (H,), seq[0].weight, seq[0].eps), head.weight, head.bias).reshape(-1, V), t.reshape(-1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert head.weight.grad is not None and seq[0].weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(seq(x, target=t), ref.detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs target="):
+        seq(x)
+    with pytest.raises(ValueError, match="only taken by"):
+        ops.Sequential(ops.RMSNorm(H))(x, target=t)
+
+
+def test_bad_input_names_the_problem():
+    x, w, b, t = _data()
+    bad = t.clone()
+    bad[1, 2] = V
+    with pytest.raises(ValueError, match=f"label {V} is outside the vocabulary"):
+        linear_cross_entropy(x, w, bad)
+    bad[1, 2] = -3
+    with pytest.raises(ValueError, match="label -3 is outside"):
+        linear_cross_entropy(x, w, bad)
+    with pytest.raises(TypeError, match="target must hold class indices"):
+        linear_cross_entropy(x, w, t.float())
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got torch.float64"):
+        linear_cross_entropy(x.double(), w, t)
+    with pytest.raises(ValueError, match=r"must agree on H, got x \(4, 24, 64\) and weight \(1000, 32\)"):
+        linear_cross_entropy(x, w[:, :32], t)
+    with pytest.raises(ValueError, match=r"target must have x's leading shape \(4, 24\), got \(4, 23\)"):
+        linear_cross_entropy(x, w, t[:, :23])
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_cross_entropy(x, w, t, b[:10])
+    with pytest.raises(ValueError, match="reduction must be"):
+        linear_cross_entropy(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_cross_entropy(x, w, t, chunk_tokens=10)
+    with pytest.raises(ValueError, match="no amax history"):
+        linear_cross_entropy(x, w, t, recipe=Recipe.delayed())
+    w8 = Float8Tensor.quantize(w.detach()).requires_grad_(True)
+    with pytest.raises(ValueError, match="no master weight"):
+        linear_cross_entropy(x, w8, t)
