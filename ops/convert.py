@@ -93,14 +93,13 @@ def convert(
             continue
         if filter_fn is not None and not filter_fn(module, fqn):
             continue
-        others = [o for o in owners.get(id(module.weight), []) if o != (f"{fqn}.weight" if fqn else "weight")]
-        reason = skip_reason(module, fp8_weights=fp8_weights, tied_to=", ".join(others) or None)
+        reason = skip_reason(module, fp8_weights=fp8_weights, tied_to=", ".join(_shared_with(owners, module, fqn)) or None)
         if reason is not None:
             skipped.append(f"{fqn or '<root>'}: {reason}")
         else:
             swaps.append((fqn, module))
     for fqn, op in fp8_only:
-        others = [o for o in owners.get(id(op.weight), []) if o != (f"{fqn}.weight" if fqn else "weight")]
+        others = _shared_with(owners, op, fqn)
         if others or op.weight.device.type == "meta":
             why = f"shared with {', '.join(others)}" if others else "on the meta device"
             skipped.append(f"{fqn or '<root>'}: fp8_weights=True, but the weight is {why}")
@@ -119,6 +118,12 @@ def convert(
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, op)
     return model
+
+
+def _shared_with(owners: dict, module: torch.nn.Module, fqn: str) -> list:
+    """The other names under which module's weight is a parameter of the model (tied weights)."""
+    own = f"{fqn}.weight" if fqn else "weight"
+    return [o for o in owners.get(id(module.weight), []) if o != own]
 
 
 def _float8_linear(linear: torch.nn.Linear, recipe: Optional[Recipe], fp8_weights: bool) -> Linear:

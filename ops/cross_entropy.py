@@ -76,7 +76,7 @@ def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str
 class _Plan:
     """What one call computes, decided once in the forward."""
 
-    def __init__(self, x2, weight, bias, target, needs, ignore_index, smoothing, reduction, recipe, chunk):
+    def __init__(self, x2, weight, bias, needs, ignore_index, smoothing, reduction, recipe, chunk):
         self.need_dx, self.need_dw, self.need_db = needs
         self.ignore_index, self.smoothing, self.reduction = ignore_index, smoothing, reduction
         self.chunk = chunk
@@ -87,15 +87,13 @@ class _Plan:
         self.b_dtype = None if bias is None else bias.dtype
 
 
-def _weight_operands(weight, plan: _Plan):
-    """(operand of the logits GEMM, operand of the input-gradient GEMM): the weight in the GEMMs' format."""
+def _weight_operand(weight, plan: _Plan):
+    """The weight as all its GEMMs read it: in x's dtype, or FP8 (with its transpose for the input gradient)."""
     if not plan.fp8:
-        w = weight.detach().to(plan.dtype)
-        return w, w
+        return weight.detach().to(plan.dtype)
     if isinstance(weight, Float8Tensor):
-        return weight, weight
-    w8 = plan.quantizers.weight._quantize(weight.detach(), plan.need_dx)
-    return w8, w8
+        return weight
+    return plan.quantizers.weight._quantize(weight.detach(), plan.need_dx)
 
 
 def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
@@ -125,7 +123,7 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
     (float32) of sum_i scale_i * loss_i."""
     n, h = x2.shape
     v = weight.shape[0]
-    w_fwd, w_bwd = _weight_operands(weight, plan)
+    w = _weight_operand(weight, plan)
     b = None if bias is None else bias.detach().to(plan.dtype)
     loss = torch.empty(n, dtype=torch.float32, device=x2.device)
     lse = torch.empty(n, dtype=torch.float32, device=x2.device)
@@ -134,7 +132,7 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
     db = torch.zeros(v, dtype=torch.float32, device=x2.device) if write_grad and plan.need_db else None
     for c0, c1 in _chunks(n, plan.chunk):
         xc = x2[c0:c1]
-        out = _logits(xc, w_fwd, b, plan, write_grad)
+        out = _logits(xc, w, b, plan, write_grad)
         z, xc8 = out if plan.fp8 else (out, None)
         sc = scale if scale.dim() == 0 else scale[c0:c1]
         loss[c0:c1], lse[c0:c1] = ce_rows(z, target[c0:c1], sc, plan.ignore_index, plan.smoothing, write_grad)
@@ -145,7 +143,7 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
         dz = plan.quantizers.grad._quantize(z, plan.need_dw) if plan.fp8 else z
         del z
         if dx is not None:
-            dx[c0:c1] = _mm(dz, w_bwd, out_dtype=plan.dtype, pad=True) if plan.fp8 else dz @ w_bwd
+            dx[c0:c1] = _mm(dz, w, out_dtype=plan.dtype, pad=True) if plan.fp8 else dz @ w
         if dw is not None:
             _accumulate_dw(dw, dz, xc, xc8, plan)
     return loss, lse, dx, dw, db
@@ -227,7 +225,7 @@ def linear_cross_entropy(
     chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1])
     grad = torch.is_grad_enabled()
     needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    plan = _Plan(x2, weight, bias, t, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk)
+    plan = _Plan(x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk)
     loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
     return loss.reshape(target.shape) if reduction == "none" else loss
 

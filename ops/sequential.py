@@ -16,6 +16,7 @@ from float8 import DelayedScalingState, Float8Tensor, Recipe
 from float8.quantizer import check_amax_group, reduce_deferred
 from float8.ops.base import BasicOp, OpContext, RunState
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
+from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.linear import Linear
 
 
@@ -218,8 +219,6 @@ class Sequential(torch.nn.Module):
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x through the ops. A Sequential that ends with a LinearCrossEntropy takes the labels as `target`
         and returns the loss."""
-        from float8.ops.cross_entropy import LinearCrossEntropy
-
         ends_in_loss = len(self.ops) > 0 and isinstance(self.ops[-1], LinearCrossEntropy)
         if ends_in_loss != (target is not None):
             raise ValueError(

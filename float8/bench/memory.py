@@ -156,6 +156,8 @@ def _stack(dev, cfg, fp8):
 
 
 def bench_inference(dev, tiny):
+    from float8 import memory_footprint
+
     cfg = (64, 4, 2, 16, 128, 2) if tiny else (2048, 16, 4, 128, 8192, 16)
     token_counts = (16, 64) if tiny else (16, 64, 128, 4096)
     out = {"config": dict(zip(("d", "heads", "kv_heads", "head_dim", "ffn", "blocks"), cfg)), "rows": []}
@@ -166,8 +168,6 @@ def bench_inference(dev, tiny):
         model = _stack(dev, cfg, fp8)
         gc.collect()
         held = (torch.cuda.memory_allocated() - before) if dev.type == "cuda" else 0
-        from float8 import memory_footprint
-
         row = {"variant": name, "params": sum(p.numel() for p in model.parameters()),
                "allocated_MiB": round(held / MiB, 1), "footprint_MiB": round(memory_footprint(model) / MiB, 1)}  # fmt: skip
         with torch.inference_mode():
