@@ -20,6 +20,7 @@ from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
 from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
+from float8.ops.requantize import requantize_weights
 from float8.ops.sequential import Float8PrecisionWarning, Sequential
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "SwiGLU",
     "convert",
     "functional",
+    "requantize_weights",
 ]

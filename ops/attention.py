@@ -51,10 +51,9 @@ class Attention(BasicOp):
             b, s = int(torch.tensor(lead[:-1]).prod()) if len(lead) > 1 else 1, lead[-1]
             x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
         q, k, v = x.split([h, hk, hk], dim=1)
-        if hk != h:
-            k = k.repeat_interleave(h // hk, dim=1)
-            v = v.repeat_interleave(h // hk, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        # Grouped KV heads go to SDPA as they are (enable_gqa): no repeated K/V copies, which at 32 heads
+        # over 8 KV heads would be 4x the K/V bytes, kept for the backward.
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=hk != h)
         if self.sequence_first:
             return o.permute(2, 0, 1, 3).reshape(s * b, h * d)
         return o.transpose(1, 2).reshape(b * s, h * d)

@@ -4,10 +4,11 @@ A large-vocabulary LM head (V = 128256, 16384 tokens) writes 4 GiB of bf16 logit
 `.float()` before the loss makes it 12 GiB more. Here the tokens are taken in chunks: for each chunk the
 logits GEMM writes (chunk, V) in the activation dtype, one kernel (kernels/cross_entropy.py) runs an
 online softmax over each row in float32 and writes the gradient of the logits over them in place, and
-two GEMMs turn that gradient into the chunk's input gradient and into the weight gradient, which is
-accumulated in float32 across chunks. Three GEMMs in all, as in the unfused layer; the largest
-temporaries are one logits chunk and the float32 weight-gradient accumulator (V x H x 4 bytes; none when
-the weight is float32, whose gradient it is).
+two GEMMs turn that gradient into the chunk's input gradient and into the weight gradient. Three GEMMs in
+all, as in the unfused layer. The weight gradient is summed over the chunks either in a float32 (V, H)
+buffer (the default; none for a float32 weight, whose gradient it is) or, with
+dw_accumulation="weight_dtype", in the gradient itself by each GEMM's epilogue: then the largest
+temporary is one logits chunk, sized like x.
 
 - reduction "mean" or "sum": the gradients are computed in the forward (the loss is a scalar: its
   gradient only scales them) and scaled by the incoming gradient in backward.
@@ -34,10 +35,23 @@ __all__ = ["LinearCrossEntropy", "check_cross_entropy_args", "default_chunk_toke
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def default_chunk_tokens(tokens: int, hidden: int) -> int:
-    """Tokens per chunk: as many as the hidden size (a logits chunk then holds as many elements as the
-    weight), a multiple of 16 for the FP8 GEMMs, and never more than the input has."""
-    return max(16, min(hidden - hidden % 16, tokens + (-tokens) % 16))
+_ACCUMULATIONS = ("float32", "weight_dtype")
+FP8_DW_SLAB = 8192  # vocabulary rows per FP8 weight-gradient product: a float32 temporary of 8192 x H
+
+
+def default_chunk_tokens(tokens: int, hidden: int, vocab: int = 0, dw_accumulation: str = "float32") -> int:
+    """Tokens per chunk, a multiple of 16 (for the FP8 GEMMs) and never more than the input has.
+
+    float32 accumulation: as many as the hidden size (a logits chunk then holds as many elements as the
+    weight, next to a float32 accumulator of twice its bytes; few chunks, so the accumulator is read and
+    written few times). weight_dtype accumulation: a logits chunk about as large as x itself (tokens * H /
+    V tokens, at least 256), the smallest that keeps the GEMMs efficient; each chunk reads and writes the
+    whole weight gradient once, which is what this costs in time."""
+    cap = tokens + (-tokens) % 16
+    if dw_accumulation == "weight_dtype" and vocab:
+        want = max(256, tokens * hidden // vocab)
+        return max(16, min(cap, want - want % 16))
+    return max(16, min(hidden - hidden % 16, cap))
 
 
 def check_cross_entropy_args(x, weight, target, bias, reduction: str, label_smoothing: float, name: str) -> None:
@@ -76,10 +90,12 @@ def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str
 class _Plan:
     """What one call computes, decided once in the forward."""
 
-    def __init__(self, x2, weight, bias, needs, ignore_index, smoothing, reduction, recipe, chunk):
+    def __init__(self, x2, weight, bias, needs, ignore_index, smoothing, reduction, recipe, chunk, dw_accumulation):
         self.need_dx, self.need_dw, self.need_db = needs
         self.ignore_index, self.smoothing, self.reduction = ignore_index, smoothing, reduction
         self.chunk = chunk
+        # The weight gradient's running sum: float32, or the gradient's own dtype (float32 weights: the same).
+        self.dw_dtype = torch.float32 if dw_accumulation == "float32" else weight.dtype
         self.dtype = x2.dtype
         self.fp8 = recipe is not None or isinstance(weight, Float8Tensor)
         self.quantizers = (recipe or Recipe()).quantizers() if self.fp8 else None
@@ -98,19 +114,27 @@ def _weight_operand(weight, plan: _Plan):
 
 def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
     if not plan.fp8:
-        return torch.nn.functional.linear(xc, w, bias)
+        return torch.nn.functional.linear(xc, w, bias), None
     xc8 = plan.quantizers.input._quantize(xc, write_grad and plan.need_dw)
     return _mm(xc8, operand(w, transposed=True), bias=bias, out_dtype=plan.dtype, pad=True, fast_accum=True), xc8
 
 
 def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
-    """acc (V, H) float32 += dz.t() @ xc."""
+    """acc (V, H) += dz.t() @ xc; acc is float32 or the weight's dtype (plan.dw_dtype). Each chunk's
+    product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk."""
     if plan.fp8:
-        acc.add_(_mm(operand(dz, transposed=True), column_major_only(xc8), out_dtype=torch.float32, pad=True))
-    elif acc.device.type == "cuda" and dz.dtype != torch.float32:
-        torch.addmm(acc, dz.t(), xc, out_dtype=torch.float32, out=acc)  # bf16 operands, float32 sum: no temporary
+        # _scaled_mm cannot add into its output: the product goes through a float32 temporary, one slab of
+        # vocabulary rows at a time (FP8_DW_SLAB x H x 4 bytes), not the whole (V, H) at once.
+        dzt, xb = operand(dz, transposed=True), column_major_only(xc8)
+        for v0 in range(0, acc.shape[0], FP8_DW_SLAB):
+            rows = dzt._replace(data=dzt.data[v0 : v0 + FP8_DW_SLAB], transpose=None)
+            acc[v0 : v0 + FP8_DW_SLAB] += _mm(rows, xb, out_dtype=torch.float32, pad=True)
+    elif acc.device.type == "cuda" and dz.dtype != acc.dtype:
+        torch.addmm(acc, dz.t(), xc, out_dtype=acc.dtype, out=acc)  # bf16 operands, float32 sum: no temporary
+    elif acc.dtype == dz.dtype:
+        acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
     else:
-        acc.addmm_(dz.t().float(), xc.float())
+        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype))
 
 
 def _chunks(n: int, chunk: int):
@@ -128,12 +152,11 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
     loss = torch.empty(n, dtype=torch.float32, device=x2.device)
     lse = torch.empty(n, dtype=torch.float32, device=x2.device)
     dx = torch.empty_like(x2) if write_grad and plan.need_dx else None
-    dw = torch.zeros(v, h, dtype=torch.float32, device=x2.device) if write_grad and plan.need_dw else None
+    dw = torch.zeros(v, h, dtype=plan.dw_dtype, device=x2.device) if write_grad and plan.need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=x2.device) if write_grad and plan.need_db else None
     for c0, c1 in _chunks(n, plan.chunk):
         xc = x2[c0:c1]
-        out = _logits(xc, w, b, plan, write_grad)
-        z, xc8 = out if plan.fp8 else (out, None)
+        z, xc8 = _logits(xc, w, b, plan, write_grad)
         sc = scale if scale.dim() == 0 else scale[c0:c1]
         loss[c0:c1], lse[c0:c1] = ce_rows(z, target[c0:c1], sc, plan.ignore_index, plan.smoothing, write_grad)
         if not write_grad:
@@ -197,6 +220,7 @@ def linear_cross_entropy(
     *,
     recipe: Optional[Recipe] = None,
     chunk_tokens: Optional[int] = None,
+    dw_accumulation: str = "float32",
 ) -> torch.Tensor:
     """F.cross_entropy(F.linear(x, weight, bias).float(), target, ...) without materializing the logits.
 
@@ -205,6 +229,11 @@ def linear_cross_entropy(
     reduction "mean" (over non-ignored rows), "sum" or "none" (x's leading shape). Returns float32.
     recipe: run the three GEMMs in FP8 with this Recipe's per-tensor formats (None: in x's dtype, unless the
     weight is FP8). chunk_tokens: tokens per chunk (default `default_chunk_tokens`).
+    dw_accumulation: where the weight gradient is summed over the chunks. "float32" (default): in a float32
+    (V, H) buffer (2 GiB at V=128256, H=4096; none for a float32 weight), rounded to the weight's dtype once
+    at the end. "weight_dtype": in the gradient itself, added by each chunk's GEMM epilogue, so nothing
+    beyond one logits chunk is held, at the cost of one rounding to the weight's dtype per chunk (what
+    Liger-Kernel does) and of smaller chunks (see `default_chunk_tokens`).
     """
     name = "linear_cross_entropy"
     check_cross_entropy_args(x, weight, target, bias, reduction, label_smoothing, name)
@@ -222,10 +251,12 @@ def linear_cross_entropy(
     _check_labels(t, weight.shape[0], ignore_index, name)
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 16 or chunk_tokens % 16):
         raise ValueError(f"{name}: chunk_tokens must be a positive multiple of 16, got {chunk_tokens!r}")
-    chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1])
+    if dw_accumulation not in _ACCUMULATIONS:
+        raise ValueError(f"{name}: dw_accumulation must be one of {_ACCUMULATIONS}, got {dw_accumulation!r}")
+    chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1], weight.shape[0], dw_accumulation)
     grad = torch.is_grad_enabled()
     needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    plan = _Plan(x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk)
+    plan = _Plan(x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk, dw_accumulation)
     loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -236,20 +267,21 @@ class LinearCrossEntropy(torch.nn.Module):
     Holds weight (vocab, in_features) (and bias), initialised as nn.Linear's. `forward(x, target)` returns
     the loss (see `linear_cross_entropy`). It can end an `ops.Sequential`, which then takes
     `seq(x, target=...)`. Options, keyword-only: bias, device, dtype, ignore_index, label_smoothing,
-    reduction, recipe (None: GEMMs in the activation dtype; a Recipe: FP8 GEMMs), chunk_tokens.
+    reduction, recipe (None: GEMMs in the activation dtype; a Recipe: FP8 GEMMs), chunk_tokens,
+    dw_accumulation ("float32" or "weight_dtype": see `linear_cross_entropy`).
     """
 
     def __init__(
         self, in_features: int, vocab_size: int, *, bias: bool = False, device=None, dtype=None,
         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-        recipe: Optional[Recipe] = None, chunk_tokens: Optional[int] = None,
+        recipe: Optional[Recipe] = None, chunk_tokens: Optional[int] = None, dw_accumulation: str = "float32",
     ):  # fmt: skip
         super().__init__()
         lin = torch.nn.Linear(in_features, vocab_size, bias=bias, device=device, dtype=dtype)
         self.weight, self.bias = lin.weight, lin.bias
         self.in_features, self.vocab_size = in_features, vocab_size
         self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
-        self.recipe, self.chunk_tokens = recipe, chunk_tokens
+        self.recipe, self.chunk_tokens, self.dw_accumulation = recipe, chunk_tokens, dw_accumulation
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, reduction={self.reduction!r}"
@@ -257,5 +289,5 @@ class LinearCrossEntropy(torch.nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(
             x, self.weight, target, self.bias, self.ignore_index, self.label_smoothing, self.reduction,
-            recipe=self.recipe, chunk_tokens=self.chunk_tokens,
+            recipe=self.recipe, chunk_tokens=self.chunk_tokens, dw_accumulation=self.dw_accumulation,
         )  # fmt: skip

@@ -234,6 +234,8 @@ class Linear(BasicOp):
         w = self.weight
         if type(x) is torch.Tensor and self.parallel is None and x.dim() >= 1 and x.shape[-1] == self.in_features:
             if not self.runs_in_fp8(x.numel() // self.in_features, x.device):
+                if self._weight_cache.w8 is not None and w.requires_grad and torch.is_grad_enabled():
+                    self._weight_cache.clear()  # a copy from ops.requantize_weights that this step does not read
                 b = self.bias
                 if w.dtype != x.dtype:
                     w = w.to(x.dtype)
@@ -310,6 +312,8 @@ class Linear(BasicOp):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.local_in_features)
         ctx.lead = lead
         if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
+            if need_wgrad:
+                self._weight_cache.clear()  # nothing FP8 of a trained weight outlives the step
             y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
         else:
             w8, wd = self.quantized_weight(for_backward=need_dgrad, training=need_wgrad)

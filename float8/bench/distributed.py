@@ -45,8 +45,7 @@ class Block(torch.nn.Module):
     def forward(self, x):  # x: (B, S, d)
         b, s, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, self.h + 2 * self.kv, self.hd).transpose(1, 2).split([self.h, self.kv, self.kv], dim=1)
-        k, v = k.repeat_interleave(self.h // self.kv, 1), v.repeat_interleave(self.h // self.kv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h).transpose(1, 2).reshape(b, s, -1)
         x = x + self.o(a)
         g, u = self.up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u)
@@ -234,8 +233,7 @@ class TPBlockBf16(torch.nn.Module):
         h = _GatherSeq.apply(self.norm1(x), self.group)  # (S, B, d)
         S = h.shape[0]
         q, k, v = self.qkv(h).view(S, b, self.h + 2 * self.kv, self.hd).permute(1, 2, 0, 3).split([self.h, self.kv, self.kv], dim=1)
-        k, v = k.repeat_interleave(self.h // self.kv, 1), v.repeat_interleave(self.h // self.kv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(S, b, -1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h).permute(2, 0, 1, 3).reshape(S, b, -1)
         x = x + _ScatterSeq.apply(self.o(a), self.group)
         g, u = self.up(_GatherSeq.apply(self.norm2(x), self.group)).chunk(2, dim=-1)
         return x + _ScatterSeq.apply(self.down(F.silu(g) * u), self.group)

@@ -1,7 +1,7 @@
 """Memory benchmarks of issue 10, one run: the fused LM head + loss, FP8-only inference, and what a training
 step holds.
 
-    python -m float8.bench.memory --out results.json [--tiny] [--only lce,inference,train]
+    python -m float8.bench.memory --out results.json [--tiny] [--only lce,inference,train,activations]
 
 lce: loss and gradients of a (V=128256, H=4096) LM head on 16384 bf16 tokens, forward+backward: the naive
     F.cross_entropy(F.linear(x, w).float(), t), float8's linear_cross_entropy in bf16 and with FP8 GEMMs,
@@ -11,7 +11,11 @@ inference: a ~1B-parameter stack of Llama blocks (d=2048, 16 blocks), bf16 again
     (ops.convert(..., fp8_weights=True)): weight bytes by torch.cuda.memory_allocated, forward time at
     4096 tokens and at decode-shaped 16/64/128 tokens.
 train: 8 Llama blocks (d=4096, FFN 14336, 32 heads, 8 KV heads), 8x2048 tokens, AdamW (fused), whole
-    steps: memory allocated between steps and the step's peak, bf16 eager against float8.ops eager.
+    steps: memory allocated between steps and the step's peak: bf16 eager, float8.ops eager (also with
+    ops.requantize_weights after each optimizer step) and torchao's tensorwise float8 training compiled.
+activations: peaks of a training step (weights, AdamW states and activations) of the seed #1119 layer
+    (hidden 4096, FFN 16384, 32 heads and 8 KV heads of 128, biases, LayerNorm, GELU, no mask, 32x1024
+    tokens) and of the MLP block (RMSNorm, SwiGLU, d=4096, FFN 14336, 16384 tokens), bf16 against float8.ops.
 Public APIs only. Timings are medians of CUDA-event times after warm-up; on a CPU (--tiny) it only checks
 the plumbing.
 """
@@ -78,8 +82,17 @@ def _lce_variants():
     variants = {
         "naive (F.linear + .float() + F.cross_entropy)": lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t),
         "float8 bf16": lambda x, w, t: linear_cross_entropy(x, w, t),
-        "float8 bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(x, w, t, chunk_tokens=1024),
+        "float8 bf16, dw in bf16": lambda x, w, t: linear_cross_entropy(x, w, t, dw_accumulation="weight_dtype"),
+        "float8 bf16, dw in bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(
+            x, w, t, dw_accumulation="weight_dtype", chunk_tokens=1024
+        ),
         "float8 FP8 GEMMs": lambda x, w, t: linear_cross_entropy(x, w, t, recipe=Recipe()),
+        "float8 FP8 GEMMs, dw in bf16": lambda x, w, t: linear_cross_entropy(
+            x, w, t, recipe=Recipe(), dw_accumulation="weight_dtype"
+        ),
+        "float8 FP8 GEMMs, dw in bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(
+            x, w, t, recipe=Recipe(), dw_accumulation="weight_dtype", chunk_tokens=1024
+        ),
     }
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -179,11 +192,34 @@ def bench_inference(dev, tiny):
         out["rows"].append(row)
         print(row)
         del model
+    out["host_profile"] = _host_profile(dev, cfg)
     bf, f8 = out["rows"]
     if bf["allocated_MiB"]:
         out["weights_ratio"] = round(f8["allocated_MiB"] / bf["allocated_MiB"], 3)
     out["speedup"] = {m: round(times[("bf16", m)] / times[("float8 FP8-only weights", m)], 3) for m in token_counts}
     return out
+
+
+def _host_profile(dev, cfg, calls=5):
+    """Where the host time of an FP8-only forward at 16 tokens goes: cProfile's top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    model = _stack(dev, cfg, True)
+    x = torch.randn(1, 16, cfg[0], device=dev, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(x)
+        _sync(dev)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            model(x)
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()[-6000:]
 
 
 # ---- train ---------------------------------------------------------------------------------------------------
@@ -195,25 +231,45 @@ def bench_train(dev, tiny):
     cfg = (64, 4, 2, 16, 128, 2) if tiny else (4096, 32, 8, 128, 14336, 8)
     batch, seq = (2, 32) if tiny else (8, 2048)
     d, heads, kv, hd, ffn, blocks = cfg
+    import float8.ops as ops
+
     rows = []
-    for name in ("bf16 eager", "float8 eager"):
+    variants = ["bf16 eager", "float8 eager", "float8 eager + requantize_weights", "torchao tensorwise + compile"]
+    for name in variants:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         torch.manual_seed(0)
         with torch.device(dev):
-            if name == "bf16 eager":
-                model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
-            else:
+            if name.startswith("float8"):
                 model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn) for _ in range(blocks)])
+            else:
+                model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
         model.to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+        run = model
+        if name.startswith("torchao"):
+            try:
+                if dev.type != "cuda":
+                    raise RuntimeError("torchao's float8 training needs a CUDA GPU")
+                from torchao.float8 import convert_to_float8_training
+
+                convert_to_float8_training(model)
+                run = torch.compile(model)
+            except Exception as e:  # noqa: BLE001 - a peer that does not run is reported, not fatal
+                rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(f"{name}: not measured: {e}")
+                del model, opt
+                continue
+        requantize = name.endswith("requantize_weights")
         x = torch.randn(batch, seq, d, device=dev, dtype=torch.bfloat16)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            model(x).float().square().mean().backward()
+            run(x).float().square().mean().backward()
             opt.step()
+            if requantize:
+                ops.requantize_weights(model)
 
         for _ in range(2):
             step()  # optimizer states exist from here on
@@ -233,15 +289,114 @@ def bench_train(dev, tiny):
                "step_peak_GiB": round(max(peak) / 2**30, 2) if peak else None}  # fmt: skip
         rows.append(row)
         print(row)
-        del model, opt, x
+        del model, opt, x, run
     return {"config": {"d": d, "ffn": ffn, "blocks": blocks, "tokens": batch * seq}, "rows": rows}
+
+
+# ---- activations -----------------------------------------------------------------------------------------------
+
+
+class Seed1119Layer(torch.nn.Module):
+    """The transformer layer of the seed thread (TransformerEngine's layer config) in plain PyTorch: LayerNorm,
+    QKV with bias, grouped-query attention through SDPA's enable_gqa (no mask), projection with bias,
+    LayerNorm, FC1 with bias, GELU, FC2 with bias, both on residual branches."""
+
+    def __init__(self, d, ffn, heads, kv, hd):
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv, hd
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, (heads + 2 * kv) * hd)
+        self.proj = torch.nn.Linear(heads * hd, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, ffn), torch.nn.Linear(ffn, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, s, self.h + 2 * self.kv, self.hd).transpose(1, 2)
+        q, k, v = qkv.split([self.h, self.kv, self.kv], dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv != self.h).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def seed1119_ops(d, ffn, heads, kv, hd):
+    """The same layer from float8.ops."""
+    import float8.ops as ops
+
+    return ops.Sequential(
+        ops.Residual(), ops.LayerNorm(d), ops.Linear(d, (heads + 2 * kv) * hd),
+        ops.Attention(heads, hd, num_kv_heads=kv, causal=False), ops.Linear(heads * hd, d), ops.AddResidual(),
+        ops.Residual(), ops.LayerNorm(d), ops.Linear(d, ffn), ops.GELU(), ops.Linear(ffn, d), ops.AddResidual(),
+    )  # fmt: skip
+
+
+def _step_peaks(model, x, dev):
+    """(fwd+bwd peak, AdamW step peak, ms per step): peaks are max_memory_allocated, weights included."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+
+    def fwd_bwd():
+        model(x).float().square().mean().backward()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        fwd_bwd()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    peaks = []
+    for fn in (fwd_bwd, step):
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() / MiB if dev.type == "cuda" else 0.0)
+    ms = _time_ms(step, dev, warm=1, reps=3)
+    del opt
+    return peaks[0], peaks[1], ms
+
+
+def bench_activations(dev, tiny):
+    from float8.bench.blocks import Bf16MLP, fp8_mlp
+
+    layer_cfg = (64, 256, 4, 2, 16) if tiny else (4096, 16384, 32, 8, 128)
+    layer_tokens = (2, 32) if tiny else (32, 1024)
+    mlp_cfg, mlp_tokens = ((64, 96), (2, 32)) if tiny else ((4096, 14336), (8, 2048))
+    cases = {
+        "seed #1119 layer": (lambda: Seed1119Layer(*layer_cfg), lambda: seed1119_ops(*layer_cfg), layer_cfg[0], layer_tokens),
+        "MLP block": (lambda: Bf16MLP(*mlp_cfg), lambda: fp8_mlp(*mlp_cfg), mlp_cfg[0], mlp_tokens),
+    }
+    out = {}
+    for case, (make_bf16, make_ours, d, (b, s)) in cases.items():
+        rows = []
+        for name, make in (("bf16 eager", make_bf16), ("float8 eager", make_ours)):
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            torch.manual_seed(0)
+            with torch.device(dev):
+                model = make().to(torch.bfloat16)
+            x = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16)
+            fb, st, ms = _step_peaks(model, x, dev)
+            rows.append({"variant": name, "fwd_bwd_peak_MiB": round(fb, 1), "step_peak_MiB": round(st, 1), "ms_per_step": round(ms, 2)})
+            print(case, rows[-1])
+            del model, x
+        bf, ours = rows
+        if bf["step_peak_MiB"]:
+            ours["step_peak_vs_bf16"] = round(ours["step_peak_MiB"] / bf["step_peak_MiB"], 3)
+            ours["fwd_bwd_peak_vs_bf16"] = round(ours["fwd_bwd_peak_MiB"] / bf["fwd_bwd_peak_MiB"], 3)
+        out[case] = {"tokens": b * s, "rows": rows}
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--only", default="lce,inference,train")
+    p.add_argument("--only", default="lce,inference,train,activations")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
@@ -256,7 +411,7 @@ def main(argv=None):
         pass
     for case in args.only.split(","):
         t0 = time.perf_counter()
-        result[case] = {"lce": bench_lce, "inference": bench_inference, "train": bench_train}[case](dev, args.tiny)
+        result[case] = {"lce": bench_lce, "inference": bench_inference, "train": bench_train, "activations": bench_activations}[case](dev, args.tiny)
         print(f"== {case}: {time.perf_counter() - t0:.0f} s", flush=True)
         gc.collect()
         if dev.type == "cuda":

@@ -440,7 +440,7 @@ def _nbytes_fwd_bwd(tokens: int, d_in: int, d_out: int, params: int) -> int:
 
 class Bf16TransformerLayer(torch.nn.Module):
     """Pre-norm layer: x + proj(attn(qkv(norm(x)))), then x + down(swiglu(up(norm(x)))). GQA through
-    repeat_interleave of K and V (the same math as float8.ops.Attention), SDPA causal (FlashAttention)."""
+    SDPA's enable_gqa (as float8.ops.Attention), causal (FlashAttention)."""
 
     def __init__(self, d, heads, kv_heads, head_dim, ffn):
         super().__init__()
@@ -456,9 +456,7 @@ class Bf16TransformerLayer(torch.nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, self.h + 2 * self.hk, self.hd).transpose(1, 2)
         q, k, v = qkv.split([self.h, self.hk, self.hk], dim=1)
-        k = k.repeat_interleave(self.h // self.hk, dim=1)
-        v = v.repeat_interleave(self.h // self.hk, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.hk != self.h)
         return self.proj(o.transpose(1, 2).reshape(b, s, self.h * self.hd))
 
     def forward(self, x):

@@ -105,7 +105,7 @@ def test_unknown_case_letter_is_refused():
 
 
 def test_memory_bench_runs_tiny(tmp_path):
-    """`python -m float8.bench.memory --tiny`: the LCE, inference and training-memory cases end to end."""
+    """`python -m float8.bench.memory --tiny`: the LCE, inference, training-memory and activation cases end to end."""
     out = tmp_path / "memory.json"
     run = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "float8.bench.memory", "--tiny", "--out", str(out)],
@@ -117,4 +117,10 @@ def test_memory_bench_runs_tiny(tmp_path):
     assert all("error" not in r for r in lce.values()), lce
     assert lce["float8 bf16"]["dx_sqnr_db"] >= 60 and lce["float8 FP8 GEMMs"]["dw_sqnr_db"] >= 25
     assert [r["variant"] for r in result["inference"]["rows"]] == ["bf16", "float8 FP8-only weights"]
-    assert [r["variant"] for r in result["train"]["rows"]] == ["bf16 eager", "float8 eager"]
+    train = {r["variant"]: r for r in result["train"]["rows"]}
+    assert list(train) == ["bf16 eager", "float8 eager", "float8 eager + requantize_weights", "torchao tensorwise + compile"]
+    assert "CUDA" in train["torchao tensorwise + compile"]["error"]  # torchao is measured on the GPU only
+    assert "error" not in train["float8 eager + requantize_weights"]
+    for case in ("seed #1119 layer", "MLP block"):
+        assert [r["variant"] for r in result["activations"][case]["rows"]] == ["bf16 eager", "float8 eager"]
+    assert "requantize" not in result["inference"]["host_profile"] and "forward" in result["inference"]["host_profile"]

@@ -63,6 +63,17 @@ def assert_outputs(ours, ref, names, nan_bits=True) -> None:
         assert_bits(o, r, n, nan_bits=exact)
 
 
+class CountedLaunches:
+    """Stands in for a JITFunction: counts launches (kernel[grid](...)) and forwards them."""
+
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.fn[grid]
+
+
 # ---- inputs -----------------------------------------------------------------------------------------
 
 

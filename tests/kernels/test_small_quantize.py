@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from .helpers import FP8, HP, assert_bits, assert_outputs, fp8_grid, make_x, needs_interpreter
+from .helpers import FP8, HP, CountedLaunches as _Counted, assert_bits, assert_outputs, fp8_grid, make_x, needs_interpreter
 
 common_m, quant_m, ct_m = (
     importlib.import_module(f"float8.kernels.{m}") for m in ("common", "quantize", "cast_transpose")
@@ -28,17 +28,6 @@ LAYOUTS = ["contiguous", "transposed", "offset", "strided"]
 SCALING = [(0, False), (0, True), (3, False), (2, True)]
 KERNELS = [("quantize", "_quantize_small_kernel"), ("cast_transpose", "_quantize_transpose_small_kernel"),
            ("amax", "_amax_kernel"), ("cast", "_cast_kernel"), ("cast_transpose", "_cast_transpose_kernel")]
-
-
-class _Counted:
-    """Stands in for a JITFunction: counts launches (kernel[grid](...)) and forwards them."""
-
-    def __init__(self, fn):
-        self.fn, self.n = fn, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.fn[grid]
 
 
 @pytest.fixture

@@ -107,6 +107,53 @@ def test_never_materializes_float32_logits():
     assert mode.largest == V * H < N * V
 
 
+def test_weight_dtype_accumulation_holds_no_float32_weight_buffer():
+    x, w, _, t = _data(torch.bfloat16, bias=False)
+    ref, xd, wd, _ = _reference(x, w, None, t)
+    ref.backward()
+    with _LargestFloat32() as mode:
+        loss = linear_cross_entropy(x, w, t, chunk_tokens=16, dw_accumulation="weight_dtype")
+        loss.backward()
+    assert mode.largest < V * H  # per-row losses and statistics only
+    assert w.grad.dtype == torch.bfloat16
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
+    # Six chunks, so six roundings of the running sum to bf16: still within bf16's reach of the float64 sum.
+    assert sqnr_db(wd.grad, w.grad) >= 35
+    assert sqnr_db(xd.grad, x.grad) >= 35
+
+
+def test_weight_dtype_accumulation_of_a_float32_weight_is_exact():
+    x, w, b, t = _data()
+    ref, xd, wd, _ = _reference(x, w, b, t)
+    ref.backward()
+    linear_cross_entropy(x, w, t, b, chunk_tokens=16, dw_accumulation="weight_dtype").backward()
+    torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dw_accumulation", ["float32", "weight_dtype"])
+def test_fp8_weight_gradient_in_vocabulary_slabs(dw_accumulation, monkeypatch):
+    # The FP8 weight-gradient product goes through a float32 temporary one slab of vocabulary rows at a
+    # time; slabs that do not divide V must give the product of one whole GEMM.
+    import float8.ops.cross_entropy as lce
+
+    grads = []
+    for slab in (lce.FP8_DW_SLAB, 96):
+        monkeypatch.setattr(lce, "FP8_DW_SLAB", slab)
+        x, w, _, t = _data(torch.bfloat16, bias=False)
+        linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32, dw_accumulation=dw_accumulation).backward()
+        grads.append(w.grad)
+    assert V % 96 and torch.equal(grads[0], grads[1])
+
+
+def test_default_chunks():
+    from float8.ops.cross_entropy import default_chunk_tokens
+
+    assert default_chunk_tokens(16384, 4096, 128256) == 4096  # float32: as many tokens as H
+    assert default_chunk_tokens(16384, 4096, 128256, "weight_dtype") == 512  # a logits chunk the size of x
+    assert default_chunk_tokens(100, 4096, 128256, "weight_dtype") == 112  # never more than the input
+    assert default_chunk_tokens(16384, 512, 128256, "weight_dtype") == 256  # at least 256
+
+
 def test_op_ends_a_sequential_and_inference_computes_no_gradients():
     torch.manual_seed(0)
     head = ops.LinearCrossEntropy(H, V, bias=True)
@@ -149,6 +196,8 @@ def test_bad_input_names_the_problem():
         linear_cross_entropy(x, w, t, reduction="avg")
     with pytest.raises(ValueError, match="chunk_tokens"):
         linear_cross_entropy(x, w, t, chunk_tokens=10)
+    with pytest.raises(ValueError, match="dw_accumulation must be one of"):
+        linear_cross_entropy(x, w, t, dw_accumulation="bfloat16")
     with pytest.raises(ValueError, match="no amax history"):
         linear_cross_entropy(x, w, t, recipe=Recipe.delayed())
     w8 = Float8Tensor.quantize(w.detach()).requires_grad_(True)

@@ -1,0 +1,111 @@
+"""quantize_tensorwise_multi (kernels/multi_quantize.py): many tensors, two launches, each tensor's outputs
+bit for bit those of quantize_tensorwise_ref (and, on the GPU, of the single-tensor launcher).
+
+The interpreter tier runs the Triton launcher on CPU tensors (TRITON_INTERPRET=1, hardware-faithful
+conversions from conftest.py); the GPU tier repeats it on CUDA tensors at weight-like sizes.
+"""
+
+import os
+
+import pytest
+import torch
+
+from float8.kernels import multi_quantize as mq
+from float8.kernels.quantize import quantize_tensorwise
+from float8.kernels.reference import quantize_tensorwise_ref
+
+from .helpers import FP8, HP, CountedLaunches as _Counted, assert_outputs, make_x, needs_interpreter
+
+NAMES = ("data", "data_t", "scale_inv", "amax")
+# Tile edges (64 x 128), one element, an empty tensor among full ones, more tensors than a power of two.
+SHAPES = [(64, 128), (65, 129), (1, 1), (0, 16), (3, 300), (130, 7), (16, 16)]
+
+
+def _check_each(got, xs, f8, margin, p2, with_t, nan_bits=True):
+    assert [len(g) for g in got] == [len(xs)] * 4
+    for i, x in enumerate(xs):
+        ref = quantize_tensorwise_ref(x, f8, None, margin, p2, with_t)
+        mine = tuple(g[i] for g in got)
+        try:
+            assert_outputs(mine, ref, NAMES, nan_bits=nan_bits)
+        except AssertionError as e:
+            raise AssertionError(f"tensor {i} of shape {tuple(x.shape)}: {e}") from None
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("with_transpose", [False, True])
+@pytest.mark.parametrize("margin,power_of_2", [(0, False), (2, True)])
+def test_interpreted_matches_reference(fp8_dtype, with_transpose, margin, power_of_2, monkeypatch):
+    # Every tensor has its own scale: the magnitudes differ by orders, and two hold NaN/inf (their scale
+    # and values turn NaN, the others' must not).
+    xs = [make_x(s, torch.bfloat16, seed=i, scale=10.0 ** (i - 3), specials=i in (2, 4)) for i, s in enumerate(SHAPES)]
+    kernels = {n: _Counted(getattr(mq, n)) for n in ("_multi_amax_kernel", "_multi_cast_kernel")}
+    for n, k in kernels.items():
+        monkeypatch.setattr(mq, n, k)
+    got = mq.quantize_tensorwise_multi_triton(xs, fp8_dtype, margin, power_of_2, with_transpose)
+    assert {n: k.n for n, k in kernels.items()} == {"_multi_amax_kernel": 1, "_multi_cast_kernel": 1}
+    _check_each(got, xs, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", HP)
+def test_interpreted_input_dtypes(dtype):
+    xs = [make_x(s, dtype, seed=i) for i, s in enumerate([(33, 17), (64, 64)])]
+    for f8 in FP8:
+        _check_each(mq.quantize_tensorwise_multi_triton(xs, f8, 0, False, True), xs, f8, 0, False, True)
+
+
+@needs_interpreter
+def test_interpreted_one_tensor_and_many():
+    # One tensor (the binary search has one candidate) and 37 (not a power of two, several halvings).
+    for n in (1, 37):
+        xs = [make_x((16 + i, 24), torch.bfloat16, seed=i, scale=1.0 + i) for i in range(n)]
+        _check_each(mq.quantize_tensorwise_multi_triton(xs, FP8[0], 0, False, True), xs, FP8[0], 0, False, True)
+
+
+def test_reference_path_on_cpu():
+    xs = [make_x(s, torch.float32, seed=i) for i, s in enumerate([(5, 7), (0, 3)])]
+    got = mq.quantize_tensorwise_multi(xs, FP8[1], 1, False, True)
+    _check_each(got, xs, FP8[1], 1, False, True)
+
+
+@pytest.mark.parametrize(
+    "xs,err,match",
+    [
+        ([], ValueError, "non-empty list"),
+        ([torch.zeros(4, 4), torch.zeros(4)], ValueError, r"xs\[1\] must be 2-D"),
+        ([torch.zeros(4, 8).t()], ValueError, "contiguous"),
+        ([torch.zeros(4, 4, dtype=torch.float64)], TypeError, "float64"),
+        ([torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)], ValueError, "share xs\\[0\\]'s dtype"),
+        ([torch.zeros(4, 4, dtype=torch.float8_e4m3fn)], TypeError, "float8_e4m3fn"),
+    ],
+)
+def test_bad_input(xs, err, match):
+    with pytest.raises(err, match=match):
+        mq.quantize_tensorwise_multi(xs, FP8[0])
+
+
+def test_bad_scaling_args():
+    with pytest.raises(ValueError, match="margin"):
+        mq.quantize_tensorwise_multi([torch.zeros(4, 4)], FP8[0], margin=-1)
+    with pytest.raises(TypeError, match="with_transpose"):
+        mq.quantize_tensorwise_multi([torch.zeros(4, 4)], FP8[0], with_transpose=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1",
+    reason="TRITON_INTERPRET=1 would run these on the interpreter, not the GPU",
+)
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_gpu_matches_single_tensor_launcher(with_transpose):
+    # Weight-like shapes (a Llama block's Linears at d=1024) plus ragged ones, and a tensor with NaN.
+    shapes = [(3072, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (65, 129), (0, 16), (1, 1)]
+    xs = [make_x(s, torch.bfloat16, seed=i, scale=10.0 ** (i % 4 - 2), specials=i == 4, device="cuda") for i, s in enumerate(shapes)]
+    for f8 in FP8:
+        got = mq.quantize_tensorwise_multi(xs, f8, 0, False, with_transpose)
+        _check_each(got, xs, f8, 0, False, with_transpose, nan_bits=False)
+        for i, x in enumerate(xs):  # and the single-tensor launcher, NaN payloads included
+            single = quantize_tensorwise(x, f8, None, 0, False, with_transpose)
+            assert_outputs(tuple(g[i] for g in got), single, NAMES)
