@@ -95,9 +95,15 @@ def _col_major(t: Operand) -> torch.Tensor:
     return d.mT.contiguous().mT
 
 
+def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
+    # cuBLASLt wants a scale pointer 16-byte aligned: a per-tensor scale that is a view at another offset
+    # (one element of a shared buffer) failed with CUBLAS_STATUS_NOT_SUPPORTED on the H100. Copy it.
+    return s.clone() if s.dim() == 0 and s.storage_offset() % 4 else s
+
+
 def _gemm_scales(a: Operand, b: Operand):
     """(scale_a, scale_b, rowwise) in the layout _scaled_mm takes, or None if the blocks don't fit."""
-    sa, sb = a.scale_inv, b.scale_inv
+    sa, sb = _aligned_scale(a.scale_inv), _aligned_scale(b.scale_inv)
     m, n = a.shape[0], b.shape[1]
     a_ok = sa.dim() == 0 or tuple(sa.shape) == (m, 1)
     b_ok = sb.dim() == 0 or tuple(sb.shape) == (1, n)

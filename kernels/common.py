@@ -228,6 +228,10 @@ def _plain_eager(args, kwargs) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or (grad and a.requires_grad)):
+        # A norm's weight is an nn.Parameter: a plain tensor for this purpose (a subclass keeps its own type).
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
             return False
     return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

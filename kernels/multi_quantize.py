@@ -41,6 +41,7 @@ from .reference import quantize_tensorwise_ref
 
 AMAX_BLOCK = 8192  # elements per program of the amax pass (as kernels/amax.py)
 BLOCK_M, BLOCK_K = 64, 128  # the tile of kernels/cast_transpose.py
+SCALE_ROW = 4  # float32s per scale-inverse slot: 16 bytes, the alignment cuBLASLt needs of a scale pointer
 
 _TL_DTYPE = {
     torch.float32: tl.float32,
@@ -91,7 +92,7 @@ def _multi_cast_kernel(
     shapes_ptr,  # (T, 2) int64: M, K
     starts_ptr,  # (T + 1,) int64: first program of each tensor
     amax_ptr,  # (T,) fp32: max|x| of each tensor
-    scale_inv_ptr,  # (T,) fp32, written
+    scale_inv_ptr,  # (T, SCALE_ROW) fp32: column 0 written
     T,
     margin_div,
     IN_DTYPE: tl.constexpr,
@@ -101,6 +102,7 @@ def _multi_cast_kernel(
     POWER_OF_2: tl.constexpr,
     WITH_T: tl.constexpr,
     STEPS: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -123,7 +125,7 @@ def _multi_cast_kernel(
         data_t_ptr = tl.load(dst_t_ptrs + t).to(tl.pointer_type(OUT_DTYPE))
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=mask_t)
-    tl.store(scale_inv_ptr + t, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=local == 0)
+    tl.store(scale_inv_ptr + SCALE_ROW * t, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=local == 0)
 
 
 def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
@@ -170,7 +172,9 @@ def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, marg
     ).to(dev)  # fmt: skip
     src, dst, dst_t, numels, shapes_t, a_starts, c_starts = table.split([T, T, T, T, 2 * T, T + 1, T + 1])
     amaxes = torch.zeros(T, dtype=torch.float32, device=dev)
-    scale_invs = torch.empty(T, dtype=torch.float32, device=dev)
+    # One 16-byte row per tensor: cuBLASLt refuses scale pointers that are not 16-byte aligned
+    # (CUBLAS_STATUS_NOT_SUPPORTED from _scaled_mm on the H100 when they were 4 bytes apart).
+    scale_invs = torch.empty(T, SCALE_ROW, dtype=torch.float32, device=dev)
     in_dtype = _TL_DTYPE[xs[0].dtype]
     if amax_starts[-1]:
         _multi_amax_kernel[(amax_starts[-1],)](
@@ -179,9 +183,9 @@ def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, marg
     _multi_cast_kernel[(cast_starts[-1],)](
         src, dst, dst_t, shapes_t, c_starts, amaxes, scale_invs, T, margin_div(margin),
         IN_DTYPE=in_dtype, OUT_DTYPE=_TL_DTYPE[fp8_dtype], **fp8_constants(fp8_dtype), POWER_OF_2=power_of_2,
-        WITH_T=with_transpose, STEPS=steps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
+        WITH_T=with_transpose, STEPS=steps, SCALE_ROW=SCALE_ROW, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
     )  # fmt: skip
-    return datas, datas_t, list(scale_invs.unbind()), list(amaxes.unbind())
+    return datas, datas_t, list(scale_invs[:, 0].unbind()), list(amaxes.unbind())
 
 
 def quantize_tensorwise_multi_ref(xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False):

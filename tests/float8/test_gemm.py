@@ -100,3 +100,15 @@ def test_mixed_fp8_and_plain_runs_in_high_precision_on_the_dequantized_operand()
     assert torch.equal(out, a.dequantize() @ p)
     bias = torch.randn(16)
     assert torch.equal(torch.addmm(bias, p.t(), a.t()), torch.addmm(bias, p.t(), a.dequantize().t()))
+
+
+@pytest.mark.gpu
+def test_gpu_scale_view_at_any_offset():
+    # A per-tensor scale-inverse that is one element of a shared buffer (4 bytes past an aligned address)
+    # must give the GEMM of its own copy: cuBLASLt refuses unaligned scale pointers.
+    a = Float8Tensor.quantize(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
+    b = Float8Tensor.quantize(torch.randn(32, 128, device="cuda", dtype=torch.bfloat16))
+    shared = torch.stack([a.scale_inv, a.scale_inv])
+    a_view = Float8Tensor(a.fp8_data, shared[1], torch.bfloat16)
+    assert a_view.scale_inv.storage_offset() == 1
+    assert torch.equal(a_view @ b.t(), a @ b.t())

@@ -23,6 +23,8 @@ SHAPES = [(64, 128), (65, 129), (1, 1), (0, 16), (3, 300), (130, 7), (16, 16)]
 
 def _check_each(got, xs, f8, margin, p2, with_t, nan_bits=True):
     assert [len(g) for g in got] == [len(xs)] * 4
+    # An FP8 GEMM reads each scale-inverse through a pointer cuBLASLt wants 16-byte aligned.
+    assert all(s.data_ptr() % 16 == 0 for s in got[2])
     for i, x in enumerate(xs):
         ref = quantize_tensorwise_ref(x, f8, None, margin, p2, with_t)
         mine = tuple(g[i] for g in got)

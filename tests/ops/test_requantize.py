@@ -20,12 +20,11 @@ from ..kernels.helpers import assert_bits
 class Net(torch.nn.Module):
     """A Sequential and a lone Linear, as a converted model mixes them."""
 
-    def __init__(self, recipe=None):
+    def __init__(self, recipe=None, dims=(32, 64, 48, 16)):
         super().__init__()
-        self.seq = ops.Sequential(
-            ops.Linear(32, 64, bias=False), ops.GELU(), ops.Linear(64, 48, bias=True), recipe=recipe
-        )
-        self.head = ops.Linear(48, 16, bias=False, recipe=recipe)
+        a, b, c, d = dims
+        self.seq = ops.Sequential(ops.Linear(a, b, bias=False), ops.GELU(), ops.Linear(b, c, bias=True), recipe=recipe)
+        self.head = ops.Linear(c, d, bias=False, recipe=recipe)
         self.to(torch.bfloat16)
 
     def forward(self, x):
@@ -36,12 +35,12 @@ def _linears(m):
     return [op for op in m.modules() if isinstance(op, ops.Linear)]
 
 
-def _train(model, steps, requantize, device="cpu"):
+def _train(model, steps, requantize, device="cpu", d_in=32):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator(device=device).manual_seed(0)
     losses = []
     for _ in range(steps):
-        x = torch.randn(4, 8, 32, generator=g, device=device).to(torch.bfloat16)
+        x = torch.randn(4, 8, d_in, generator=g, device=device).to(torch.bfloat16)
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().square().mean()
         loss.backward()
@@ -146,8 +145,8 @@ def test_gpu_training_matches_lazy_quantization():
     recipe = Recipe(min_fp8_gemm_flops=0)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        lazy = Net(recipe)
+        lazy = Net(recipe, dims=(128, 256, 128, 64))
     eager = copy.deepcopy(lazy)
-    assert _train(lazy, 4, False, "cuda") == _train(eager, 4, True, "cuda")
+    assert _train(lazy, 4, False, "cuda", 128) == _train(eager, 4, True, "cuda", 128)
     for a, b in zip(lazy.parameters(), eager.parameters()):
         assert torch.equal(a, b)
