@@ -223,6 +223,9 @@ def custom_op(name: str):
     return wrap
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_eager(args, kwargs) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
@@ -233,5 +236,3 @@ def _plain_eager(args, kwargs) -> bool:
             return False
     return True
 
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)

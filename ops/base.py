@@ -26,11 +26,16 @@ from float8.quantizer import QuantRequest
 DEFAULT_RECIPE = Recipe()
 
 
+def is_dtensor(t) -> bool:
+    """Whether t is a torch.distributed DTensor (False where this torch build has none)."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def check_gathered(op, params: list) -> list:
     """params, unless one is still a sharded DTensor: FSDP2's fully_shard on an op that runs inside a
     Sequential, which runs its ops without their forward (so without FSDP's gathering hooks)."""
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+    if any(is_dtensor(p) for p in params):
         raise ValueError(
             f"{type(op).__name__}'s parameters are sharded DTensors (fully_shard on an op inside a Sequential): "
             "a Sequential runs its ops without their forward, so FSDP never gathers them. Shard the Sequential "

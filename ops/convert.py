@@ -31,6 +31,7 @@ import torch
 
 from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
 from float8.quantizer import quantizer_for
+from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
 
 __all__ = ["ConversionWarning", "convert", "skip_reason"]
@@ -50,8 +51,7 @@ def skip_reason(linear: torch.nn.Linear, *, fp8_weights: bool = False, tied_to: 
     if k % 16 or n % 16:
         return f"in_features={k}, out_features={n}: FP8 GEMMs need multiples of 16"
     w = linear.weight
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    if dtensor is not None and isinstance(w, dtensor):
+    if is_dtensor(w):
         return "the weight is a sharded DTensor: convert before fully_shard / parallelize_module"
     if w.dtype not in _DTYPES:
         return f"weight dtype {w.dtype} (float32, bfloat16 or float16 needed)"

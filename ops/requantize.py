@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from float8.kernels.multi_quantize import quantize_tensorwise_multi
-from float8.ops.functional import quantize_weight
+from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
 from float8.quantizer import TensorwiseQuantizer
 from float8.tensor import Float8Tensor
@@ -34,8 +34,7 @@ __all__ = ["requantize_weights"]
 
 
 def _skipped(w: torch.Tensor) -> bool:
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    return isinstance(w, Float8Tensor) or (dtensor is not None and isinstance(w, dtensor)) or w.device.type == "meta"
+    return isinstance(w, Float8Tensor) or is_dtensor(w) or w.device.type == "meta"
 
 
 def requantize_weights(model: torch.nn.Module) -> int:
@@ -67,6 +66,5 @@ def requantize_weights(model: torch.nn.Module) -> int:
                 w8 = op.weight_quantizer.finish(data, data_t, scale_inv, amax, w.dtype, with_t)
                 op._weight_cache.store(op.weight, w8, w8 if with_t else None)
         for op in single:
-            w8, wd = quantize_weight(op.weight, op.weight_quantizer, op.weight.requires_grad)
-            op._weight_cache.store(op.weight, w8, wd)
+            op.quantized_weight(for_backward=op.weight.requires_grad)  # quantizes and caches, as inference does
     return sum(len(g) for g in fused.values()) + len(single)
