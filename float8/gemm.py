@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from float8 import dispatch
 from float8.kernels.reference import dequantize_ref
+from float8.kernels.transpose import transpose_fp8
 from float8.quantizer import requantize_into
 from float8.tensor import Float8Tensor, _is_float8
 
@@ -80,19 +81,30 @@ def _aligned(d: torch.Tensor) -> bool:
 
 
 def _row_major(t: Operand) -> torch.Tensor:
-    """(M, K) data, contiguous: the data itself, or a copy."""
+    """(M, K) data, contiguous: the data itself, or a copy (a transposed view: by the FP8 transpose kernel)."""
     d = t.data
-    return d if d.is_contiguous() and _aligned(d) else d.contiguous()
+    if d.is_contiguous():
+        return d if _aligned(d) else d.clone()
+    return _transposed_copy(d.mT) if d.mT.is_contiguous() else d.contiguous()
 
 
 def _col_major(t: Operand) -> torch.Tensor:
     """(K, N) data with strides (1, K): the data viewed, the cached transpose viewed, or a copy."""
     d = t.data
-    if d.mT.is_contiguous() and _aligned(d):
-        return d
+    if d.mT.is_contiguous():
+        if _aligned(d):
+            return d
+        if t.transpose is None:
+            return d.mT.clone().mT
     if t.transpose is not None:
         return t.transpose.mT
-    return d.mT.contiguous().mT
+    return _transposed_copy(d).mT if d.is_contiguous() else d.mT.contiguous().mT
+
+
+def _transposed_copy(d: torch.Tensor) -> torch.Tensor:
+    """d.mT, contiguous: the FP8 transpose kernel for a matrix (torch's strided copy of 1-byte elements
+    is far below copy bandwidth), torch for a batch."""
+    return transpose_fp8(d) if d.dim() == 2 else d.mT.contiguous()
 
 
 def _aligned_scale(s: torch.Tensor) -> torch.Tensor:

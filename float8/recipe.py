@@ -145,10 +145,21 @@ class Recipe:
     # by host time (bf16 fwd+bwd at (2048, 4096, 4096): 0.29 ms; FP8: 1.60 ms, H100 2026-11-22,
     # examples/results/history/bench_nvidia-h100-80gb-hbm3_before_policy.md). 0 disables it.
     min_fp8_gemm_flops: float = 3e11
+    # Lean activation memory, for training steps whose peak is set by activations:
+    # - GELU, SiLU and SwiGLU keep their input for backward as E4M3 with one per-tensor scale (1 byte per
+    #   element, written by the forward kernel beside its FP8 output), not in the activation dtype; ReLU
+    #   keeps its input (its derivative jumps at 0, where a rounded input flips it).
+    # - A Linear takes its FP8 input and its FP8 gradient in rows only (the layout of the forward and the
+    #   input-gradient GEMMs) and makes the transpose its weight-gradient GEMM reads in the backward, when
+    #   that GEMM runs: the two layouts of one tensor are never alive together.
+    # The forward's bits do not change. Numerics and cost: docs/design.md, "Lean activation memory".
+    lean_activations: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.min_fp8_gemm_flops, (int, float)) and self.min_fp8_gemm_flops >= 0):
             raise ValueError(f"min_fp8_gemm_flops must be a number >= 0, got {self.min_fp8_gemm_flops!r}")
+        if not isinstance(self.lean_activations, bool):
+            raise TypeError(f"lean_activations must be a bool, got {self.lean_activations!r}")
         if not isinstance(self.format, Format):
             raise TypeError(f"format must be a float8.Format, got {self.format!r}")
         if self.format is Format.E5M2:

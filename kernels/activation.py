@@ -5,9 +5,16 @@
         -> (data, data_t, scale_inv, amax)          act(x + bias) in FP8
     act_bwd(dy, x, kind, bias=None) -> dx                                   dx = dy * act'(x + bias), x.dtype
     dact_fp8(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True,
-             with_dbias=True)
+             with_dbias=True, x_scale_inv=None)
         -> (data, data_t, scale_inv, amax, dbias)   dx in FP8, and dbias; kind "identity" with x = dy is a
                                                     bias's backward
+    act_fp8_save_input(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
+        -> (data, data_t, scale_inv, amax, x_data, x_scale_inv)    act_fp8, and x itself in E4M3
+
+Lean activation memory: act_fp8_save_input also writes x (before the bias) in E4M3 with its own per-tensor
+current scale, in the same two passes (pass 1 folds max|x| too; pass 2 writes x_data beside the FP8 act);
+act_bwd and dact_fp8 given x_scale_inv read that copy (x_data * x_scale_inv in float32) in place of x. An
+activation saved this way keeps 1 byte per element for its backward instead of 2 (bf16).
 
 scale None is current scaling (the scale derived on the device from the amax, with margin and power_of_2);
 a one-element float32 tensor is a given scale (delayed or static scaling; margin and power_of_2 ignored),
@@ -79,7 +86,7 @@ from .common import (
     transposed_shape,
     use_triton,
 )
-from .reference import quantize_tensorwise_ref
+from .reference import FP8_DTYPES, quantize_tensorwise_ref
 
 KINDS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "swiglu")
 
@@ -108,7 +115,11 @@ NUM_WARPS = 4
 # (90% / 76% of copy bandwidth), against 0.58 / 1.04 for (64, 64) through FP8 bytes (H100, 2026-11-22;
 # examples/results/profile_nvidia-h100-80gb-hbm3_2026-11-22.md, section 4).
 TRANSPOSE_CONFIG = dict(BLOCK_S=32, BLOCK_N=128, num_warps=4, T_MODE=1)
-NO_FP8 = dict(FP8_MAX=1.0, MIN_SCALE=1.0)  # the FP8 constexprs of the modes that cast nothing ("hp", "amax")
+NO_FP8 = dict(FP8_MAX=1.0, MIN_SCALE=1.0)
+# The saved copy of x (lean activation memory, act_fp8_save_input): E4M3, per-tensor current scaling, margin 0.
+SAVED_X_DTYPE = torch.float8_e4m3fn
+SAVED_X_MAX = tl.constexpr(448.0)  # reference.fp8_max(SAVED_X_DTYPE)
+SAVED_X_MIN_SCALE = tl.constexpr(2.0**-119)  # reference.min_scale(SAVED_X_DTYPE)  # the FP8 constexprs of the modes that cast nothing ("hp", "amax")
 
 
 # ---- device math: kernel formulas (the *_ref functions below repeat them op for op) -----------------
@@ -247,6 +258,9 @@ def _act_fwd_kernel(
     scale_ptr,  # (1,) fp32: the given scale (MODE "delayed"), else unused
     amax_ptr,  # () fp32, zeroed: receives max|act| ("amax", "delayed"); holds it ("current")
     scale_inv_ptr,  # () fp32: 1 / scale ("current", "delayed")
+    xq_ptr,  # (B, S, N_IN) E4M3: x itself quantized (SAVE_X, modes "current", "delayed"), else unused
+    x_amax_ptr,  # () fp32, zeroed: receives max|x| ("amax"), holds it (other modes) (SAVE_X)
+    x_scale_inv_ptr,  # () fp32: 1 / x's scale (SAVE_X, modes "current", "delayed")
     S,
     N,
     tiles_s,
@@ -256,6 +270,7 @@ def _act_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,  # "hp": store act; "amax": only fold max|act|; "current" / "delayed": store FP8
     WITH_T: tl.constexpr,
+    SAVE_X: tl.constexpr,  # also quantize x (before the bias) per tensor to E4M3, current scaling
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
@@ -265,6 +280,9 @@ def _act_fwd_kernel(
     T_MODE: tl.constexpr,  # how the FP8 tile is transposed (_fp8_t)
 ):
     pid, b, pid_s, cols, col_ok, n_in = _tile_start(N, tiles_s, tiles_n, BLOCK_N, KIND)
+    if SAVE_X and (MODE == "current" or MODE == "delayed"):
+        x_scale = scale_from_amax(tl.load(x_amax_ptr), SAVED_X_MAX, SAVED_X_MIN_SCALE, 1.0, False)
+    x_amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if KIND == "swiglu":
@@ -279,17 +297,25 @@ def _act_fwd_kernel(
         rows = (pid_s * ITERS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         mask = (rows[:, None] < S) & col_ok[None, :]
         row_start = (b * S + rows.to(tl.int64)) * n_in  # (BLOCK_S,) offsets of the rows in x
-        x_tile = x_ptr + row_start[:, None] + cols[None, :]
-        v = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            v = v + bias_a[None, :]
+        x_off = row_start[:, None] + cols[None, :]
+        x_tile = x_ptr + x_off
+        xa = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
+        v = xa + bias_a[None, :] if HAS_BIAS else xa
         if KIND == "swiglu":
-            g = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                g = g + bias_b[None, :]
+            xb = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
+            g = xb + bias_b[None, :] if HAS_BIAS else xb
             y = _silu(v) * g
         else:
             y = _act(v, KIND)
+        if SAVE_X and MODE == "amax":
+            x_amax_acc = tl.maximum(x_amax_acc, abs_bits(xa))  # masked lanes loaded 0
+            if KIND == "swiglu":
+                x_amax_acc = tl.maximum(x_amax_acc, abs_bits(xb))
+        if SAVE_X and (MODE == "current" or MODE == "delayed"):
+            xq = xq_ptr + x_off
+            tl.store(xq, _fp8(xa, x_scale, SAVED_X_MAX, xq_ptr.dtype.element_ty), mask=mask)
+            if KIND == "swiglu":
+                tl.store(xq + N, _fp8(xb, x_scale, SAVED_X_MAX, xq_ptr.dtype.element_ty), mask=mask)
 
         out = (b * S + rows.to(tl.int64))[:, None] * N + cols[None, :]
         if MODE == "hp":
@@ -308,8 +334,12 @@ def _act_fwd_kernel(
 
     if MODE == "amax" or MODE == "delayed":
         atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
+    if SAVE_X and MODE == "amax":
+        atomic_amax(x_amax_ptr, tl.max(tl.max(x_amax_acc, axis=1), axis=0))
     if MODE == "current" or MODE == "delayed":
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
+    if SAVE_X and (MODE == "current" or MODE == "delayed"):
+        tl.store(x_scale_inv_ptr, tl.math.div_rn(tl.full(x_scale.shape, 1.0, tl.float32), x_scale), mask=pid == 0)
 
 
 @triton.jit
@@ -323,6 +353,7 @@ def _act_bwd_kernel(
     scale_ptr,  # (1,) fp32: the given scale (MODE "delayed"), else unused
     amax_ptr,  # () fp32, zeroed: receives max|dx| ("amax"); holds it ("current")
     scale_inv_ptr,  # () fp32: 1 / scale ("current", "delayed")
+    x_scale_inv_ptr,  # () fp32: x's scale-inverse (X_FP8), else unused
     S,
     N,
     tiles_s,
@@ -333,6 +364,7 @@ def _act_bwd_kernel(
     MODE: tl.constexpr,  # "hp": store dx; "amax": fold max|dx| (and dbias partials); "current" / "delayed": store FP8
     WITH_T: tl.constexpr,
     DBIAS: tl.constexpr,
+    X_FP8: tl.constexpr,  # x is FP8 (the forward's saved E4M3 copy): its values are x * x_scale_inv
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
@@ -350,6 +382,8 @@ def _act_bwd_kernel(
         scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     elif MODE == "delayed":
         scale = tl.load(scale_ptr)
+    if X_FP8:
+        x_scale_inv = tl.load(x_scale_inv_ptr)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
     # dbias: elementwise sums over the row tiles, reduced across rows once at the end (not per tile)
     dbias_a = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
@@ -365,10 +399,14 @@ def _act_bwd_kernel(
             v = g  # x is not read
         else:
             v = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
+            if X_FP8:
+                v = v * x_scale_inv
             if HAS_BIAS:
                 v = v + bias_a[None, :]
         if KIND == "swiglu":
             u = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
+            if X_FP8:
+                u = u * x_scale_inv
             if HAS_BIAS:
                 u = u + bias_b[None, :]
             silu_v, dsilu_v = _silu_dsilu(v)
@@ -451,9 +489,11 @@ def _n_out(n_in: int, kind: str) -> int:
 
 def launch_fwd(
     x, kind, bias, y, y_t, scale, amax, scale_inv, *,
-    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
+    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None, saved_x=None,
 ):  # fmt: skip
-    """One pass of _act_fwd_kernel over x (contiguous) in `mode`; None for what the mode does not use."""
+    """One pass of _act_fwd_kernel over x (contiguous) in `mode`; None for what the mode does not use.
+    saved_x: (xq, x_amax, x_scale_inv) to quantize x itself as well (x_amax zeroed before the "amax" pass)."""
+    xq, x_amax, x_scale_inv = saved_x if saved_x is not None else (x, amax, amax)
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
@@ -465,6 +505,9 @@ def launch_fwd(
         scale if scale is not None else amax,
         amax,
         scale_inv,
+        xq,
+        x_amax,
+        x_scale_inv,
         S if x.numel() else 0,
         n,
         tiles_s,
@@ -474,6 +517,7 @@ def launch_fwd(
         HAS_BIAS=bias is not None,
         MODE=mode,
         WITH_T=y_t is not None,
+        SAVE_X=saved_x is not None,
         **(fp8_constants(fp8_dtype) if fp8_dtype is not None else NO_FP8),
         POWER_OF_2=power_of_2,
         **meta,
@@ -482,10 +526,10 @@ def launch_fwd(
 
 def launch_bwd(
     dy, x, kind, bias, dx, dx_t, dbias_parts, scale, amax, scale_inv, *,
-    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None,
+    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None, x_scale_inv=None,
 ):  # fmt: skip
     """One pass of _act_bwd_kernel over dy, x (contiguous) in `mode`; None for what the mode does not use.
-    dbias_parts (mode "amax"): a dbias_partials buffer."""
+    dbias_parts (mode "amax"): a dbias_partials buffer. x_scale_inv: x is FP8 with this scale-inverse."""
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
@@ -499,6 +543,7 @@ def launch_bwd(
         scale if scale is not None else amax,
         amax,
         scale_inv,
+        x_scale_inv if x_scale_inv is not None else amax,
         S if dy.numel() else 0,
         n,
         tiles_s,
@@ -509,6 +554,7 @@ def launch_bwd(
         MODE=mode,
         WITH_T=dx_t is not None,
         DBIAS=dbias_parts is not None,
+        X_FP8=x_scale_inv is not None,
         **(fp8_constants(fp8_dtype) if fp8_dtype is not None else NO_FP8),
         POWER_OF_2=power_of_2,
         **meta,
@@ -523,6 +569,11 @@ def dbias_partials(dy: torch.Tensor, n_in: int) -> torch.Tensor:
 
 def _out_shape(x: torch.Tensor, kind: str):
     return (*x.shape[:-1], _n_out(x.shape[-1], kind))
+
+
+def _grad_dtype(dy, x):
+    """The dtype of a high-precision dx: x's, or dy's where x is the forward's saved FP8 copy."""
+    return dy.dtype if x.dtype in FP8_DTYPES else x.dtype
 
 
 def _contig(t):
@@ -557,46 +608,58 @@ def act_fwd_triton(x, kind, bias=None, out_dtype=None):
 
 
 def act_fp8_triton(
-    x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None
-):
-    """act_fp8: current scaling in two passes (amax; cast), a given scale in one (cast, amax folded in)."""
+    x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None,
+    save_input=False,
+):  # fmt: skip
+    """act_fp8: current scaling in two passes (amax; cast), a given scale in one (cast, amax folded in).
+    save_input (act_fp8_save_input): x's own amax joins pass 1 (always run then) and pass 2 writes x in
+    E4M3 too; returns (data, data_t, scale_inv, amax, x_data, x_scale_inv)."""
     x, bias = x.contiguous(), _contig(bias)
     data, data_t, amax, scale_inv = _fp8_outputs(_out_shape(x, kind), fp8_dtype, with_transpose, x.device)
+    saved_x = None
+    if save_input:
+        x_data, _, x_amax, x_scale_inv = _fp8_outputs(x.shape, SAVED_X_DTYPE, False, x.device)
+        saved_x = (x_data, x_amax, x_scale_inv)
     mode, scale, margin, power_of_2 = _fp8_mode(scale, margin, power_of_2)
-    if mode == "current":
-        launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False)
+    if mode == "current" or save_input:
+        launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False, saved_x=saved_x)
     launch_fwd(
         x, kind, bias, data, data_t if with_transpose else None, scale, amax, scale_inv,
         mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
-        config=config,
+        config=config, saved_x=saved_x,
     )  # fmt: skip
+    if save_input:
+        return data, data_t, scale_inv, amax, x_data, x_scale_inv
     return data, data_t, scale_inv, amax
 
 
-def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None):
-    """dy * act'(x + bias) in out_dtype (default x.dtype)."""
+def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None, x_scale_inv=None):
+    """dy * act'(x + bias) in out_dtype (default: x.dtype, dy.dtype for an FP8 x)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
-    dx = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=out_dtype or _grad_dtype(dy, x), device=x.device)
     unused = torch.empty((), dtype=torch.float32, device=x.device)
-    launch_bwd(dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False)
+    launch_bwd(dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False, x_scale_inv=x_scale_inv)
     return dx
 
 
 def dact_fp8_triton(
     dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
-    config=None,
+    config=None, x_scale_inv=None,
 ):  # fmt: skip
     """dact_fp8 in two passes: amax (and dbias partials, summed by torch), then the cast at the current or
     the given scale, in both layouts (transposing tiles) or in data alone (row tiles)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     data, data_t, amax, scale_inv = _fp8_outputs(x.shape, fp8_dtype, with_transpose, x.device)
     parts = dbias_partials(dy, x.shape[-1]) if with_dbias else None
-    launch_bwd(dy, x, kind, bias, None, None, parts, None, amax, scale_inv, mode="amax", transpose=False)
+    launch_bwd(
+        dy, x, kind, bias, None, None, parts, None, amax, scale_inv, mode="amax", transpose=False,
+        x_scale_inv=x_scale_inv,
+    )  # fmt: skip
     mode, scale, margin, power_of_2 = _fp8_mode(scale, margin, power_of_2)
     launch_bwd(
         dy, x, kind, bias, data, data_t if with_transpose else None, None, scale, amax, scale_inv,
         mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
-        config=config,
+        config=config, x_scale_inv=x_scale_inv,
     )  # fmt: skip
     dbias = parts.sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias
@@ -605,8 +668,11 @@ def dact_fp8_triton(
 # ---- input checks -----------------------------------------------------------------------------------
 
 
-def _check(op, x, kind, bias, *, dy=None, transpose=False):
-    check_hp_input(x, op)
+def _check(op, x, kind, bias, *, dy=None, transpose=False, x_scale_inv=None):
+    if x_scale_inv is None:
+        check_hp_input(x, op)
+    else:
+        _check_saved_x(op, x, x_scale_inv)
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"{op}: unknown activation kind {kind!r}; the kinds are {', '.join(KINDS)}")
     if x.dim() < (2 if transpose else 1):
@@ -637,6 +703,22 @@ def _check(op, x, kind, bias, *, dy=None, transpose=False):
             raise ValueError(f"{op}: dy is on {dy.device} but x is on {x.device}")
 
 
+def _check_saved_x(op, x, x_scale_inv) -> None:
+    """x given with x_scale_inv: the forward's FP8 copy of the activation's input (act_fp8_save_input)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"{op}: x_scale_inv is given, so x must be the FP8 copy of the input (act_fp8_save_input), "
+            f"got {getattr(x, 'dtype', type(x).__name__)}"
+        )
+    if not isinstance(x_scale_inv, torch.Tensor) or x_scale_inv.dtype != torch.float32 or x_scale_inv.dim() != 0:
+        raise ValueError(
+            f"{op}: x_scale_inv must be a () float32 tensor, got "
+            f"{getattr(x_scale_inv, 'dtype', type(x_scale_inv).__name__)} {tuple(getattr(x_scale_inv, 'shape', ()))}"
+        )
+    if x_scale_inv.device != x.device:
+        raise ValueError(f"{op}: x_scale_inv is on {x_scale_inv.device} but x is on {x.device}")
+
+
 # ---- custom ops -------------------------------------------------------------------------------------
 
 
@@ -655,9 +737,9 @@ def _(x, kind, bias=None):
     return x.new_empty(_out_shape(x, kind))
 
 
-def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy=None):
-    _check(op, x, kind, bias, dy=dy, transpose=with_transpose)
-    check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op)
+def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy=None, x_scale_inv=None):
+    _check(op, x, kind, bias, dy=dy, transpose=with_transpose, x_scale_inv=x_scale_inv)
+    check_tensorwise_args(dy if x_scale_inv is not None else x, fp8_dtype, scale, margin, power_of_2, op)
     check_flag(with_transpose, "with_transpose", op)
 
 
@@ -695,19 +777,55 @@ def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_tra
     return _fake_fp8(_out_shape(x, kind), fp8_dtype, with_transpose, x)
 
 
+@custom_op("float8::act_fp8_save_input")
+def act_fp8_save_input(
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """act_fp8, and x itself quantized for the backward: (data, data_t, scale_inv, amax, x_data, x_scale_inv).
+
+    x_data: x (before the bias) in E4M3, per-tensor current scaling with margin 0, x's shape; x_scale_inv
+    () fp32. The backward (dact_fp8 / act_bwd with x_scale_inv) reads it in place of x: half the bytes of
+    a bf16 x. Same kernel passes as act_fp8 (pass 1 always runs: it also takes max|x|); the other outputs
+    are bit for bit act_fp8's.
+    """
+    _check_fp8("act_fp8_save_input", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    if use_triton(x):
+        return act_fp8_triton(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, save_input=True)
+    return act_fp8_save_input_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
+
+
+@act_fp8_save_input.register_fake
+def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    _check_fp8("act_fp8_save_input", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
+    saved = fake_fp8_outputs(x, x.shape, None, SAVED_X_DTYPE)
+    return (*_fake_fp8(_out_shape(x, kind), fp8_dtype, with_transpose, x), saved[0], saved[2])
+
+
 @custom_op("float8::act_bwd")
-def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """dx = dy * act'(x + bias) in x.dtype, x's shape (2H columns for swiglu)."""
-    _check("act_bwd", x, kind, bias, dy=dy)
+def act_bwd(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None,
+    x_scale_inv: Optional[torch.Tensor] = None,
+) -> torch.Tensor:  # fmt: skip
+    """dx = dy * act'(x + bias), x's shape (2H columns for swiglu), in x.dtype (dy.dtype for an FP8 x).
+
+    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv."""
+    _check("act_bwd", x, kind, bias, dy=dy, x_scale_inv=x_scale_inv)
     if use_triton(x, writes_fp8=False):
-        return act_bwd_triton(dy, x, kind, bias)
-    return act_bwd_ref(dy, x, kind, bias)
+        return act_bwd_triton(dy, x, kind, bias, x_scale_inv=x_scale_inv)
+    return act_bwd_ref(dy, x, kind, bias, x_scale_inv)
 
 
 @act_bwd.register_fake
-def _(dy, x, kind, bias=None):
-    _check("act_bwd", x, kind, bias, dy=dy)
-    return x.new_empty(x.shape)
+def _(dy, x, kind, bias=None, x_scale_inv=None):
+    _check("act_bwd", x, kind, bias, dy=dy, x_scale_inv=x_scale_inv)
+    return x.new_empty(x.shape, dtype=_grad_dtype(dy, x))
 
 
 @custom_op("float8::dact_fp8")
@@ -722,6 +840,7 @@ def dact_fp8(
     power_of_2: bool = False,
     with_transpose: bool = True,
     with_dbias: bool = True,
+    x_scale_inv: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused activation backward: dx = dy * act'(x + bias), quantized per tensor, and dbias.
 
@@ -730,17 +849,23 @@ def dact_fp8(
     scale None: current scaling (margin, power_of_2); else a one-element fp32 scale (delayed scaling;
     margin and power_of_2 ignored). with_dbias=False skips the sums (no bias to train) and returns an
     empty (0,) dbias. kind "identity" with x = dy is a bias's backward (dbias and dy's FP8 cast).
+    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv.
     """
-    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy)
+    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy, x_scale_inv)
     check_flag(with_dbias, "with_dbias", "dact_fp8")
     if use_triton(x):
-        return dact_fp8_triton(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias)
-    return dact_fp8_ref(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias)
+        return dact_fp8_triton(
+            dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv=x_scale_inv
+        )
+    return dact_fp8_ref(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv)
 
 
 @dact_fp8.register_fake
-def _(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True):
-    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy)
+def _(
+    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
+    x_scale_inv=None,
+):  # fmt: skip
+    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy, x_scale_inv)
     check_flag(with_dbias, "with_dbias", "dact_fp8")
     dbias = dy.new_empty((x.shape[-1] if with_dbias else 0,))
     return (*_fake_fp8(x.shape, fp8_dtype, with_transpose, x), dbias)
@@ -749,8 +874,10 @@ def _(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with
 # ---- references: pure torch, float32, the kernels' formulas op for op -------------------------------
 
 
-def _v_ref(x, bias):
+def _v_ref(x, bias, x_scale_inv=None):
     v = x.float()
+    if x_scale_inv is not None:
+        v = v * x_scale_inv
     return v + bias.float() if bias is not None else v
 
 
@@ -802,12 +929,13 @@ def act_ref_fp32(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None
     return v.clone()  # identity: never an alias of x
 
 
-def dact_ref_fp32(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """dy * act'(x + bias) in float32, unrounded: what the fused backward quantizes."""
+def dact_ref_fp32(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None, x_scale_inv=None) -> torch.Tensor:
+    """dy * act'(x + bias) in float32, unrounded: what the fused backward quantizes (x * x_scale_inv for an
+    FP8 x)."""
     g = dy.float()
     if kind == "identity":
         return g.clone()  # never an alias of dy
-    v = _v_ref(x, bias)
+    v = _v_ref(x, bias, x_scale_inv)
     if kind == "relu":
         return torch.where(v <= 0.0, 0.0, g)
     if kind == "gelu":
@@ -834,14 +962,20 @@ def act_fp8_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False
     return quantize_tensorwise_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
-def act_bwd_ref(dy, x, kind, bias=None):
-    return dact_ref_fp32(dy, x, kind, bias).to(x.dtype)
+def act_fp8_save_input_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    saved = quantize_tensorwise_ref(x, SAVED_X_DTYPE)
+    return (*act_fp8_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose), saved[0], saved[2])
+
+
+def act_bwd_ref(dy, x, kind, bias=None, x_scale_inv=None):
+    return dact_ref_fp32(dy, x, kind, bias, x_scale_inv).to(_grad_dtype(dy, x))
 
 
 def dact_fp8_ref(
-    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True
-):
-    dx = dact_ref_fp32(dy, x, kind, bias)
+    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
+    x_scale_inv=None,
+):  # fmt: skip
+    dx = dact_ref_fp32(dy, x, kind, bias, x_scale_inv)
     data, data_t, scale_inv, amax = quantize_tensorwise_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias

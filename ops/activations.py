@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from float8.kernels.activation import act_bwd, act_fp8, act_fwd, dact_fp8
+from float8.kernels.activation import SAVED_X_DTYPE, act_bwd, act_fp8, act_fp8_save_input, act_fwd, dact_fp8
+from float8.kernels.quantize import quantize_tensorwise
 from float8.ops.base import BasicOp, OpContext, plain
+
+# The kinds that keep an E4M3 copy of their input under Recipe(lean_activations=True): smooth derivatives,
+# so rounding the input moves the gradient by about the input's own rounding. ReLU's derivative jumps at 0.
+LEAN_KINDS = ("gelu", "gelu_tanh", "silu", "swiglu")
 
 
 class Activation(BasicOp):
@@ -28,34 +33,44 @@ class Activation(BasicOp):
         self.set_recipe(recipe)
 
     def activation_forward(self, ctx: OpContext, x, out_request, bias=None):
-        """act(x + bias): FP8 from the activation kernel itself when out_request's quantizer fuses."""
+        """act(x + bias): FP8 from the activation kernel itself when out_request's quantizer fuses.
+
+        Saves x (before the bias: the backward kernel adds it again) for the backward; under
+        Recipe(lean_activations=True) an E4M3 copy of it with its scale-inverse (LEAN_KINDS)."""
         x = plain(x)
         r = out_request
+        lean = ctx.run.grad and self.kind in LEAN_KINDS and self.recipe.lean_activations
+        x_scale_inv = None
         if r is not None and r.fuses:
-            data, data_t, scale_inv, amax = act_fp8(
-                x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose
-            )
+            args = (x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose)
+            if lean:
+                data, data_t, scale_inv, amax, saved_x, x_scale_inv = act_fp8_save_input(*args)
+            else:
+                (data, data_t, scale_inv, amax), saved_x = act_fp8(*args), x
             y = r.finish(data, data_t, scale_inv, amax, x.dtype)
         else:
             y = act_fwd(x, self.kind, bias)
             if r is not None:
                 y = r.quantize(y)
-        ctx.saved, ctx.bias = x, bias  # x before the bias: the backward kernel adds it again
+            saved_x = x
+            if lean:
+                saved_x, _, x_scale_inv, _ = quantize_tensorwise(x, SAVED_X_DTYPE)
+        ctx.saved, ctx.x_scale_inv, ctx.bias = saved_x, x_scale_inv, bias
         return y
 
     def activation_backward(self, ctx: OpContext, dy, dx_request, want_dbias=False):
         """(dx, dbias or None): fused with dbias and the FP8 cast-transpose where the consumer wants FP8."""
-        x, bias = ctx.saved, ctx.bias
-        ctx.saved = ctx.bias = None
+        x, x_scale_inv, bias = ctx.saved, ctx.x_scale_inv, ctx.bias
+        ctx.saved = ctx.x_scale_inv = ctx.bias = None
         dy = plain(dy)
         r = dx_request
         if r is not None and r.fuses:
             data, data_t, scale_inv, amax, dbias = dact_fp8(
                 dy, x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose,
-                want_dbias,
+                want_dbias, x_scale_inv,
             )  # fmt: skip
             return r.finish(data, data_t, scale_inv, amax, dy.dtype), dbias if want_dbias else None
-        dx = act_bwd(dy, x, self.kind, bias)
+        dx = act_bwd(dy, x, self.kind, bias, x_scale_inv)
         dbias = dx.sum(0, dtype=torch.float32) if want_dbias else None
         if r is not None:
             dx = r.quantize(dx)

@@ -100,12 +100,14 @@ def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bo
 
 
 def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bool, need_dgrad: bool,
-               fast_accum: bool):  # fmt: skip
+               fast_accum: bool, rows_only: bool = False):  # fmt: skip
     """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
 
     x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
     or None (added in the GEMM epilogue). The input is quantized by `quantizers.input`, and saved only in
-    the layout the weight-gradient GEMM reads.
+    the layout the weight-gradient GEMM reads. rows_only (Recipe.lean_activations): a per-tensor input is
+    quantized without its transpose and saved in rows, the layout the forward GEMM read; the backward's
+    GEMM copies it into the other (float8/gemm.py), so two layouts are never alive at once.
     """
     out_dtype = x2.dtype
     qi = quantizers.input
@@ -115,7 +117,7 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
         y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
         saved_x = x8 if need_wgrad else None
     elif layout is ScaleLayout.TENSOR:
-        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad)
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad and not rows_only)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
         # Saved for the weight gradient: the column-major layout only (half the bytes of both).
         saved_x = column_major_only(x8) if need_wgrad else None
@@ -138,44 +140,59 @@ def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad:
     return F.linear(x2, w, bias), saved
 
 
-def grad_request(saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool):
+def grad_request(
+    saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool, rows_only: bool = False
+):  # fmt: skip
     """What the backward wants its output gradient as (FP8 from the op before, fused with dact/dbias), or
-    None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too."""
+    None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too.
+
+    rows_only (Recipe.lean_activations): no transpose, even for the weight gradient; `linear_bwd` makes it
+    after the input-gradient GEMM (float8/gemm.py copies the layout a GEMM lacks)."""
     if quantizers.grad.layout is not ScaleLayout.TENSOR:
         return None
     if saved is not None and saved.layout is not ScaleLayout.TENSOR:
         return None
-    return QuantRequest(quantizers.grad, saved.need_wgrad if saved is not None else weight_requires_grad)
+    need_wgrad = saved.need_wgrad if saved is not None else weight_requires_grad
+    return QuantRequest(quantizers.grad, need_wgrad and not rows_only)
 
 
 def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dtype: torch.dtype):
-    """(dx or None, dw or None) of `linear_fwd` for dy2 (M, N) (high precision or FP8 from the op after)."""
+    """(dx or None, dw or None) of `linear_fwd` for dy2 (M, N) (high precision or FP8 from the op after).
+
+    The weight gradient comes first, and the saved input is let go before the input gradient is written:
+    at the largest Linears of a block (an FFN's second) dx is the largest tensor of the backward, and the
+    input (and its transpose, when the forward kept rows only) need not be alive beside it."""
     qg = quantizers.grad
     dx = dw = None
+    x, saved.x = saved.x, None
     if saved.layout is None:
         dyh = plain(dy2)
+        if saved.need_wgrad:
+            dw = (dyh.t() @ x).to(weight_dtype)
+        del x
         if saved.need_dgrad:
             dx = dyh @ saved.w
-        if saved.need_wgrad:
-            dw = (dyh.t() @ saved.x).to(weight_dtype)
     elif saved.layout is ScaleLayout.BLOCK:
         dyh = qg._quantize(plain(dy2), False).dequantize()
+        if saved.need_wgrad:
+            dw = (dyh.t().float() @ x.dequantize(torch.float32)).to(weight_dtype)
+        del x
         if saved.need_dgrad:
             dx = dyh @ saved.w.dequantize(dyh.dtype)
-        if saved.need_wgrad:
-            dw = (dyh.t().float() @ saved.x.dequantize(torch.float32)).to(weight_dtype)
     elif saved.layout is ScaleLayout.TENSOR:
         dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
+        if saved.need_wgrad:
+            dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
+        del x
         if saved.need_dgrad:
             dx = _mm(dy8, saved.w, out_dtype=saved.x_dtype, pad=True)
-        if saved.need_wgrad:
-            dw = _mm(operand(dy8, transposed=True), saved.x, out_dtype=weight_dtype, pad=True)
     else:
         dyh = plain(dy2)
+        if saved.need_wgrad:
+            dw = _mm(qg._quantize(dyh.t(), False), x, out_dtype=weight_dtype, pad=True)
+        del x
         if saved.need_dgrad:
             dx = _mm(qg._quantize(dyh, False), saved.w, out_dtype=saved.x_dtype, pad=True)
-        if saved.need_wgrad:
-            dw = _mm(qg._quantize(dyh.t(), False), saved.x, out_dtype=weight_dtype, pad=True)
     return dx, dw
 
 

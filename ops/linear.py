@@ -213,10 +213,13 @@ class Linear(BasicOp):
         q = self.input_quantizer
         if q.layout is not ScaleLayout.TENSOR or not self.runs_in_fp8(tokens, self.weight.device):
             return None  # per-row/block inputs are quantized here, from high precision, in both directions
-        return QuantRequest(q, grad and self.weight.requires_grad)
+        # Lean activations: rows only, the layout the forward GEMM reads (the backward makes the other).
+        return QuantRequest(q, grad and self.weight.requires_grad and not self.recipe.lean_activations)
 
     def grad_request(self, ctx: Optional[OpContext] = None) -> Optional[QuantRequest]:
-        return grad_request(getattr(ctx, "saved", None), self.quantizers, self.weight.requires_grad)
+        return grad_request(
+            getattr(ctx, "saved", None), self.quantizers, self.weight.requires_grad, self.recipe.lean_activations
+        )
 
     # ---- the small-layer policy ------------------------------------------------------------------
     def runs_in_fp8(self, tokens: int, device: torch.device) -> bool:
@@ -320,6 +323,7 @@ class Linear(BasicOp):
             y, ctx.saved = linear_fwd(
                 x2, w8, wd, bias, self.quantizers,
                 need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=self.recipe.fprop_fast_accum,
+                rows_only=self.recipe.lean_activations,
             )  # fmt: skip
         return y.reshape(*lead, self.local_out_features)
 

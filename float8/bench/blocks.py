@@ -21,9 +21,10 @@ class Bf16MLP(torch.nn.Module):
         return self.down(F.silu(a) * b)
 
 
-def fp8_mlp(d, f):
+def fp8_mlp(d, f, recipe=None):
+    """The block from float8.ops (recipe: the Sequential's, default Recipe())."""
     import float8.ops as ops
 
     return ops.Sequential(
-        ops.RMSNorm(d), ops.Linear(d, 2 * f, bias=False), ops.SwiGLU(), ops.Linear(f, d, bias=False)
+        ops.RMSNorm(d), ops.Linear(d, 2 * f, bias=False), ops.SwiGLU(), ops.Linear(f, d, bias=False), recipe=recipe
     )

@@ -12,10 +12,14 @@ inference: a ~1B-parameter stack of Llama blocks (d=2048, 16 blocks), bf16 again
     4096 tokens and at decode-shaped 16/64/128 tokens.
 train: 8 Llama blocks (d=4096, FFN 14336, 32 heads, 8 KV heads), 8x2048 tokens, AdamW (fused), whole
     steps: memory allocated between steps and the step's peak: bf16 eager, float8.ops eager (also with
-    ops.requantize_weights after each optimizer step) and torchao's tensorwise float8 training compiled.
+    Recipe(lean_activations=True), and with ops.requantize_weights after each optimizer step) and
+    torchao's tensorwise float8 training compiled.
 activations: peaks of a training step (weights, AdamW states and activations) of the seed #1119 layer
     (hidden 4096, FFN 16384, 32 heads and 8 KV heads of 128, biases, LayerNorm, GELU, no mask, 32x1024
-    tokens) and of the MLP block (RMSNorm, SwiGLU, d=4096, FFN 14336, 16384 tokens), bf16 against float8.ops.
+    tokens) and of the MLP block (RMSNorm, SwiGLU, d=4096, FFN 14336, 16384 tokens), bf16 against float8.ops
+    (default and lean-activation recipes).
+The training cases' loss is out.sum(), as in the seed thread's script (TE #1119): no float32 copy of the
+output joins the peak.
 Public APIs only. Timings are medians of CUDA-event times after warm-up; on a CPU (--tiny) it only checks
 the plumbing.
 """
@@ -33,6 +37,12 @@ import torch
 import torch.nn.functional as F
 
 MiB = 2**20
+
+
+def _lean():
+    from float8 import Recipe
+
+    return Recipe(lean_activations=True)
 
 
 def _sync(dev):
@@ -234,7 +244,8 @@ def bench_train(dev, tiny):
     import float8.ops as ops
 
     rows = []
-    variants = ["bf16 eager", "float8 eager", "float8 eager + requantize_weights", "torchao tensorwise + compile"]
+    variants = ["bf16 eager", "float8 eager", "float8 eager, lean activations", "float8 eager + requantize_weights",
+                "torchao tensorwise + compile"]  # fmt: skip
     for name in variants:
         gc.collect()
         if dev.type == "cuda":
@@ -242,7 +253,8 @@ def bench_train(dev, tiny):
         torch.manual_seed(0)
         with torch.device(dev):
             if name.startswith("float8"):
-                model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn) for _ in range(blocks)])
+                recipe = _lean() if "lean" in name else None
+                model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn, recipe) for _ in range(blocks)])
             else:
                 model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
         model.to(torch.bfloat16)
@@ -266,7 +278,7 @@ def bench_train(dev, tiny):
 
         def step():
             opt.zero_grad(set_to_none=True)
-            run(x).float().square().mean().backward()
+            run(x).sum().backward()  # the seed thread's loss (TE #1119)
             opt.step()
             if requantize:
                 ops.requantize_weights(model)
@@ -318,7 +330,7 @@ class Seed1119Layer(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def seed1119_ops(d, ffn, heads, kv, hd):
+def seed1119_ops(d, ffn, heads, kv, hd, recipe=None):
     """The same layer from float8.ops."""
     import float8.ops as ops
 
@@ -326,6 +338,7 @@ def seed1119_ops(d, ffn, heads, kv, hd):
         ops.Residual(), ops.LayerNorm(d), ops.Linear(d, (heads + 2 * kv) * hd),
         ops.Attention(heads, hd, num_kv_heads=kv, causal=False), ops.Linear(heads * hd, d), ops.AddResidual(),
         ops.Residual(), ops.LayerNorm(d), ops.Linear(d, ffn), ops.GELU(), ops.Linear(ffn, d), ops.AddResidual(),
+        recipe=recipe,
     )  # fmt: skip
 
 
@@ -334,7 +347,7 @@ def _step_peaks(model, x, dev):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
 
     def fwd_bwd():
-        model(x).float().square().mean().backward()
+        model(x).sum().backward()  # the seed thread's loss (TE #1119): no float32 copy of the output
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -366,13 +379,15 @@ def bench_activations(dev, tiny):
     layer_tokens = (2, 32) if tiny else (32, 1024)
     mlp_cfg, mlp_tokens = ((64, 96), (2, 32)) if tiny else ((4096, 14336), (8, 2048))
     cases = {
-        "seed #1119 layer": (lambda: Seed1119Layer(*layer_cfg), lambda: seed1119_ops(*layer_cfg), layer_cfg[0], layer_tokens),
-        "MLP block": (lambda: Bf16MLP(*mlp_cfg), lambda: fp8_mlp(*mlp_cfg), mlp_cfg[0], mlp_tokens),
+        "seed #1119 layer": (lambda: Seed1119Layer(*layer_cfg), lambda r: seed1119_ops(*layer_cfg, recipe=r), layer_cfg[0], layer_tokens),
+        "MLP block": (lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, recipe=r), mlp_cfg[0], mlp_tokens),
     }
     out = {}
     for case, (make_bf16, make_ours, d, (b, s)) in cases.items():
         rows = []
-        for name, make in (("bf16 eager", make_bf16), ("float8 eager", make_ours)):
+        variants = (("bf16 eager", make_bf16), ("float8 eager", lambda: make_ours(None)),
+                    ("float8 eager, lean activations", lambda: make_ours(_lean())))  # fmt: skip
+        for name, make in variants:
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -384,10 +399,11 @@ def bench_activations(dev, tiny):
             rows.append({"variant": name, "fwd_bwd_peak_MiB": round(fb, 1), "step_peak_MiB": round(st, 1), "ms_per_step": round(ms, 2)})
             print(case, rows[-1])
             del model, x
-        bf, ours = rows
-        if bf["step_peak_MiB"]:
+        bf = rows[0]
+        for ours in rows[1:] if bf["step_peak_MiB"] else ():
             ours["step_peak_vs_bf16"] = round(ours["step_peak_MiB"] / bf["step_peak_MiB"], 3)
             ours["fwd_bwd_peak_vs_bf16"] = round(ours["fwd_bwd_peak_MiB"] / bf["fwd_bwd_peak_MiB"], 3)
+            ours["ms_vs_bf16"] = round(bf["ms_per_step"] / ours["ms_per_step"], 3)
         out[case] = {"tokens": b * s, "rows": rows}
     return out
 

@@ -1,0 +1,128 @@
+"""What is alive at the peak of one training step, and where each tensor was allocated.
+
+    python -m float8.bench.peak [--tiny] [--case mlp|seed1119|both] [--out peak.txt]
+
+Runs the activation cases of `float8.bench.memory` (bf16, float8.ops with the default and the lean-activation
+recipe; AdamW, bf16 weights, loss out.sum()), records the
+CUDA caching allocator's history over one forward+backward after two warm-up steps, replays it to find the
+moment of the highest allocation, and lists the blocks alive then, grouped by the innermost frame of this
+project or of the model's file that allocated them (the same frame twice: one line with a count). The
+weights, gradients and optimizer states that were allocated before the recording are one line ("before").
+CUDA only (the allocator's history); on a CPU it says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+
+import torch
+
+MiB = 2**20
+
+
+def _site(frames) -> str:
+    """The innermost frame in float8 (or the bench's model file): where the tensor comes from."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "/float8/" in name and "/bench/peak.py" not in name:
+            return f"{name.split('/float8/')[-1]}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        name = f.get("filename", "")
+        if "torch/" not in name and name.endswith(".py"):
+            return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+def live_at_peak(trace, before: int):
+    """(peak bytes, {site: [count, bytes]}) by replaying allocator events (alloc / free_completed)."""
+    live, total, peak, at_peak = {}, before, before, {}
+    for e in trace:
+        action = e["action"]
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+    sites = collections.defaultdict(lambda: [0, 0])
+    for size, frames in at_peak.values():
+        s = sites[_site(frames)]
+        s[0] += 1
+        s[1] += size
+    return peak, sites
+
+
+def profile_step(model, x) -> str:
+    """One report: the peak of a forward+backward of `model` on x (AdamW states already made)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    model(x).sum().backward()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    peak, sites = live_at_peak(trace, before)
+    lines = [f"max_memory_allocated {torch.cuda.max_memory_allocated() / MiB:.0f} MiB; replayed peak {peak / MiB:.0f} MiB",
+             f"  {before / MiB:9.1f} MiB  before the step (weights, AdamW states, caches)"]
+    for site, (n, size) in sorted(sites.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {size / MiB:9.1f} MiB  x{n:<3d} {site}")
+    del opt
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("peak: needs CUDA (the caching allocator's history); nothing to do on this machine")
+        return
+    from float8.bench.blocks import Bf16MLP, fp8_mlp
+    from float8.bench.memory import Seed1119Layer, seed1119_ops
+
+    layer_cfg = (64, 256, 4, 2, 16) if args.tiny else (4096, 16384, 32, 8, 128)
+    mlp_cfg = (64, 96) if args.tiny else (4096, 14336)
+    from float8 import Recipe
+
+    cases = {
+        "seed1119": ((2, 32) if args.tiny else (32, 1024), layer_cfg[0],
+                     lambda: Seed1119Layer(*layer_cfg), lambda r: seed1119_ops(*layer_cfg, recipe=r)),
+        "mlp": ((2, 32) if args.tiny else (8, 2048), mlp_cfg[0], lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, r)),
+    }
+    report = []
+    for case in (["seed1119", "mlp"] if args.case == "both" else [args.case]):
+        (b, s), d, make_bf16, make_ours = cases[case]
+        variants = (("bf16", make_bf16), ("float8", lambda: make_ours(None)),
+                    ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))))  # fmt: skip
+        for name, make in variants:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = make().to(torch.bfloat16)
+            x = torch.randn(b, s, d, device="cuda", dtype=torch.bfloat16)
+            text = f"== {case} {name}\n" + profile_step(model, x)
+            print(text, flush=True)
+            report.append(text)
+            del model, x
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n\n".join(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
