@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScaling, Float8Tensor, Recipe
 from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
-from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout
+from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout, TensorwiseQuantizer
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
 from float8.ops.base import BasicOp, plain
 from float8.ops.bias import bias_backward
@@ -40,6 +40,7 @@ __all__ = [
     "linear_fwd",
     "linear_fwd_high_precision",
     "quantize_weight",
+    "rebuilds_weight",
     "relu",
     "rms_norm",
     "silu",
@@ -58,7 +59,11 @@ class LinearSaved:
         precision (the small-layer policy). It picks the backward's GEMMs.
     x: the input in the layout the weight-gradient GEMM reads (FP8 column-major for per-tensor scaling,
         the transposed quantization for per-row, the Float8Tensor for blocks, plain in high precision).
-    w: the weight operand of the input-gradient GEMM.
+    w: the weight operand of the input-gradient GEMM, or None where the backward re-quantizes the weight
+        (`rebuild`).
+    rebuild: (weight, its version counter at the forward) under Recipe.lean_activations: the backward
+        quantizes the weight again (the same bits: per-tensor current scaling of an unchanged tensor) and
+        refuses if the weight was written in place since the forward.
     """
 
     layout: Optional[ScaleLayout]
@@ -67,6 +72,7 @@ class LinearSaved:
     x_dtype: torch.dtype
     need_wgrad: bool
     need_dgrad: bool
+    rebuild: Optional[tuple] = None
 
 
 def check_fp8_weight_grad(weight: torch.Tensor) -> None:
@@ -99,8 +105,28 @@ def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bo
         return w8, quantizer._quantize(w.t(), False).t()
 
 
+def rebuilds_weight(weight: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether the backward can quantize `weight` again instead of keeping its FP8 transpose from the
+    forward (Recipe.lean_activations): a high-precision weight under stateless per-tensor current scaling
+    (no amax history to advance, no collective to repeat), so the second quantization gives the same bits."""
+    return not isinstance(weight, Float8Tensor) and type(quantizer) is TensorwiseQuantizer and quantizer.amax_group is None
+
+
+def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
+    weight, version = saved.rebuild
+    saved.rebuild = None
+    if weight._version != version:
+        raise RuntimeError(
+            "Linear backward: the weight was modified in place after the forward (its version counter moved "
+            f"from {version} to {weight._version}). Recipe(lean_activations=True) quantizes the weight again in "
+            "the backward instead of keeping its FP8 copy, so it needs the forward's weight: update weights "
+            "after backward (as optimizers do), or use a recipe without lean_activations."
+        )
+    return column_major_only(quantize_weight(weight, quantizer, True)[1])
+
+
 def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bool, need_dgrad: bool,
-               fast_accum: bool, rows_only: bool = False):  # fmt: skip
+               fast_accum: bool, rows_only: bool = False, rebuild_weight: Optional[torch.Tensor] = None):  # fmt: skip
     """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
 
     x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
@@ -108,6 +134,8 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
     the layout the weight-gradient GEMM reads. rows_only (Recipe.lean_activations): a per-tensor input is
     quantized without its transpose and saved in rows, the layout the forward GEMM read; the backward's
     GEMM copies it into the other (float8/gemm.py), so two layouts are never alive at once.
+    rebuild_weight: the weight itself (wd None; `rebuilds_weight` holds): the backward quantizes it again
+    rather than keeping 1 byte per parameter from the forward to the backward.
     """
     out_dtype = x2.dtype
     qi = quantizers.input
@@ -126,11 +154,13 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
         x8 = qi._quantize(xh, False)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
         saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
-    saved_w = None
-    if need_dgrad:
+    saved_w = rebuild = None
+    if need_dgrad and rebuild_weight is not None:
+        rebuild = (rebuild_weight, rebuild_weight._version)
+    elif need_dgrad:
         # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.
         saved_w = column_major_only(wd) if layout is ScaleLayout.TENSOR and isinstance(wd, Float8Tensor) else wd
-    return y, LinearSaved(layout, saved_x, saved_w, out_dtype, need_wgrad, need_dgrad)
+    return y, LinearSaved(layout, saved_x, saved_w, out_dtype, need_wgrad, need_dgrad, rebuild)
 
 
 def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):
@@ -185,7 +215,8 @@ def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dty
             dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:
-            dx = _mm(dy8, saved.w, out_dtype=saved.x_dtype, pad=True)
+            w = saved.w if saved.rebuild is None else _rebuilt_weight(saved, quantizers.weight)
+            dx = _mm(dy8, w, out_dtype=saved.x_dtype, pad=True)
     else:
         dyh = plain(dy2)
         if saved.need_wgrad:

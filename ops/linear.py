@@ -51,6 +51,7 @@ from float8.ops.functional import (
     linear_fwd,
     linear_fwd_high_precision,
     quantize_weight,
+    rebuilds_weight,
 )
 
 
@@ -319,11 +320,14 @@ class Linear(BasicOp):
                 self._weight_cache.clear()  # nothing FP8 of a trained weight outlives the step
             y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
         else:
-            w8, wd = self.quantized_weight(for_backward=need_dgrad, training=need_wgrad)
+            lean = self.recipe.lean_activations
+            # Lean: the backward quantizes the weight again (same bits) instead of keeping its transpose.
+            rebuild = lean and need_dgrad and rebuilds_weight(self.weight, self.weight_quantizer)
+            w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
             y, ctx.saved = linear_fwd(
                 x2, w8, wd, bias, self.quantizers,
                 need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=self.recipe.fprop_fast_accum,
-                rows_only=self.recipe.lean_activations,
+                rows_only=lean, rebuild_weight=self.weight if rebuild else None,
             )  # fmt: skip
         return y.reshape(*lead, self.local_out_features)
 

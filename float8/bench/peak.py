@@ -1,6 +1,6 @@
 """What is alive at the peak of one training step, and where each tensor was allocated.
 
-    python -m float8.bench.peak [--tiny] [--case mlp|seed1119|both] [--out peak.txt]
+    python -m float8.bench.peak [--tiny] [--case mlp|seed1119|both|train] [--out peak.txt]
 
 Runs the activation cases of `float8.bench.memory` (bf16, float8.ops with the default and the lean-activation
 recipe; AdamW, bf16 weights, loss out.sum()), records the
@@ -8,6 +8,7 @@ CUDA caching allocator's history over one forward+backward after two warm-up ste
 moment of the highest allocation, and lists the blocks alive then, grouped by the innermost frame of this
 project or of the model's file that allocated them (the same frame twice: one line with a count). The
 weights, gradients and optimizer states that were allocated before the recording are one line ("before").
+--case train: the 8 Llama blocks of the memory bench's train case (float8.ops, default and lean recipes).
 CUDA only (the allocator's history); on a CPU it says so and stops.
 """
 
@@ -85,7 +86,7 @@ def profile_step(model, x) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both"])
+    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -96,18 +97,23 @@ def main(argv=None):
 
     layer_cfg = (64, 256, 4, 2, 16) if args.tiny else (4096, 16384, 32, 8, 128)
     mlp_cfg = (64, 96) if args.tiny else (4096, 14336)
+    block_cfg = (64, 4, 2, 16, 128) if args.tiny else (4096, 32, 8, 128, 14336)
+    from float8.bench.distributed import ops_block
     from float8 import Recipe
 
     cases = {
         "seed1119": ((2, 32) if args.tiny else (32, 1024), layer_cfg[0],
                      lambda: Seed1119Layer(*layer_cfg), lambda r: seed1119_ops(*layer_cfg, recipe=r)),
         "mlp": ((2, 32) if args.tiny else (8, 2048), mlp_cfg[0], lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, r)),
+        "train": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], None, lambda r: torch.nn.Sequential(
+            *[ops_block(*block_cfg, recipe=r) for _ in range(2 if args.tiny else 8)])),
     }
     report = []
     for case in (["seed1119", "mlp"] if args.case == "both" else [args.case]):
         (b, s), d, make_bf16, make_ours = cases[case]
         variants = (("bf16", make_bf16), ("float8", lambda: make_ours(None)),
                     ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))))  # fmt: skip
+        variants = [(n, m) for n, m in variants if n != "bf16" or make_bf16 is not None]
         for name, make in variants:
             gc.collect()
             torch.cuda.empty_cache()

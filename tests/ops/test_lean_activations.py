@@ -114,6 +114,29 @@ def test_linear_asks_for_rows_only_and_saves_rows():
         assert saved.data.is_contiguous() is not with_t and saved.transpose is None
 
 
+def test_weight_is_quantized_again_in_backward_not_kept():
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    lin = ops.Linear(32, 32, bias=False, recipe=LEAN).to(torch.bfloat16)
+    ctx = OpContext(RunState(True))
+    lin.op_forward(ctx, x)
+    assert ctx.saved.w is None and ctx.saved.rebuild[0] is lin.weight  # nothing FP8 of the weight held
+    for recipe in (Recipe.delayed(), Recipe.rowwise()):  # stateful or not per-tensor: kept as before
+        other = ops.Linear(32, 32, bias=False, recipe=dataclasses.replace(recipe, lean_activations=True))
+        ctx = OpContext(RunState(True))
+        other.to(torch.bfloat16).op_forward(ctx, x)
+        assert ctx.saved.w is not None and ctx.saved.rebuild is None
+
+
+def test_weight_written_between_forward_and_backward_is_refused():
+    lin = ops.Linear(32, 32, bias=False, recipe=LEAN).to(torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="weight was modified in place after the forward"):
+        y.sum().backward()
+
+
 def _float64_grads(model, x, dy):
     """Gradients of the same weights in float64 (the reference of both recipes)."""
     from tests.ops.test_gpu_ops import _hp_forward
