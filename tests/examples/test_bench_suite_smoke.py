@@ -118,9 +118,29 @@ def test_memory_bench_runs_tiny(tmp_path):
     assert lce["float8 bf16"]["dx_sqnr_db"] >= 60 and lce["float8 FP8 GEMMs"]["dw_sqnr_db"] >= 25
     assert [r["variant"] for r in result["inference"]["rows"]] == ["bf16", "float8 FP8-only weights"]
     train = {r["variant"]: r for r in result["train"]["rows"]}
-    assert list(train) == ["bf16 eager", "float8 eager", "float8 eager + requantize_weights", "torchao tensorwise + compile"]
+    assert list(train) == ["bf16 eager", "float8 eager", "float8 eager, lean activations",
+                           "float8 eager + requantize_weights", "torchao tensorwise + compile"]  # fmt: skip
+    assert "error" not in train["float8 eager, lean activations"]
     assert "CUDA" in train["torchao tensorwise + compile"]["error"]  # torchao is measured on the GPU only
     assert "error" not in train["float8 eager + requantize_weights"]
     for case in ("seed #1119 layer", "MLP block"):
-        assert [r["variant"] for r in result["activations"][case]["rows"]] == ["bf16 eager", "float8 eager"]
+        variants = [r["variant"] for r in result["activations"][case]["rows"]]
+        assert variants == ["bf16 eager", "float8 eager", "float8 eager, lean activations"]
     assert "requantize" not in result["inference"]["host_profile"] and "forward" in result["inference"]["host_profile"]
+
+
+def test_peak_replay_finds_the_moment_of_the_highest_allocation():
+    """float8.bench.peak replays the allocator's history (CUDA only); its replay is checked on a made-up trace."""
+    from float8.bench.peak import live_at_peak
+
+    frame = lambda f: [{"filename": f"/x/float8/{f}", "line": 1, "name": "fn"}]  # noqa: E731
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frame("ops/a.py")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frame("ops/b.py")},
+        {"action": "free_completed", "addr": 1},
+        {"action": "alloc", "addr": 3, "size": 60, "frames": frame("ops/b.py")},  # 110 + before: below 150
+        {"action": "alloc", "addr": 4, "size": 30, "frames": frame("ops/c.py")},  # 140: still below
+    ]
+    peak, sites = live_at_peak(trace, before=1000)
+    assert peak == 1150
+    assert {k.split(":")[0]: v for k, v in sites.items()} == {"ops/a.py": [1, 100], "ops/b.py": [1, 50]}
