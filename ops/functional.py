@@ -105,11 +105,20 @@ def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bo
         return w8, quantizer._quantize(w.t(), False).t()
 
 
-def rebuilds_weight(weight: torch.Tensor, quantizer: Quantizer) -> bool:
+def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     """Whether the backward can quantize `weight` again instead of keeping its FP8 transpose from the
     forward (Recipe.lean_activations): a high-precision weight under stateless per-tensor current scaling
-    (no amax history to advance, no collective to repeat), so the second quantization gives the same bits."""
-    return not isinstance(weight, Float8Tensor) and type(quantizer) is TensorwiseQuantizer and quantizer.amax_group is None
+    (no amax history to advance, no collective to repeat), so the second quantization gives the same bits,
+    in a Linear whose GEMMs run per tensor (the input's layout picks the backward's GEMMs).
+
+    Writes into the weight between the forward and the backward that move its version counter are refused
+    there; writes through `weight.data` move none and are not seen (the backward then reads the new
+    weight), as with the weight cache (ops/linear.py)."""
+    q = quantizers.weight
+    return (
+        not isinstance(weight, Float8Tensor) and quantizers.input.layout is ScaleLayout.TENSOR
+        and type(q) is TensorwiseQuantizer and q.amax_group is None
+    )  # fmt: skip
 
 
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
@@ -156,6 +165,8 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
         saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
     saved_w = rebuild = None
     if need_dgrad and rebuild_weight is not None:
+        if layout is not ScaleLayout.TENSOR:
+            raise ValueError(f"linear_fwd: rebuild_weight needs per-tensor GEMMs, got an input layout {layout}")
         rebuild = (rebuild_weight, rebuild_weight._version)
     elif need_dgrad:
         # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.

@@ -322,7 +322,7 @@ class Linear(BasicOp):
         else:
             lean = self.recipe.lean_activations
             # Lean: the backward quantizes the weight again (same bits) instead of keeping its transpose.
-            rebuild = lean and need_dgrad and rebuilds_weight(self.weight, self.weight_quantizer)
+            rebuild = lean and need_dgrad and rebuilds_weight(self.weight, self.quantizers)
             w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
             y, ctx.saved = linear_fwd(
                 x2, w8, wd, bias, self.quantizers,

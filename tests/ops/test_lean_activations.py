@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import float8.ops as ops
-from float8 import Recipe
+from float8 import BlockwiseScaling, Format, Recipe, RowwiseScaling, TensorwiseScaling
 from float8.ops.base import OpContext, RunState
 from tests.tolerances import sqnr_db
 
@@ -73,6 +73,25 @@ def test_delayed_scaling_works_lean():
     plain, lean = pair("swiglu", recipe=Recipe.delayed())
     assert torch.equal(plain[0], lean[0])
     assert all(torch.isfinite(g).all() for g in lean[1:])
+
+
+@pytest.mark.parametrize("scaling", [RowwiseScaling(), BlockwiseScaling((1, 128))], ids=["rowwise", "block"])
+def test_per_tensor_weight_with_other_input_scaling_works_lean(scaling):
+    # The weight quantizer alone would allow re-quantizing the weight; the input's layout picks GEMMs that
+    # read the forward's weight copy, so it is kept (a review found the backward crashing here).
+    recipe = Recipe(Format.E4M3, input=scaling, weight=TensorwiseScaling(), grad=scaling)
+    torch.manual_seed(0)
+    plain = ops.Sequential(ops.Linear(128, 128, bias=False), ops.GELU(), ops.Linear(128, 128, bias=False), recipe=recipe)
+    plain = plain.to(torch.bfloat16)
+    lean = copy.deepcopy(plain)
+    for op in lean:
+        op.set_recipe(dataclasses.replace(recipe, lean_activations=True), overwrite=True)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    dy = torch.randn(32, 128, dtype=torch.bfloat16)
+    a, b = run(plain, x, dy), run(lean, x, dy)
+    assert torch.equal(a[0], b[0])
+    for u, v in zip(a[1:], b[1:]):
+        assert sqnr_db(u, v) >= 20
 
 
 def _saved(act, request=None, grad=True):
