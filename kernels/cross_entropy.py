@@ -80,14 +80,14 @@ def _ce_rows_kernel(
             tl.store(base + c, (d * g).to(z_ptr.dtype.element_ty), mask=c < n_cols)
 
 
-def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_grad: bool, block=BLOCK_V, warps=NUM_WARPS):
+def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_grad: bool):
     rows, cols = z.shape
     loss = torch.empty(rows, dtype=torch.float32, device=z.device)
     lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
         _ce_rows_kernel[(rows,)](
             z, target, loss, lse, scale, 0 if scale.dim() == 0 else scale.stride(0), z.stride(0), cols, ignore_index, float(smoothing),
-            WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps,
+            WRITE_GRAD=write_grad, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
         )  # fmt: skip
     return loss, lse
 

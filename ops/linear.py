@@ -321,8 +321,9 @@ class Linear(BasicOp):
             y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
         else:
             lean = self.recipe.lean_activations
-            # Lean: the backward quantizes the weight again (same bits) instead of keeping its transpose.
-            rebuild = lean and need_dgrad and rebuilds_weight(self.weight, self.quantizers)
+            # Lean: the backward quantizes a trained weight again (same bits) instead of keeping its
+            # transpose. A frozen weight's copies are cached across steps anyway: the cache serves both.
+            rebuild = lean and need_dgrad and need_wgrad and rebuilds_weight(self.weight, self.quantizers)
             w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
             y, ctx.saved = linear_fwd(
                 x2, w8, wd, bias, self.quantizers,
