@@ -74,10 +74,14 @@ def column_major_only(t: Float8Tensor) -> Operand:
     return Operand(t._transpose.mT, t._scale_inv, None, t.dtype)
 
 
-def _aligned(d: torch.Tensor) -> bool:
-    # cuBLASLt wants 16-byte aligned operands; allocations are, so only a view's offset can break it
-    # (read from the offset, not data_ptr(), which torch.compile's fake tensors do not have).
-    return d.storage_offset() % 16 == 0
+def _aligned(d: torch.Tensor, unit: int = 16) -> bool:
+    """Whether d starts `unit` bytes into an allocation (allocations are aligned, so only a view's offset
+    can break it). Under torch.compile the offset is not known while tracing (dynamo cannot return an int
+    from inside an autograd.Function): assumed aligned there, since graphs allocate their own tensors; a
+    misaligned view reaching cuBLASLt in a graph fails loudly (CUBLAS_STATUS_NOT_SUPPORTED), not silently."""
+    if torch.compiler.is_compiling():
+        return True
+    return d.storage_offset() * d.element_size() % unit == 0
 
 
 def _row_major(t: Operand) -> torch.Tensor:
@@ -110,7 +114,7 @@ def _transposed_copy(d: torch.Tensor) -> torch.Tensor:
 def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
     # cuBLASLt wants a scale pointer 16-byte aligned: a per-tensor scale that is a view at another offset
     # (one element of a shared buffer) failed with CUBLAS_STATUS_NOT_SUPPORTED on the H100. Copy it.
-    return s.clone() if s.dim() == 0 and s.storage_offset() % 4 else s
+    return s.clone() if s.dim() == 0 and not _aligned(s) else s
 
 
 def _gemm_scales(a: Operand, b: Operand):

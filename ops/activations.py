@@ -12,7 +12,7 @@ import torch
 
 from float8.kernels.activation import SAVED_X_DTYPE, act_bwd, act_fp8, act_fp8_save_input, act_fwd, dact_fp8
 from float8.kernels.quantize import quantize_tensorwise
-from float8.ops.base import BasicOp, OpContext, plain
+from float8.ops.base import BasicOp, OpContext, plain, take
 
 # The kinds that keep an E4M3 copy of their input under Recipe(lean_activations=True): smooth derivatives,
 # so rounding the input moves the gradient by about the input's own rounding. ReLU's derivative jumps at 0.
@@ -60,8 +60,7 @@ class Activation(BasicOp):
 
     def activation_backward(self, ctx: OpContext, dy, dx_request, want_dbias=False):
         """(dx, dbias or None): fused with dbias and the FP8 cast-transpose where the consumer wants FP8."""
-        x, x_scale_inv, bias = ctx.saved, ctx.x_scale_inv, ctx.bias
-        ctx.saved = ctx.x_scale_inv = ctx.bias = None
+        x, x_scale_inv, bias = take(ctx, "saved", "x_scale_inv", "bias")
         dy = plain(dy)
         r = dx_request
         if r is not None and r.fuses:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from float8.ops.base import BasicOp, OpContext, plain
+from float8.ops.base import BasicOp, OpContext, plain, take
 
 
 class Attention(BasicOp):
@@ -21,6 +21,12 @@ class Attention(BasicOp):
     default num_heads), causal (default True), sequence_first (token dims (..., seq, batch), the layout of
     sequence-parallel activations; default False).
     """
+
+    not_compilable = (
+        "its backward differentiates SDPA with torch.autograd.grad, which dynamo cannot trace inside the "
+        "Sequential's autograd Function. Compile a model whose attention is a plain module (e.g. "
+        "ops.convert of a PyTorch model) instead"
+    )
 
     def __init__(
         self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
@@ -70,7 +76,6 @@ class Attention(BasicOp):
         return out.detach()
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
-        qkv, out = ctx.saved
-        ctx.saved = None
+        qkv, out = take(ctx, "saved")
         (dqkv,) = torch.autograd.grad(out, qkv, plain(dy))
         return dqkv, []

@@ -77,6 +77,8 @@ class BasicOp(torch.nn.Module):
     # set on ops whose parameters are replicated across a sequence-parallel group while each rank sees only
     # its own tokens (norms and biases between the collectives of a tensor-parallel layer).
     grad_sum_group = None
+    # Why this op cannot run inside torch.compile, or None (ops/sequential.py checks it while tracing).
+    not_compilable: Optional[str] = None
 
     def __init__(self):
         super().__init__()
@@ -157,9 +159,22 @@ def sequence_parallel(op: BasicOp, group) -> None:
         op.grad_sum_group = check_group(group, f"{type(op).__name__} sequence_parallel_group")
 
 
+def take(holder, *names: str):
+    """Read attributes a backward consumes (what its forward saved) and let them go: set to None, so the
+    tensors are freed as soon as the backward is done with them, not when the autograd graph dies.
+
+    Under torch.compile nothing is written: dynamo refuses a backward that mutates an object from outside
+    it, and the compiled graph frees its own intermediates. One name gives its value, several a tuple."""
+    values = tuple(getattr(holder, n) for n in names)
+    if not torch.compiler.is_compiling():
+        for n in names:
+            setattr(holder, n, None)
+    return values[0] if len(names) == 1 else values
+
+
 def plain(x: torch.Tensor) -> torch.Tensor:
     """High-precision view of an op's input: FP8 tensors are dequantized (an op that wanted FP8 asked for it)."""
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "sequence_parallel"]
+__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "sequence_parallel", "take"]

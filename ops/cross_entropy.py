@@ -82,6 +82,10 @@ def check_cross_entropy_args(x, weight, target, bias, reduction: str, label_smoo
 def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str) -> None:
     # One host sync per call: a label outside [0, V) would read out of bounds in the kernel.
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if torch.compiler.is_compiling():
+        # No host sync inside a graph: checked on the device, where a bad label stops the program.
+        torch._assert_async(~bad.any(), f"{name}: a label is outside the vocabulary [0, {vocab}) and is not ignore_index")
+        return
     if bool(bad.any()):
         first = target[bad][0].item()
         raise ValueError(f"{name}: label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}")

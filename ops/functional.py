@@ -20,7 +20,7 @@ from float8 import DelayedScaling, Float8Tensor, Recipe
 from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
 from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout, TensorwiseQuantizer
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
-from float8.ops.base import BasicOp, plain
+from float8.ops.base import DEFAULT_RECIPE, BasicOp, plain, take
 from float8.ops.bias import bias_backward
 from float8.ops.cross_entropy import linear_cross_entropy
 from float8.ops.norms import LayerNorm, RMSNorm
@@ -122,9 +122,8 @@ def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
 
 
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
-    weight, version = saved.rebuild
-    saved.rebuild = None
-    if weight._version != version:
+    weight, version = take(saved, "rebuild")
+    if version is not None and weight._version != version:
         raise RuntimeError(
             "Linear backward: the weight was modified in place after the forward (its version counter moved "
             f"from {version} to {weight._version}). Recipe(lean_activations=True) quantizes the weight again in "
@@ -167,7 +166,9 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
     if need_dgrad and rebuild_weight is not None:
         if layout is not ScaleLayout.TENSOR:
             raise ValueError(f"linear_fwd: rebuild_weight needs per-tensor GEMMs, got an input layout {layout}")
-        rebuild = (rebuild_weight, rebuild_weight._version)
+        # Under torch.compile no version counter is read: the compiled graph saves the weight for its
+        # backward itself, and autograd's check on its saved tensors refuses a weight written in between.
+        rebuild = (rebuild_weight, None if torch.compiler.is_compiling() else rebuild_weight._version)
     elif need_dgrad:
         # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.
         saved_w = column_major_only(wd) if layout is ScaleLayout.TENSOR and isinstance(wd, Float8Tensor) else wd
@@ -205,7 +206,7 @@ def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dty
     input (and its transpose, when the forward kept rows only) need not be alive beside it."""
     qg = quantizers.grad
     dx = dw = None
-    x, saved.x = saved.x, None
+    x = take(saved, "x")
     if saved.layout is None:
         dyh = plain(dy2)
         if saved.need_wgrad:
@@ -270,8 +271,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved, q = ctx.saved, ctx.quantizers
-        ctx.saved = None
+        saved, q = take(ctx, "saved"), ctx.quantizers
         dy2 = plain(dy).reshape(-1, dy.shape[-1])
         dbias = None
         if ctx.need_dbias:
@@ -284,7 +284,7 @@ class _LinearFunction(torch.autograd.Function):
 
 
 def _stateless(recipe: Optional[Recipe]) -> Recipe:
-    recipe = recipe or Recipe()
+    recipe = recipe or DEFAULT_RECIPE
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a float8.Recipe, got {type(recipe).__name__}")
     if any(isinstance(getattr(recipe, r), DelayedScaling) for r in ("input", "weight", "grad")):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, check_amax_group
-from float8.ops.base import BasicOp, OpContext, check_gathered
+from float8.ops.base import BasicOp, OpContext, check_gathered, take
 from float8.ops.bias import Bias
 from float8.ops.functional import (
     check_fp8_weight_grad,
@@ -148,6 +148,7 @@ class Linear(BasicOp):
         self._amax_group = check_amax_group(amax_group)
         self.set_recipe(recipe)
         self.reset_parameters()
+        self.expand()  # built here, not at the first call, which may be inside torch.compile
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation (kaiming-uniform weight, uniform bias; FP8-only weights are kept),
@@ -193,7 +194,10 @@ class Linear(BasicOp):
 
     def expand(self):
         if self._expansion is None or self._expansion_bias_of(self._expansion) is not self.bias:
-            self._expansion = _parallel_expansion(self, self._expansion_bias())
+            expansion = _parallel_expansion(self, self._expansion_bias())
+            if torch.compiler.is_compiling():
+                return expansion  # a module written while dynamo traces breaks its graph: built at __init__
+            self._expansion = expansion
         return self._expansion
 
     def _expansion_bias(self):
@@ -333,7 +337,7 @@ class Linear(BasicOp):
         return y.reshape(*lead, self.local_out_features)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
-        saved, ctx.saved = ctx.saved, None
+        saved = take(ctx, "saved")
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, self.local_out_features)
         dx, dw = linear_bwd(dy2, saved, self.quantizers, self.weight.dtype)
         if dx is not None:

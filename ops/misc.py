@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from float8 import Float8Tensor
-from float8.ops.base import BasicOp, OpContext, plain
+from float8.ops.base import BasicOp, OpContext, plain, take
 
 
 class Quantize(BasicOp):
@@ -102,7 +102,7 @@ class Dropout(BasicOp):
         dy = plain(dy)
         if ctx.mask is None:
             return dy, []
-        mask, ctx.mask = ctx.mask, None
+        mask = take(ctx, "mask")
         return dy * mask.to(dy.dtype) * (1.0 / (1 - self.p)), []
 
 

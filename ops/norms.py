@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from float8.kernels.norm import norm_bwd, norm_fp8, norm_fwd
-from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel
+from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel, take
 
 
 def _check_size(normalized_shape, name: str) -> int:
@@ -65,8 +65,7 @@ class _Norm(BasicOp):
         return y
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
-        x, mean, rstd = ctx.saved
-        ctx.saved = None
+        x, mean, rstd = take(ctx, "saved")
         dx, dw, db = norm_bwd(plain(dy), x, self.weight.to(x.dtype), mean, rstd)
         grads = [dw.to(self.weight.dtype)] if self.rms else [dw.to(self.weight.dtype), db.to(self.bias.dtype)]
         return dx, grads

@@ -14,8 +14,9 @@ import torch
 
 from float8 import DelayedScalingState, Float8Tensor, Recipe
 from float8.quantizer import check_amax_group, reduce_deferred
-from float8.ops.base import BasicOp, OpContext, RunState
+from float8.ops.base import BasicOp, OpContext, RunState, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
+from float8.ops.saved import pack_contexts, unpack_contexts
 from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.linear import Linear
 
@@ -85,15 +86,17 @@ class _Runner:
             rows *= op.group.size()
         return None
 
-    def backward(self, dy):
-        ops = self.ops
+    def backward(self, dy, ctxs=None):
+        """(dx, flat parameter gradients) for dy; `ctxs`: the forward's contexts as unpacked under
+        torch.compile (ops/saved.py), else this runner's own."""
+        ops, ctxs = self.ops, (self.ctxs if ctxs is None else ctxs)
         grads = [None] * len(ops)
         self._deferring(True)
         try:
             for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
                 prev = ops[i - 1] if i > 0 else None
-                request = prev.grad_request(self.ctxs[i - 1]) if prev is not None and self.fuse else None
-                dy, unit_grads = unit.backward(self.ctxs[i : i + len(unit.ops)], dy, request)
+                request = prev.grad_request(ctxs[i - 1]) if prev is not None and self.fuse else None
+                dy, unit_grads = unit.backward(ctxs[i : i + len(unit.ops)], dy, request)
                 grads[i : i + len(unit.ops)] = unit_grads
         finally:
             self._deferring(False)
@@ -130,14 +133,21 @@ class _RunFunction(torch.autograd.Function):
         # Ops keep what their backward reads on their contexts; the input is the one of those a caller can
         # still write into. Saved here too, so that autograd's version check refuses a backward after an
         # in-place write into it (as torch's own ops do) instead of computing gradients from changed values.
-        ctx.save_for_backward(x)
-        return runner.forward(x)
+        y = runner.forward(x)
+        if torch.compiler.is_compiling():
+            # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py).
+            tensors, ctx.skeleton = pack_contexts(runner.ctxs, (x, *params))
+            ctx.save_for_backward(x, *tensors)
+        else:
+            ctx.save_for_backward(x)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        ctx.saved_tensors  # raises if the input was modified in place since the forward
-        runner, ctx.runner = ctx.runner, None
-        dx, grads = runner.backward(dy)
+        saved = ctx.saved_tensors  # raises if the input was modified in place since the forward
+        runner = take(ctx, "runner")
+        ctxs = unpack_contexts(ctx.skeleton, saved[1:]) if torch.compiler.is_compiling() else None
+        dx, grads = runner.backward(dy, ctxs)
         if isinstance(dx, Float8Tensor):
             dx = dx.dequantize()
         if not ctx.needs_input_grad[0]:
@@ -148,13 +158,31 @@ class _RunFunction(torch.autograd.Function):
         return (dx, None, *grads)
 
 
+def _check_compilable(ops) -> None:
+    """Delayed scaling cannot run inside torch.compile: its amax history is module state written in place
+    by the forward and by the backward (the gradient's), which dynamo refuses inside an autograd Function.
+    Nor can an op that says why not (`not_compilable`)."""
+    for op in ops:
+        if op.not_compilable is not None:
+            raise NotImplementedError(f"ops.{type(op).__name__} cannot run under torch.compile: {op.not_compilable}.")
+        if any(isinstance(q, DelayedScalingState) for q in op.quantizers):
+            raise NotImplementedError(
+                f"{type(op).__name__} uses delayed scaling, which torch.compile cannot trace (its amax history is "
+                "updated in place inside forward and backward). Compile with current scaling (TensorwiseScaling, "
+                "RowwiseScaling or BlockwiseScaling), or run delayed scaling eagerly."
+            )
+
+
 def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
     """Run basic ops on x (..., features): one autograd node for all of them."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ops take a tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
-    _check_precision(x, ops)
+    if torch.compiler.is_compiling():
+        _check_compilable(ops)
+    else:
+        _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
     params = [p for op in ops for p in op.op_params()]

@@ -1,0 +1,109 @@
+"""What every benchmark case shares: one step timer, one peak-memory probe, the environment record and one
+report writer (JSON for machines, a markdown table for people). Cases use float8's public API only."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import pathlib
+import statistics
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+
+def free_memory() -> None:
+    """Drop what the previous variant left, so each variant's peak is its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def time_steps(step: Callable[[], None], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of `step` (a whole training step, or any callable) over `reps` calls after
+    `warmup` calls. On the GPU each call is bracketed by CUDA events and a synchronize; on the CPU (smoke
+    runs that test plumbing, not speed) by the wall clock."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def step_peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[int]:
+    """The most memory allocated during one call of `step` (after warm-up calls), or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 15) -> List[dict]:
+    """Where one step's GPU time goes: the `top` kernels by total time (torch.profiler), in ms."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": e.key[:90], "ms": round(t / 1e3, 3), "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
+def environment(device: torch.device) -> dict:
+    """Device, date and versions: what a recorded number needs beside it."""
+    import triton
+
+    env = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except ImportError:
+        env["torchao"] = None
+    return env
+
+
+def write_report(name: str, out: str, env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None) -> pathlib.Path:
+    """<out>/<name>_<device>_<date>.json (everything) and .md (the table of `columns`); returns the .md."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}_{env['device'].lower().replace(' ', '-')}_{env['date']}"
+    (folder / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, **(extra or {})}, indent=1))
+    lines = [f"# {name}", "", ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in columns) + " |")
+    md = folder / f"{stem}.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md

@@ -1,0 +1,127 @@
+"""A Llama-style model three ways, one set of shapes: plain PyTorch (bf16, and what torchao converts), the
+same modules with float8's Linears (`ops.convert`, the form torch.compile takes), and blocks of float8 ops
+(norms and activations writing FP8 for the Linear after them; eager only: ops.Attention does not compile).
+
+Block: RMSNorm; QKV Linear; grouped-KV causal SDPA; output Linear; RMSNorm; SwiGLU FFN. Model: embedding,
+blocks, final RMSNorm, LM head with cross-entropy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import float8.ops as ops
+from float8 import Recipe
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Model and batch sizes."""
+
+    d: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    ffn: int = 14336
+    blocks: int = 8
+    vocab: int = 32768
+    batch: int = 8
+    seq: int = 2048
+
+
+TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, vocab=256, batch=2, seq=32)
+
+
+class Block(torch.nn.Module):
+    """One Llama block in plain PyTorch."""
+
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.h, self.kv, self.hd = s.heads, s.kv_heads, s.head_dim
+        self.norm1, self.norm2 = torch.nn.RMSNorm(s.d, eps=1e-6), torch.nn.RMSNorm(s.d, eps=1e-6)
+        self.qkv = torch.nn.Linear(s.d, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False)
+        self.o = torch.nn.Linear(s.heads * s.head_dim, s.d, bias=False)
+        self.up = torch.nn.Linear(s.d, 2 * s.ffn, bias=False)
+        self.down = torch.nn.Linear(s.ffn, s.d, bias=False)
+
+    def forward(self, x):  # (B, S, d)
+        b, n, _ = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, n, self.h + 2 * self.kv, self.hd).transpose(1, 2)
+        q, k, v = qkv.split([self.h, self.kv, self.kv], dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, -1))
+        g, u = self.up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+def ops_block(s: LlamaShape, recipe=None) -> torch.nn.Module:
+    """The same block from float8 ops."""
+    return ops.Sequential(
+        ops.Residual(), ops.RMSNorm(s.d), ops.Linear(s.d, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False),
+        ops.Attention(s.heads, s.head_dim, num_kv_heads=s.kv_heads), ops.Linear(s.heads * s.head_dim, s.d, bias=False),
+        ops.AddResidual(),
+        ops.Residual(), ops.RMSNorm(s.d), ops.Linear(s.d, 2 * s.ffn, bias=False), ops.SwiGLU(),
+        ops.Linear(s.ffn, s.d, bias=False), ops.AddResidual(),
+        recipe=recipe,
+    )  # fmt: skip
+
+
+class TorchHead(torch.nn.Module):
+    """Final RMSNorm, LM head and cross-entropy in plain PyTorch (float32 logits, as F.cross_entropy wants)."""
+
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(s.d, eps=1e-6)
+        self.head = torch.nn.Linear(s.d, s.vocab, bias=False)
+
+    def forward(self, x, target):
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
+
+
+def ops_head(s: LlamaShape, recipe=None) -> torch.nn.Module:
+    """Final RMSNorm and the fused FP8 linear + cross-entropy (no logits tensor)."""
+    return ops.Sequential(ops.RMSNorm(s.d), ops.LinearCrossEntropy(s.d, s.vocab, bias=False, recipe=recipe or Recipe()))
+
+
+class LlamaModel(torch.nn.Module):
+    """Embedding, blocks, head; forward(tokens, target) returns the mean loss."""
+
+    def __init__(self, s: LlamaShape, blocks, head):
+        super().__init__()
+        self.embed = torch.nn.Embedding(s.vocab, s.d)
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, tokens, target):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, target)
+
+
+def build(kind: str, s: LlamaShape, device, recipe=None) -> LlamaModel:
+    """kind: "torch" (plain bf16), "converted" (plain modules, float8 Linears, fused FP8 head) or "ops"
+    (blocks of float8 ops, fused FP8 head). bfloat16 parameters on `device`."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        if kind == "torch":
+            model = LlamaModel(s, [Block(s) for _ in range(s.blocks)], TorchHead(s))
+        elif kind == "converted":
+            model = LlamaModel(s, [ops.convert(Block(s), recipe=recipe) for _ in range(s.blocks)], ops_head(s, recipe))
+        elif kind == "ops":
+            model = LlamaModel(s, [ops_block(s, recipe) for _ in range(s.blocks)], ops_head(s, recipe))
+        else:
+            raise ValueError(f"unknown model kind {kind!r}")
+    return model.to(torch.bfloat16)
+
+
+def compile_blocks(model: LlamaModel) -> LlamaModel:
+    """torch.compile each block and the head (fullgraph): identical blocks share one compiled graph, so
+    the compile time is one block's, not the model's."""
+    for block in model.blocks:
+        block.compile(fullgraph=True)
+    model.head.compile(fullgraph=True)
+    return model

@@ -1,0 +1,95 @@
+"""Whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an
+AdamW step (foreach), for each variant. Reports ms per step, tokens/s, the step's peak memory, and the
+kernels one step spends its time in, for the variants that say `breakdown`."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from benchmarks.harness import free_memory, kernel_breakdown, step_peak_bytes, time_steps
+from benchmarks.llama import TINY, LlamaShape, build, compile_blocks
+from float8 import Recipe, RowwiseScaling
+
+VARIANTS = [
+    "bf16 eager", "bf16 compiled", "float8 ops eager", "float8 ops eager lean", "float8 converted eager",
+    "float8 converted compiled", "torchao tensorwise compiled", "torchao rowwise compiled",
+]  # fmt: skip
+BREAKDOWN = {"float8 converted compiled", "torchao tensorwise compiled", "float8 ops eager"}
+
+
+def _model(variant: str, s: LlamaShape, device):
+    if variant.startswith("bf16"):
+        model = build("torch", s, device)
+    elif variant.startswith("float8 ops"):
+        model = build("ops", s, device, Recipe(lean_activations=True) if variant.endswith("lean") else None)
+    elif variant.startswith("float8 converted"):
+        model = build("converted", s, device)
+    elif variant.startswith("torchao"):
+        if device.type != "cuda":
+            raise RuntimeError("torchao's float8 training needs a CUDA GPU")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        model = build("torch", s, device)
+        config = Float8LinearConfig.from_recipe_name("rowwise") if "rowwise" in variant else Float8LinearConfig()
+        convert_to_float8_training(model, config=config)
+    else:
+        raise ValueError(variant)
+    if variant.endswith("compiled"):
+        compile_blocks(model)
+    return model
+
+
+def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
+    """One variant's record: ms per step, tokens/s, peak GiB (and its kernel breakdown)."""
+    model = _model(variant, s, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, s.vocab, (s.batch, s.seq), device=device, generator=gen)
+    target = torch.randint(0, s.vocab, (s.batch, s.seq), device=device, generator=gen)
+    losses: List[float] = []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+
+    for _ in range(3):
+        step()  # compile, autotune, and the optimizer's states exist from here on
+    ms = time_steps(step, device, warmup=0, reps=5 if device.type == "cuda" else 2)
+    peak = step_peak_bytes(step, device)
+    row = {
+        "variant": variant,
+        "ms_per_step": round(ms, 1),
+        "tokens_per_s": round(s.batch * s.seq / ms * 1e3),
+        "peak_GiB": None if peak is None else round(peak / 2**30, 2),
+        "final_loss": round(float(losses[-1]), 4),
+    }
+    if breakdown:
+        row["kernels"] = kernel_breakdown(step, device)
+    del model, opt
+    free_memory()
+    return row
+
+
+def run(device, tiny: bool, variants=None) -> List[dict]:
+    """Every variant (or those named), one record each; a variant that fails records its error."""
+    s = TINY if tiny else LlamaShape()
+    rows = []
+    for variant in variants or VARIANTS:
+        try:
+            row = run_variant(variant, s, device, breakdown=variant in BREAKDOWN and not tiny)
+        except Exception as e:  # noqa: BLE001 - a variant that does not run is recorded, not fatal
+            row = {"variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
+            free_memory()
+        print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
+        rows.append(row)
+    base = {r["variant"]: r.get("ms_per_step") for r in rows}
+    for r in rows:
+        for ref in ("bf16 eager", "bf16 compiled", "torchao tensorwise compiled"):
+            if r.get("ms_per_step") and base.get(ref):
+                r[f"speed_vs_{ref.replace(' ', '_')}"] = round(base[ref] / r["ms_per_step"], 3)
+    return rows

@@ -1,0 +1,96 @@
+"""What a Sequential's ops saved for backward, moved through `ctx.save_for_backward` under torch.compile.
+
+In eager mode each op keeps what its backward reads on its OpContext (ops/base.py), and the backward
+takes it from there. Dynamo cannot trace that: a backward may not mutate objects from outside it, and a
+tensor reaching the backward through a Python object (not through `save_for_backward`) must not share
+storage with any other tensor of the forward, which FP8 tensors and their transposes always do.
+
+So under torch.compile the Sequential's autograd Function packs the contexts after the forward: every
+tensor they hold goes into one `save_for_backward` call, and a skeleton (the same structure with numbered
+slots) stays on the autograd context. The backward unpacks the skeleton into new contexts, objects of its
+own, which it may then mutate. Eager mode does none of this: it costs a walk over every saved value.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from float8.ops.base import OpContext, RunState
+from float8.ops.functional import LinearSaved
+
+# Records whose fields are packed one by one (by their dataclass field order, `__match_args__`). Named, not
+# found with dataclasses.is_dataclass, which dynamo 2.11 cannot trace.
+_RECORDS = (LinearSaved,)
+
+
+class _Slot:
+    """The place of the i-th saved tensor in a skeleton."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _pack(value, tensors: List[torch.Tensor], inputs):
+    if isinstance(value, torch.Tensor):
+        # A tensor the forward made is copied: dynamo drops (and then refuses to read in the backward) a
+        # saved intermediate that shares storage with another tensor of the forward, and an FP8 tensor's
+        # saved layout always does (it is a view of the Float8Tensor's data). The Function's own inputs
+        # (the activation, the parameters) are saved as they are.
+        tensors.append(value if any(value is t for t in inputs) else value.clone())
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, tuple):
+        items = [_pack(v, tensors, inputs) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_pack(v, tensors, inputs) for v in value]
+    if type(value) in _RECORDS:
+        return type(value)(*[_pack(getattr(value, f), tensors, inputs) for f in type(value).__match_args__])
+    return value
+
+
+def _unpack(value, tensors):
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, tuple):
+        items = [_unpack(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_unpack(v, tensors) for v in value]
+    if type(value) in _RECORDS:
+        return type(value)(*[_unpack(getattr(value, f), tensors) for f in type(value).__match_args__])
+    return value
+
+
+# What ops keep on their contexts (ops/*.py). Named here rather than read from the context's __dict__,
+# which dynamo 2.11 cannot iterate. An op keeping another name loses it under compile, and its backward
+# then fails on the missing attribute (AttributeError), not silently.
+SAVED_FIELDS = ("saved", "lead", "x_scale_inv", "bias", "mask", "logical")
+
+
+def pack_contexts(ctxs: List[OpContext], inputs: tuple):
+    """(tensors, skeleton): every tensor the contexts hold, and what `unpack_contexts` rebuilds them from.
+    inputs: the autograd Function's tensor inputs, saved without a copy."""
+    tensors: List[torch.Tensor] = []
+    skeleton = []
+    for ctx in ctxs:
+        saved = {k: _pack(getattr(ctx, k), tensors, inputs) for k in SAVED_FIELDS if hasattr(ctx, k)}
+        skeleton.append((ctx.input_requires_grad, ctx.first, saved))
+    run = ctxs[0].run if ctxs else None
+    return tensors, (None if run is None else (run.grad, run.lead), skeleton)
+
+
+def unpack_contexts(skeleton, tensors) -> List[OpContext]:
+    """New contexts holding what `pack_contexts` took, with a new RunState for the backward's residuals."""
+    run_args, entries = skeleton
+    run = RunState(*run_args) if run_args is not None else None
+    ctxs = []
+    for input_requires_grad, first, saved in entries:
+        ctx = OpContext(run, input_requires_grad, first)
+        for k, v in saved.items():
+            setattr(ctx, k, _unpack(v, tensors))
+        ctxs.append(ctx)
+    return ctxs

@@ -1,0 +1,165 @@
+"""torch.compile(fullgraph=True) of ops: Sequentials under each current-scaling recipe, ops.convert models,
+Linears alone, the functional forms and the fused linear + cross-entropy, forward and backward.
+
+On the CPU with the aot_eager backend (the graph AOTAutograd traces, run op by op): the same kernels as
+eager, so outputs and gradients must match eager bit for bit. Each case runs three steps of one shape and
+asserts one compiled frame (no graph break: fullgraph; no recompile: the frame count stays 1).
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from float8 import BlockwiseScaling, DelayedScaling, Recipe, RowwiseScaling, ops
+from float8.ops import functional as FO
+from tests.tolerances import assert_same_bits
+
+RECIPES = {
+    "tensorwise": None,
+    "lean": Recipe(lean_activations=True),
+    "rowwise": Recipe(input=RowwiseScaling(), weight=RowwiseScaling(), grad=RowwiseScaling()),
+    "block": Recipe(input=BlockwiseScaling((1, 128)), weight=BlockwiseScaling((128, 128)), grad=BlockwiseScaling((1, 128))),
+}
+
+
+def _block(recipe):
+    torch.manual_seed(0)
+    return ops.Sequential(
+        ops.Residual(), ops.RMSNorm(128), ops.Linear(128, 256), ops.SwiGLU(), ops.Linear(128, 128), ops.AddResidual(),
+        ops.LayerNorm(128), ops.Linear(128, 128, bias=True), ops.GELU(),
+        recipe=recipe,
+    ).to(torch.bfloat16)  # fmt: skip
+
+
+def _grads(module, x, *extra):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x, *extra)
+    y.float().square().sum().backward()
+    out = [y.detach(), x.grad] + [p.grad for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+def _compare_steps(build, make_input, steps=3, extra=()):
+    torch._dynamo.reset()
+    eager, compiled = build(), build()
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(compiled, backend=counter, fullgraph=True)
+    for step in range(steps):
+        x = make_input(step)
+        for want, got in zip(_grads(eager, x, *extra), _grads(run, x, *extra)):
+            assert_same_bits(got, want)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one shape"
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_sequential_compiles_fullgraph_and_matches_eager(name):
+    _compare_steps(lambda: _block(RECIPES[name]), lambda s: torch.randn(2, 16, 128, dtype=torch.bfloat16))
+
+
+def test_converted_model_compiles_fullgraph_and_matches_eager():
+    from float8.bench.distributed import Block
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(64, 4, 2, 16, 128), Block(64, 4, 2, 16, 128)).to(torch.bfloat16)
+        return ops.convert(model)
+
+    _compare_steps(build, lambda s: torch.randn(2, 32, 64, dtype=torch.bfloat16))
+
+
+def test_linear_alone_with_float32_master_weights():
+    def build():
+        torch.manual_seed(0)
+        return ops.Linear(64, 32)  # float32 parameters, bfloat16 activations
+
+    _compare_steps(build, lambda s: torch.randn(8, 64, dtype=torch.bfloat16))
+
+
+def test_functional_linear_compiles():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w = torch.randn(32, 64, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda x: FO.linear(x, w), backend=counter, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        assert_same_bits(f(x), FO.linear(x, w))
+    assert counter.frame_count == 1
+
+
+def test_sequential_ending_in_linear_cross_entropy_compiles():
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU(), ops.LinearCrossEntropy(64, 128)).to(torch.bfloat16)
+
+    target = torch.randint(0, 128, (16,))
+    _compare_steps(build, lambda s: torch.randn(16, 64, dtype=torch.bfloat16), extra=(target,))
+
+
+def test_whole_training_step_compiled_forward_backward_and_optimizer():
+    """The step users run: a compiled model (fullgraph) and a compiled AdamW step, against eager."""
+    from float8.bench.distributed import Block
+
+    def build():
+        torch.manual_seed(0)
+        return ops.convert(torch.nn.Sequential(Block(64, 4, 2, 16, 128)).to(torch.bfloat16))
+
+    torch._dynamo.reset()
+    eager, compiled = build(), build()
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(compiled, backend=counter, fullgraph=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, foreach=True)
+    # torch's optimizers break the graph on purpose around their step (torch.optim's _use_grad): compiled
+    # as PyTorch documents it, without fullgraph.
+    step_c = torch.compile(opt_c.step, backend="aot_eager")
+    for _ in range(3):
+        x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+        for model, opt, step in ((eager, opt_e, opt_e.step), (run, opt_c, step_c)):
+            opt.zero_grad(set_to_none=True)
+            model(x).float().square().mean().backward()
+        for pe, pc in zip(eager.parameters(), compiled.parameters()):
+            assert_same_bits(pc.grad, pe.grad)  # the step's gradients: ours, the same bits
+        opt_e.step()
+        step_c()
+        for pe, pc in zip(eager.parameters(), compiled.parameters()):
+            torch.testing.assert_close(pc, pe, rtol=0, atol=1e-2)  # torch's AdamW, compiled: rounding may differ
+            pc.data.copy_(pe.data)  # keep the two models on one trajectory, so gradients stay comparable
+    assert counter.frame_count == 1
+
+
+def test_a_new_shape_compiles_once_more_and_no_more():
+    torch._dynamo.reset()
+    model = _block(None)
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
+    for tokens in (16, 16, 32, 32, 16):
+        run(torch.randn(2, tokens, 128, dtype=torch.bfloat16)).float().sum().backward()
+    assert counter.frame_count == 2
+
+
+def test_delayed_scaling_under_compile_names_the_problem():
+    torch._dynamo.reset()
+    model = _block(Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling()))
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="delayed scaling, which torch.compile cannot trace"):
+        run(torch.randn(2, 16, 128, dtype=torch.bfloat16))
+
+
+def test_attention_op_under_compile_names_the_problem():
+    torch._dynamo.reset()
+    model = ops.Sequential(ops.Linear(64, 192), ops.Attention(4, 16)).to(torch.bfloat16)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="ops.Attention cannot run under torch.compile"):
+        run(torch.randn(2, 8, 64, dtype=torch.bfloat16))
+
+
+def test_compiled_cross_entropy_still_refuses_a_bad_label():
+    torch._dynamo.reset()
+    model = ops.LinearCrossEntropy(64, 128).to(torch.bfloat16)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    target = torch.randint(0, 128, (16,))
+    target[3] = 500
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        run(torch.randn(16, 64, dtype=torch.bfloat16), target)
