@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import float8.ops as ops
 from float8 import Recipe
-from tests.tolerances import assert_same_bits
+from tests.tolerances import SQNR_DB, assert_same_bits, sqnr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,9 @@ def test_inductor_converted_block_matches_eager():
         return ops.convert(Block(s).cuda().to(torch.bfloat16), recipe=Recipe(min_fp8_gemm_flops=0))
 
     def close(got, want):
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.1, atol=0.02 * want.float().abs().max().item())
+        # Inductor's RMSNorm rounds differently, and an input one bf16 rounding apart can land on the next
+        # FP8 step: held to the bound of FP8 gradients against high precision (a norm weight's gradient
+        # measured 27.8 dB on the H100, 2026-11-22).
+        assert sqnr_db(want, got) >= SQNR_DB["grad"], sqnr_db(want, got)
 
     _compare(build, (2, 512, 1024), close)
