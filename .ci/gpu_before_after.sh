@@ -3,7 +3,7 @@
 # alternating (before, after, before, after) so clock drift hits both alike.
 #   bash .ci/gpu_before_after.sh BEFORE_TREE [CASES] [ROUNDS]
 # BEFORE_TREE: a copy of the older source tree (e.g. `git archive <commit> | tar -x -C .before`); the
-# working tree is the "after". CASES: float8.bench case letters (default a,d: kernels and the MLP block).
+# working tree is the "after". CASES: benchmarks case letters (default a,d: kernels and the MLP block).
 # Writes $OUT/before_N, $OUT/after_N and $OUT/before_after.md.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -18,9 +18,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site_afte
 for i in $(seq 1 "$rounds"); do
     for side in before after; do
         echo "== $side, round $i"
-        (cd /tmp && PYTHONPATH=/tmp/site_$side timeout 280 python3 -m float8.bench --cases "$cases" --no-rowwise \
+        (cd /tmp && PYTHONPATH=/tmp/site_$side timeout 280 python3 -m benchmarks --cases "$cases" --no-rowwise \
             --out "$OUT/${side}_$i" 2>&1 | tail -4)
     done
 done
-PYTHONPATH=/tmp/site_after python3 -m float8.bench.before_after --before "$OUT"/before_* --after "$OUT"/after_* \
+PYTHONPATH=/tmp/site_after python3 -m benchmarks.before_after --before "$OUT"/before_* --after "$OUT"/after_* \
     --md "$OUT/before_after.md" --json "$OUT/before_after.json"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 2-GPU NCCL checks and benchmarks, in one call on nvidia-h200-x2 (NVLink multicast off, as the
 # device notes ask). Writes logs and results under $OUT. Not run by CI: CI has no GPU.
-#   .ci/gpu_distributed.sh [smoke|bench|all] [extra args for float8.bench.distributed]
+#   .ci/gpu_distributed.sh [smoke|bench|all] [extra args for benchmarks.distributed]
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -20,6 +20,6 @@ if [[ $stage == all || $stage == smoke ]]; then
         | tee "$OUT/nccl_smoke.log" | grep -v Warning | tail -40
 fi
 if [[ $stage == all || $stage == bench ]]; then
-    timeout ${BENCH_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 -m float8.bench.distributed --out "$OUT/distributed.json" "$@" 2>&1 \
+    timeout ${BENCH_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 -m benchmarks.distributed --out "$OUT/distributed.json" "$@" 2>&1 \
         | tee "$OUT/bench_distributed.log" | grep -v Warning | tail -30
 fi

@@ -14,6 +14,10 @@ if [[ $stage == all || $stage == tier ]]; then
     timeout 560 python3 -m pytest tests -m gpu -n 6 -q -p no:cacheprovider --timeout=300 -rf 2>&1 | tee "$OUT/gpu_tier.log" | tail -15
 fi
 if [[ $stage == all || $stage == bench ]]; then
-    # The whole suite (its case a runs float8.bench.kernels): JSON, markdown and plot under $OUT.
-    timeout 560 python3 -m float8.bench --out "$OUT" --budget-s 380 2>&1 | tail -40
+    # The whole suite (its case a runs benchmarks.kernels): JSON, markdown and plot under $OUT.
+    timeout 560 python3 -m benchmarks --out "$OUT" --budget-s 380 2>&1 | tail -40
+fi
+if [[ $stage == all || $stage == steps ]]; then
+    # Whole training steps of the Llama-style model, every variant (torchao's when it imports).
+    timeout 560 python3 -m benchmarks.step_llama --out "$OUT" 2>&1 | grep -v Warning | tail -20
 fi

@@ -107,3 +107,19 @@ def write_report(name: str, out: str, env: dict, rows: List[dict], columns: List
     md = folder / f"{stem}.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def make_timer(cuda: bool, warmup: int = 25, rep: int = 100) -> Callable[[Callable], float]:
+    """A kernel timer: do_bench's median on the GPU, a wall clock on the CPU (smoke runs)."""
+    if cuda:
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+    def wall(fn) -> float:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return wall

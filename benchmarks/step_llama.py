@@ -1,14 +1,15 @@
-"""Whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an
+"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b]: whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an
 AdamW step (foreach), for each variant. Reports ms per step, tokens/s, the step's peak memory, and the
 kernels one step spends its time in, for the variants that say `breakdown`."""
 
 from __future__ import annotations
 
+import argparse
 from typing import List
 
 import torch
 
-from benchmarks.harness import free_memory, kernel_breakdown, step_peak_bytes, time_steps
+from benchmarks.harness import environment, free_memory, kernel_breakdown, step_peak_bytes, time_steps, write_report
 from benchmarks.llama import TINY, LlamaShape, build, compile_blocks
 from float8 import Recipe, RowwiseScaling
 
@@ -93,3 +94,23 @@ def run(device, tiny: bool, variants=None) -> List[dict]:
             if r.get("ms_per_step") and base.get(ref):
                 r[f"speed_vs_{ref.replace(' ', '_')}"] = round(base[ref] / r["ms_per_step"], 3)
     return rows
+
+
+COLUMNS = ["variant", "ms_per_step", "tokens_per_s", "peak_GiB", "speed_vs_bf16_eager", "speed_vs_bf16_compiled",
+           "speed_vs_torchao_tensorwise_compiled", "final_loss", "error"]  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_llama", description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test; the default without CUDA)")
+    p.add_argument("--out", default="examples/results", help="folder for the JSON and markdown report")
+    p.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    variants = args.variants.split(",") if args.variants else None
+    rows = run(device, args.tiny or device.type == "cpu", variants)
+    print(write_report("step_llama", args.out, environment(device), rows, COLUMNS).read_text())
+
+
+if __name__ == "__main__":
+    main()

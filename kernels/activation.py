@@ -105,7 +105,7 @@ TANH_KAPPA3 = 0.134145  # 3 * TANH_KAPPA
 
 # Tiles. Row-wise passes (high-precision output, amax, FP8 without transpose): (BLOCK_S, BLOCK_N) with
 # BLOCK_S * BLOCK_N <= 4096, looping over up to MAX_ITERS tiles down the rows (fewer atomics and dbias
-# partials), NUM_WARPS warps. Transposing pass: TRANSPOSE_CONFIG (`python -m float8.bench.act_sweep` times
+# partials), NUM_WARPS warps. Transposing pass: TRANSPOSE_CONFIG (`python -m benchmarks.act_sweep` times
 # the alternatives at the MLP block's SwiGLU shapes).
 ROW_BLOCK_N = 128
 ROW_ELEMS = 4096

@@ -42,7 +42,7 @@ from .reference import quantize_tensorwise_ref
 
 # Per input element size. (64, 128) tiles: 256 B row segments read (bf16), 128 B / 64 B written. For
 # 16-bit inputs TRANS_INPUT transposes the input tile (ldmatrix.trans) rather than the FP8 one (byte-wise
-# shared-memory stores). Not measured yet: `python -m float8.bench.kernels --sweep` compares variants.
+# shared-memory stores). Not measured yet: `python -m benchmarks.kernels --sweep` compares variants.
 CONFIGS = {
     2: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=True),
     4: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=False),

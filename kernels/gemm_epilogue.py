@@ -1,6 +1,6 @@
 """An FP8 GEMM in Triton with a fused epilogue, built to answer one question: does fusing the bias, the
 activation and the output's amax into the GEMM beat cuBLASLt (`torch._scaled_mm`, bias in its epilogue)
-followed by our separate activation -> FP8 kernel? (`python -m float8.bench.gemm_epilogue` measures it;
+followed by our separate activation -> FP8 kernel? (`python -m benchmarks.gemm_epilogue` measures it;
 the library keeps cuBLASLt while the answer is no, see examples/results/NOTES.md.)
 
 gemm_epilogue(a, a_scale_inv, b, b_scale_inv, bias, kind) -> (y, amax)

@@ -1,4 +1,4 @@
-"""`python -m float8.bench --cpu-smoke` runs the whole suite's orchestration on the CPU (tiny shapes, a wall
+"""`python -m benchmarks --cpu-smoke` runs the whole suite's orchestration on the CPU (tiny shapes, a wall
 clock, no compile) and writes the JSON/markdown/PNG the GPU run will write: the GPU run will not trip over
 plumbing, and the records keep their schema."""
 
@@ -23,7 +23,7 @@ CASES = {"kernels", "gemm", "linear", "mlp", "transformer_layer", "host"}
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
-        [sys.executable, "-m", "float8.bench", "--cpu-smoke", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "--cpu-smoke", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
@@ -50,7 +50,7 @@ def test_records_keep_the_schema(smoke):
     gemm = [r for r in records if r["case"] == "gemm"]
     assert all(r["scaled_mm_ms"] > 0 and r["ours_matches_scaled_mm"] for r in gemm)
     assert [r["shape"] for r in records if r["case"] == "transformer_layer"] == [[2, 8, 64, 4, 2, 16, 64]]
-    from float8.bench.suite import ROUNDS
+    from benchmarks.suite import ROUNDS
 
     for r in records:
         if r["case"] in {"linear", "mlp", "transformer_layer"}:  # interleaved rounds, the median kept
@@ -78,13 +78,13 @@ def test_outputs_written_and_table_printed(smoke):
     header = "| case | shape | ours ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms | vs bf16 "
     assert header in md and header in stdout
     assert md.count("\n| ") >= len(records) + 2
-    assert (out / "kernels_cpu.json").exists()  # case a reuses float8.bench.kernels, which writes its own
+    assert (out / "kernels_cpu.json").exists()  # case a reuses benchmarks.kernels, which writes its own
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     assert (out / "bench_cpu.png").exists() == has_mpl
 
 
 def test_a_failing_case_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
-    from float8.bench import suite
+    from benchmarks import suite
 
     def boom(env):
         raise RuntimeError("CUDA out of memory (simulated)")
@@ -98,18 +98,18 @@ def test_a_failing_case_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
 
 
 def test_unknown_case_letter_is_refused():
-    from float8.bench import suite
+    from benchmarks import suite
 
     with pytest.raises(SystemExit):
         suite.parse_args(["--cases", "a,z"])
 
 
 def test_memory_bench_runs_tiny(tmp_path):
-    """`python -m float8.bench.memory --tiny`: the LCE, inference, training-memory and activation cases end to end."""
+    """`python -m benchmarks.memory --tiny`: the LCE, inference, training-memory and activation cases end to end."""
     out = tmp_path / "memory.json"
     run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "float8.bench.memory", "--tiny", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [sys.executable, "-W", "ignore", "-m", "benchmarks.memory", "--tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -130,8 +130,8 @@ def test_memory_bench_runs_tiny(tmp_path):
 
 
 def test_peak_replay_finds_the_moment_of_the_highest_allocation():
-    """float8.bench.peak replays the allocator's history (CUDA only); its replay is checked on a made-up trace."""
-    from float8.bench.peak import live_at_peak
+    """benchmarks.peak replays the allocator's history (CUDA only); its replay is checked on a made-up trace."""
+    from benchmarks.peak import live_at_peak
 
     frame = lambda f: [{"filename": f"/x/float8/{f}", "line": 1, "name": "fn"}]  # noqa: E731
     trace = [

@@ -1,4 +1,4 @@
-"""`python -m benchmarks step_llama --tiny` runs every variant that runs on a CPU (torchao's need CUDA and
+"""`python -m benchmarks.step_llama --tiny` runs every variant that runs on a CPU (torchao's need CUDA and
 are recorded as errors) and writes its report: the GPU run will not trip over plumbing."""
 
 import json
@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "step_llama", "--tiny", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.step_llama", "--tiny", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]

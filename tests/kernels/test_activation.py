@@ -452,7 +452,7 @@ TRANSPOSE_VARIANTS = [
 @pytest.mark.parametrize("cfg", TRANSPOSE_VARIANTS, ids=lambda c: f"{c['BLOCK_S']}x{c['BLOCK_N']}-t{c['T_MODE']}")
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
 def test_transposing_tile_variants_give_the_same_bits(kind, cfg):
-    # The sweep (float8.bench.act_sweep) times these tiles and transposes; every one must write
+    # The sweep (benchmarks.act_sweep) times these tiles and transposes; every one must write
     # exactly the bits of the reference, for odd shapes with partial tiles and a batch dim.
     x, bias, dy = inputs(((2, 70, 96), BF16, BF16), kind)
     # (the default tile's own bits are checked against the references by the launcher tests above)
@@ -594,7 +594,7 @@ def test_cuda_launches_vs_refs(kind, shape, dtype, bias_dtype, fp8_dtype, with_t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_swiglu_large_bf16():
-    # The MLP block's SwiGLU (float8/bench/suite.py): 16384 tokens, FFN 14336 (x is (16384, 2 * 14336) bf16, 0.9 GB).
+    # The MLP block's SwiGLU (benchmarks/suite.py): 16384 tokens, FFN 14336 (x is (16384, 2 * 14336) bf16, 0.9 GB).
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn((16384, 2 * 14336), generator=g, device="cuda").mul_(2).to(BF16)
     dy = torch.randn((16384, 14336), generator=g, device="cuda").to(BF16)

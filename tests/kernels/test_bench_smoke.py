@@ -1,9 +1,9 @@
-"""float8.bench.kernels runs end to end on the CPU (tiny shape, reference paths): the GPU run will not trip
+"""benchmarks.kernels runs end to end on the CPU (tiny shape, reference paths): the GPU run will not trip
 over plumbing."""
 
 import json
 
-from float8.bench import kernels as bench
+from benchmarks import kernels as bench
 
 from .helpers import needs_interpreter
 
@@ -33,7 +33,7 @@ def test_bench_check_catches_a_wrong_kernel(monkeypatch):
 def test_gemm_epilogue_bench_cpu_smoke(tmp_path):
     # The Triton-GEMM-with-epilogue comparison runs end to end (interpreter, one tiny shape) and both
     # pipelines compute the same quantized gelu(a @ b + bias) to FP8 accuracy.
-    from float8.bench import gemm_epilogue
+    from benchmarks import gemm_epilogue
 
     (rec,) = gemm_epilogue.main(["--device", "cpu", "--out", str(tmp_path)])
     for name in ("identity_cublas", "identity_triton", "gelu_cublas", "gelu_triton"):
@@ -45,7 +45,7 @@ def test_gemm_epilogue_bench_cpu_smoke(tmp_path):
 @needs_interpreter
 def test_act_sweep_cpu_smoke():
     # Every variant is checked bit for bit against the default before it is timed; one variant here.
-    from float8.bench import act_sweep
+    from benchmarks import act_sweep
 
     rows = act_sweep.sweep(40, 48, "cpu", variants=[dict(BLOCK_S=16, BLOCK_N=32, num_warps=2, T_MODE=2)])
     names = [r[0] for r in rows]

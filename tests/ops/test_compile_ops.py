@@ -58,7 +58,7 @@ def test_sequential_compiles_fullgraph_and_matches_eager(name):
 
 
 def test_converted_model_compiles_fullgraph_and_matches_eager():
-    from float8.bench.distributed import Block
+    from benchmarks.distributed import Block
 
     def build():
         torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_sequential_ending_in_linear_cross_entropy_compiles():
 
 def test_whole_training_step_compiled_forward_backward_and_optimizer():
     """The step users run: a compiled model (fullgraph) and a compiled AdamW step, against eager."""
-    from float8.bench.distributed import Block
+    from benchmarks.distributed import Block
 
     def build():
         torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """Benchmark the quantization kernels against eager PyTorch and torch.compile of the same math.
 
-    python -m float8.bench.kernels --out DIR            # on a CUDA machine
-    python -m float8.bench.kernels --out DIR --sweep    # also time the tile/block variants of our kernels
-    python -m float8.bench.kernels --out DIR --cpu-smoke  # tiny shape, reference paths only (CI)
+    python -m benchmarks.kernels --out DIR            # on a CUDA machine
+    python -m benchmarks.kernels --out DIR --sweep    # also time the tile/block variants of our kernels
+    python -m benchmarks.kernels --out DIR --cpu-smoke  # tiny shape, reference paths only (CI)
 
 For a 16384x8192 bfloat16 input (normal * 3, well past the L2 cache), with triton.testing.do_bench
 (warmup=25, rep=100, median): a device-to-device copy first (x.clone(): 2 + 2 bytes/element), the floor
@@ -119,7 +119,7 @@ def run(args) -> dict:
     cpu = args.cpu_smoke
     device = "cpu" if cpu else "cuda"
     if not cpu and not torch.cuda.is_available():
-        raise SystemExit("float8.bench.kernels needs a CUDA GPU (or --cpu-smoke)")
+        raise SystemExit("benchmarks.kernels needs a CUDA GPU (or --cpu-smoke)")
     M, N = (128, 256) if cpu else tuple(args.shape)
     gen = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn((M, N), generator=gen, device=device) * 3).to(torch.bfloat16)
@@ -246,7 +246,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m float8.bench.kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for kernels_<gpu>.json and kernels_<gpu>.md")
     p.add_argument("--shape", type=int, nargs=2, default=[16384, 8192], metavar=("M", "K"))
     p.add_argument("--check-only", action="store_true", help="only check ours == reference, bit for bit")

@@ -2,7 +2,7 @@
 and captured in CUDA graphs (torch.cuda.make_graphed_callables), and a cProfile of ours: where the
 microseconds go.
 
-    python -m float8.bench.host [--profile]
+    python -m benchmarks.host [--profile]
 """
 
 from __future__ import annotations

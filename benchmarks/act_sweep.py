@@ -1,7 +1,7 @@
 """Time the two passes of the fused SwiGLU -> FP8 kernels (forward: act_fp8 with transpose; backward:
 dact_fp8) and the alternative tiles of their transposing pass, at the MLP block's shape.
 
-    python -m float8.bench.act_sweep [--tokens 16384] [--ffn 14336]
+    python -m benchmarks.act_sweep [--tokens 16384] [--ffn 14336]
 
 Each variant's outputs are checked bit for bit against the default configuration's before it is timed.
 Bytes per pass are the least the pass moves (bf16 in, FP8 out in both layouts), against the copy floor
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from float8.bench.timer import make_timer
+from benchmarks.harness import make_timer
 from float8.kernels import activation as act
 
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,7 +1,7 @@
 """2-GPU benchmarks (torchrun, NCCL): FSDP2 training of a Llama-style model and a tensor/sequence-parallel
 transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m float8.bench.distributed --out results.json [--tiny]
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed --out results.json [--tiny]
 
 fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x2048 tokens per GPU, fp32
     master parameters, MixedPrecisionPolicy(bf16, fp32), AdamW; FSDP2 per block and at the root. Variants:

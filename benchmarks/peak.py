@@ -1,8 +1,8 @@
 """What is alive at the peak of one training step, and where each tensor was allocated.
 
-    python -m float8.bench.peak [--tiny] [--case mlp|seed1119|both|train] [--out peak.txt]
+    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train] [--out peak.txt]
 
-Runs the activation cases of `float8.bench.memory` (bf16, float8.ops with the default and the lean-activation
+Runs the activation cases of `benchmarks.memory` (bf16, float8.ops with the default and the lean-activation
 recipe; AdamW, bf16 weights, loss out.sum()), records the
 CUDA caching allocator's history over one forward+backward after two warm-up steps, replays it to find the
 moment of the highest allocation, and lists the blocks alive then, grouped by the innermost frame of this
@@ -92,13 +92,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("peak: needs CUDA (the caching allocator's history); nothing to do on this machine")
         return
-    from float8.bench.blocks import Bf16MLP, fp8_mlp
-    from float8.bench.memory import Seed1119Layer, seed1119_ops
+    from benchmarks.blocks import Bf16MLP, fp8_mlp
+    from benchmarks.memory import Seed1119Layer, seed1119_ops
 
     layer_cfg = (64, 256, 4, 2, 16) if args.tiny else (4096, 16384, 32, 8, 128)
     mlp_cfg = (64, 96) if args.tiny else (4096, 14336)
     block_cfg = (64, 4, 2, 16, 128) if args.tiny else (4096, 32, 8, 128, 14336)
-    from float8.bench.distributed import ops_block
+    from benchmarks.distributed import ops_block
     from float8 import Recipe
 
     cases = {

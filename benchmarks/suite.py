@@ -2,18 +2,18 @@
 
 All in one process, each case also measured against its roofline floor.
 
-    python -m float8.bench [--out examples/results] [--quick] [--cases a,b,c,d,e,f] [--cpu-smoke]
+    python -m benchmarks [--out examples/results] [--quick] [--cases a,b,c,d,e,f] [--cpu-smoke]
                            [--no-rowwise] [--budget-s S]
 
 Cases (how they are measured: docs/design.md §8):
-  a  quantize / cast / cast-transpose kernels against the copy-bandwidth floor (float8.bench.kernels, reused)
+  a  quantize / cast / cast-transpose kernels against the copy-bandwidth floor (benchmarks.kernels, reused)
   b  FP8 GEMM: ours (`a @ b.t()` on pre-quantized Float8Tensors), raw torch._scaled_mm on the same FP8
      data, bf16 `x @ w.t()`; TFLOP/s
   c  Linear forward+backward: ours (float8.ops.Linear), bf16 nn.Linear eager and compiled, torchao
      tensorwise and rowwise (convert_to_float8_training, then torch.compile, as torchao recommends)
   d  MLP block forward+backward (RMSNorm -> Linear d->2f -> SwiGLU -> Linear f->d), time and peak memory
   e  transformer layer forward+backward (GQA attention through SDPA, SwiGLU FFN), time and peak memory
-  f  host time per forward+backward of a tiny Linear (GPU work negligible; float8.bench.host, reused)
+  f  host time per forward+backward of a tiny Linear (GPU work negligible; benchmarks.host, reused)
 
 Method. Timings: triton.testing.do_bench(warmup=25, rep=100, return_mode="median"); rep=250 for the block
 cases (d, e) so their ~20 ms steps still give a dozen samples. Inputs are randn. Each timed forward+backward
@@ -31,14 +31,14 @@ the FP8 GEMM rate (torch._scaled_mm at 8192^3, per-tensor scales), plus the bf16
 A Linear forward+backward counts 3 GEMMs of 2*M*K*N. Minimal bytes: each input of the case read once and each
 output written once, at the size ours takes and gives: FP8 operands and bf16 output for the GEMM; bf16 x, W,
 dy in and y, dx, dW out for Linear and the blocks (norm weights and their grads included); for the kernels,
-the bytes per element that float8.bench.kernels states.
+the bytes per element that benchmarks.kernels states.
 
 torchao (float8 training, 0.18): fields stay null and the table says why when it does not import. Rowwise is
 skipped (and the record says so) with --no-rowwise, or once the run has used --budget-s seconds.
 
 Outputs in --out: bench_<gpu-slug>.json (a list of records, written again after every case), .md (tables,
 printed at the end) and .png (speedup over bf16 eager; skipped with a note when matplotlib is missing).
-float8.bench.kernels also writes its own kernels_<gpu-slug>.json/.md there.
+benchmarks.kernels also writes its own kernels_<gpu-slug>.json/.md there.
 
 --cpu-smoke runs the same orchestration on the CPU with tiny shapes, a wall-clock timer and no
 torch.compile (the "compiled" variants run eagerly), so a test can check the plumbing and the schema.
@@ -93,7 +93,7 @@ SIZES = {
         tiny=(16, 64, 64), copy_bytes=2**30, rate=8192, budget_s=90.0,
     ),
     "smoke": dict(
-        kernels=None,  # float8.bench.kernels --cpu-smoke picks its own tiny shape
+        kernels=None,  # benchmarks.kernels --cpu-smoke picks its own tiny shape
         gemm=[(64, 64, 48)],
         linear=[(32, 64, 48)],
         mlp=(32, 64, 96),
@@ -191,7 +191,7 @@ def make_env(args) -> Env:
     mode = "smoke" if args.cpu_smoke else "quick" if args.quick else "full"
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("python -m float8.bench needs a CUDA GPU (or --cpu-smoke)")
+        raise SystemExit("python -m benchmarks needs a CUDA GPU (or --cpu-smoke)")
     tao, note = load_torchao()
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -482,8 +482,8 @@ def fp8_transformer_layer(d, heads, kv_heads, head_dim, ffn):
 
 
 def case_kernels(env: Env) -> list:
-    """(a) float8.bench.kernels, reused: ours (Triton) against eager and compiled torch of the same math."""
-    from float8.bench import kernels
+    """(a) benchmarks.kernels, reused: ours (Triton) against eager and compiled torch of the same math."""
+    from benchmarks import kernels
 
     argv = ["--out", env.out]
     if env.mode == "smoke":
@@ -576,7 +576,7 @@ def case_mlp(env: Env) -> list:
 
 
 def _mlp(env, rec, tokens, d, f):
-    from float8.bench.blocks import Bf16MLP, fp8_mlp
+    from benchmarks.blocks import Bf16MLP, fp8_mlp
 
     x, dy = env.randn(tokens, d, requires_grad=True), env.randn(tokens, d)
     ref = Bf16MLP(d, f).to(env.device, BF16)
@@ -619,18 +619,18 @@ def _layer(env, rec, batch, seq, d, heads, kv_heads, head_dim, ffn):
 
 
 def case_host(env: Env) -> list:
-    """(f) host time per tiny Linear forward+backward (float8.bench.host, reused) + compiled peers."""
+    """(f) host time per tiny Linear forward+backward (benchmarks.host, reused) + compiled peers."""
     m, k, n = env.sizes["tiny"]
     rec = new_record(env, "f", "host", "f host time, tiny Linear fwd+bwd", (m, k, n),
                      notes=["ms per call from a stream of calls (host-bound); ours and bf16 eager from "
-                            "float8.bench.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
+                            "benchmarks.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
                             "it keeps its cached FP8 weight there); *_graphed: the same steps captured with "
                             "torch.cuda.make_graphed_callables (ours re-quantizes its weight in the graph)"])
     return [guarded(rec, lambda: _host(env, rec, m, k, n))]
 
 
 def _host(env, rec, m, k, n):
-    from float8.bench import host
+    from benchmarks import host
 
     if env.cuda:
         from float8 import Recipe
@@ -656,7 +656,7 @@ def _host(env, rec, m, k, n):
 
 
 def _tiny_steps_cpu(env, m, k, n):
-    """The CPU twin of float8.bench.host.tiny_linear_steps (which is CUDA-only)."""
+    """The CPU twin of benchmarks.host.tiny_linear_steps (which is CUDA-only)."""
     import float8.ops as ops
 
     x, dy = env.randn(m, k, requires_grad=True), env.randn(m, n)
@@ -820,7 +820,7 @@ def _progress(items):
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc="float8.bench", unit="case")
+        return tqdm(items, desc="benchmarks", unit="case")
     except ImportError:
         return _printed_progress(items)
 
@@ -836,7 +836,7 @@ def _printed_progress(items):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m float8.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="examples/results", help="folder for bench_<gpu>.json/.md/.png")
     p.add_argument("--quick", action="store_true", help="small shapes (under ~2 minutes)")
     p.add_argument("--cases", default="a,b,c,d,e,f", help="comma-separated letters among a..f")
@@ -874,7 +874,7 @@ def main(argv=None) -> list:
     if env.torchao is None:
         print(env.torchao_note + ": torchao fields will be null")
     os.makedirs(env.out, exist_ok=True)
-    from float8.bench.kernels import slug
+    from benchmarks.kernels import slug
 
     base = os.path.join(env.out, f"bench_{slug(env.meta['device'])}")
     try:

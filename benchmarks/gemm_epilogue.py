@@ -1,6 +1,6 @@
 """Own Triton FP8 GEMM with a fused epilogue against cuBLASLt plus our separate kernel (issue 4, item 4).
 
-    python -m float8.bench.gemm_epilogue [--out DIR] [--device cpu]   (cpu: tiny shapes, interpreter)
+    python -m benchmarks.gemm_epilogue [--out DIR] [--device cpu]   (cpu: tiny shapes, interpreter)
 
 For each shape, y = act(a @ b + bias) quantized to E4M3 with current scaling (act: none, or GELU), two ways:
   cuBLASLt:  torch._scaled_mm (bias in its epilogue, bf16 out) -> our quantize / act_fp8 (amax pass + cast pass)
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from float8.bench.timer import make_timer
+from benchmarks.harness import make_timer
 from float8.kernels import activation as act
 from float8.kernels import gemm_epilogue as G
 from float8.kernels import quantize

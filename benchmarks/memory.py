@@ -1,7 +1,7 @@
 """Memory benchmarks of issue 10, one run: the fused LM head + loss, FP8-only inference, and what a training
 step holds.
 
-    python -m float8.bench.memory --out results.json [--tiny] [--only lce,inference,train,activations]
+    python -m benchmarks.memory --out results.json [--tiny] [--only lce,inference,train,activations]
 
 lce: loss and gradients of a (V=128256, H=4096) LM head on 16384 bf16 tokens, forward+backward: the naive
     F.cross_entropy(F.linear(x, w).float(), t), float8's linear_cross_entropy in bf16 and with FP8 GEMMs,
@@ -167,7 +167,7 @@ def bench_lce(dev, tiny):
 def _stack(dev, cfg, fp8):
     import float8.ops as ops
     from float8 import Recipe
-    from float8.bench.distributed import Block, ops_block
+    from benchmarks.distributed import Block, ops_block
 
     d, heads, kv, hd, ffn, blocks = cfg
     torch.manual_seed(0)
@@ -236,7 +236,7 @@ def _host_profile(dev, cfg, calls=5):
 
 
 def bench_train(dev, tiny):
-    from float8.bench.distributed import Block, ops_block
+    from benchmarks.distributed import Block, ops_block
 
     cfg = (64, 4, 2, 16, 128, 2) if tiny else (4096, 32, 8, 128, 14336, 8)
     batch, seq = (2, 32) if tiny else (8, 2048)
@@ -373,7 +373,7 @@ def _step_peaks(model, x, dev):
 
 
 def bench_activations(dev, tiny):
-    from float8.bench.blocks import Bf16MLP, fp8_mlp
+    from benchmarks.blocks import Bf16MLP, fp8_mlp
 
     layer_cfg = (64, 256, 4, 2, 16) if tiny else (4096, 16384, 32, 8, 128)
     layer_tokens = (2, 32) if tiny else (32, 1024)

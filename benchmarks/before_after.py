@@ -1,8 +1,8 @@
 """Before/after: the same benchmark cases from two versions of the library, run alternately on one machine.
 
-    python -m float8.bench.before_after --before DIR [DIR ...] --after DIR [DIR ...] [--md OUT.md]
+    python -m benchmarks.before_after --before DIR [DIR ...] --after DIR [DIR ...] [--md OUT.md]
 
-Each DIR holds the bench_<gpu>.json that `python -m float8.bench --cases ... --out DIR` wrote with one
+Each DIR holds the bench_<gpu>.json that `python -m benchmarks --cases ... --out DIR` wrote with one
 version installed. Runs alternate (before, after, before, after) so clock drift hits both alike; per
 case, the table gives each side's median time and memory, after/before, and each side's speedup over its
 own bf16 baseline (timed in the same process), which is the drift-free comparison.
@@ -53,7 +53,7 @@ def table(before_dirs, after_dirs) -> str:
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(prog="python -m float8.bench.before_after", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.before_after", description=__doc__.split("\n")[0])
     p.add_argument("--before", nargs="+", required=True)
     p.add_argument("--after", nargs="+", required=True)
     p.add_argument("--md", default=None, help="also write the table to this file")

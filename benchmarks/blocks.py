@@ -1,5 +1,5 @@
 """The MLP block of the benchmarks, twice: in plain PyTorch (bf16) and from float8.ops. Timed by the suite
-(`python -m float8.bench`, case d) and profiled by `python -m float8.bench.breakdown --mlp`."""
+(`python -m benchmarks`, case d) and profiled by `python -m benchmarks.breakdown --mlp`."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 torchao tensorwise (compiled) on the same shape, and the cuBLASLt rates of each of a Linear's three GEMMs
 in both operand orders, with and without fast accumulation.
 
-    python -m float8.bench.breakdown [--linear M K N ...] [--mlp] [--gemms] [--steps 5]
+    python -m benchmarks.breakdown [--linear M K N ...] [--mlp] [--gemms] [--steps 5]
 
-It is the profile behind the roofline column of `python -m float8.bench`: what is GEMM, what is not.
+It is the profile behind the roofline column of `python -m benchmarks`: what is GEMM, what is not.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def linear(m: int, k: int, n: int, steps: int) -> None:
 
 
 def mlp(steps: int, tokens: int = 16384, d: int = 4096, f: int = 14336) -> None:
-    from float8.bench.blocks import Bf16MLP, fp8_mlp
+    from benchmarks.blocks import Bf16MLP, fp8_mlp
 
     x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
     dy = torch.randn(tokens, d, device="cuda", dtype=BF16)
