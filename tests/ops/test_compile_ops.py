@@ -163,3 +163,28 @@ def test_compiled_cross_entropy_still_refuses_a_bad_label():
     target[3] = 500
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         run(torch.randn(16, 64, dtype=torch.bfloat16), target)
+
+
+def test_every_op_keeps_only_fields_the_compiled_path_carries():
+    """Under compile only the context fields named in ops/saved.py reach the backward: an op keeping
+    another name would fail there. Every `ctx.<name> = ...` on an OpContext in ops/ must be one of them."""
+    import ast
+    import pathlib
+
+    from float8.ops.saved import SAVED_FIELDS
+
+    found = set()
+    for path in (pathlib.Path(__file__).parents[2] / "ops").glob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            if not any(a.arg == "ctx" and getattr(a.annotation, "id", None) == "OpContext" for a in fn.args.args):
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for t in targets:
+                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(el, ast.Attribute) and getattr(el.value, "id", None) == "ctx":
+                            found.add(el.attr)
+    assert found, "no op context writes found: the scan is broken"
+    assert found <= set(SAVED_FIELDS), found - set(SAVED_FIELDS)
