@@ -177,7 +177,9 @@ def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bo
 
 def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):
     """The same in x2's dtype (the small-layer policy: GEMMs too small for FP8 to win)."""
-    w = weight.to(x2.dtype)
+    # The weight itself where no cast is needed: saved as the autograd Function's input, not as an alias
+    # of it (which torch.compile refuses to carry to the backward).
+    w = weight if weight.dtype == x2.dtype else weight.to(x2.dtype)
     saved = LinearSaved(None, x2 if need_wgrad else None, w if need_dgrad else None, x2.dtype, need_wgrad, need_dgrad)
     return F.linear(x2, w, bias), saved
 

@@ -29,6 +29,11 @@ from float8.row_collectives import all_reduce_sum, check_group, check_same_shape
 
 
 class _RowCollective(BasicOp):
+    not_compilable = (
+        "its collective first checks on the host that every rank holds an activation of one shape, which "
+        "dynamo cannot trace (a data-dependent size). Tensor-parallel layers run eagerly for now"
+    )
+
     def __init__(self, group):
         super().__init__()
         self.group = check_group(group, type(self).__name__)

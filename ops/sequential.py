@@ -42,8 +42,9 @@ class _Runner:
 
     def __init__(self, ops: List[BasicOp], fuse: bool, grad: bool, lead, input_requires_grad: bool):
         self.ops, self.fuse = ops, fuse
+        self.input_requires_grad = input_requires_grad
         self.run = RunState(grad, lead)
-        self.ctxs = [OpContext(self.run, input_requires_grad if i == 0 else True, i == 0) for i in range(len(ops))]
+        self.ctxs = self.contexts(self.run)
         # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
         # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
         self.grouped = [
@@ -52,19 +53,24 @@ class _Runner:
         ]  # fmt: skip
         self.pending: list = []
 
+    def contexts(self, run: RunState) -> List[OpContext]:
+        """One context per op, all sharing `run`."""
+        return [OpContext(run, self.input_requires_grad if i == 0 else True, i == 0) for i in range(len(self.ops))]
+
     def _deferring(self, on: bool) -> None:
         for q in self.grouped:
             q.deferred = self.pending if on else None
 
-    def forward(self, x):
-        ops, grad = self.ops, self.run.grad
+    def forward(self, x, ctxs=None):
+        """y for x; `ctxs`: the contexts to keep what the ops save on (default: this runner's own)."""
+        ops, grad, ctxs = self.ops, self.run.grad, (self.ctxs if ctxs is None else ctxs)
         units = match(ops, FORWARD_FUSIONS, self.fuse)
         self._deferring(True)
         try:
             for k, (i, unit) in enumerate(units):
                 # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
                 request = self._request_after(units, k, x.shape[0]) if self.fuse else None
-                x = unit.forward(self.ctxs[i : i + len(unit.ops)], x, request)
+                x = unit.forward(ctxs[i : i + len(unit.ops)], x, request)
         finally:
             self._deferring(False)
         if not grad and self.pending:
@@ -133,13 +139,19 @@ class _RunFunction(torch.autograd.Function):
         # Ops keep what their backward reads on their contexts; the input is the one of those a caller can
         # still write into. Saved here too, so that autograd's version check refuses a backward after an
         # in-place write into it (as torch's own ops do) instead of computing gradients from changed values.
-        y = runner.forward(x)
-        if torch.compiler.is_compiling():
-            # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py).
-            tensors, ctx.skeleton = pack_contexts(runner.ctxs, (x, *params))
-            ctx.save_for_backward(x, *tensors)
-        else:
+        if not torch.compiler.is_compiling():
             ctx.save_for_backward(x)
+            return runner.forward(x)
+        # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py). The contexts
+        # are made here, inside the Function: what the ops keep on them (a parameter itself, when `.to()`
+        # had nothing to convert) must not be a write into objects from outside it, which dynamo refuses
+        # when the tensor aliases an input.
+        ctxs = runner.contexts(RunState(runner.run.grad, runner.run.lead))
+        y = runner.forward(x, ctxs)
+        if ctxs and ctxs[0].run.lead != runner.run.lead:
+            runner.run.lead = ctxs[0].run.lead  # a Reshape op changed the token dims of the output
+        tensors, ctx.skeleton = pack_contexts(ctxs, (x, *params))
+        ctx.save_for_backward(x, *tensors)
         return y
 
     @staticmethod

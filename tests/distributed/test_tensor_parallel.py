@@ -327,3 +327,26 @@ def test_sequence_parallel_attention_layer_matches_unsharded():
     for r in run_ranks(_sp_layer, timeout=TIMEOUT_S):
         for name, db in r.items():
             assert db >= SP_LAYER_MIN_DB[name], (name, db, r)
+
+
+def _compile_tp(rank, world):
+    import torch.distributed as dist
+
+    import float8.ops as ops
+
+    group = dist.new_group(list(range(world)))
+    model = ops.Sequential(
+        ops.Linear(64, 128, bias=False, parallel="column", tp_group=group),
+        ops.Linear(128, 64, bias=False, parallel="row", tp_group=group),
+    ).to(torch.bfloat16)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        run(torch.randn(2, 16, 64, dtype=torch.bfloat16))
+    except Exception as e:  # dynamo wraps the op's error in its own
+        return str(e)
+    return "compiled"
+
+
+def test_tensor_parallel_under_compile_names_the_problem():
+    for message in run_ranks(_compile_tp, timeout=TIMEOUT_S):
+        assert "cannot run under torch.compile" in message and "Tensor-parallel layers run eagerly" in message, message[:500]

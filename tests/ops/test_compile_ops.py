@@ -68,6 +68,17 @@ def test_converted_model_compiles_fullgraph_and_matches_eager():
     _compare_steps(build, lambda s: torch.randn(2, 32, 64, dtype=torch.bfloat16))
 
 
+def test_bias_then_activation_compiles():
+    """A Bias op fused with the activation after it saves the bias parameter itself (`.to()` of the same
+    dtype): an alias of the Function's input, which dynamo refused while the contexts lived outside it."""
+
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.Bias(64), ops.GELU(), ops.Linear(64, 64)).to(torch.bfloat16)
+
+    _compare_steps(build, lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
+
+
 def test_linear_alone_with_float32_master_weights():
     def build():
         torch.manual_seed(0)

@@ -69,3 +69,15 @@ def test_inductor_converted_block_matches_eager():
         assert sqnr_db(want, got) >= SQNR_DB["grad"], sqnr_db(want, got)
 
     _compare(build, (2, 512, 1024), close)
+
+
+def test_inductor_small_layers_in_high_precision_same_bits_as_eager():
+    """Below Recipe.min_fp8_gemm_flops the Linears run in bf16 (the small-layer policy): that path saves
+    the weight itself for the backward, and must compile as well."""
+    torch._dynamo.reset()
+
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256)).cuda().to(torch.bfloat16)
+
+    _compare(build, (2, 64, 256), assert_same_bits)
