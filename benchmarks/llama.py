@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import float8.ops as ops
+from benchmarks import distributed
 from float8 import Recipe
 
 
@@ -34,38 +35,14 @@ class LlamaShape:
 TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, vocab=256, batch=2, seq=32)
 
 
-class Block(torch.nn.Module):
-    """One Llama block in plain PyTorch."""
-
-    def __init__(self, s: LlamaShape):
-        super().__init__()
-        self.h, self.kv, self.hd = s.heads, s.kv_heads, s.head_dim
-        self.norm1, self.norm2 = torch.nn.RMSNorm(s.d, eps=1e-6), torch.nn.RMSNorm(s.d, eps=1e-6)
-        self.qkv = torch.nn.Linear(s.d, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False)
-        self.o = torch.nn.Linear(s.heads * s.head_dim, s.d, bias=False)
-        self.up = torch.nn.Linear(s.d, 2 * s.ffn, bias=False)
-        self.down = torch.nn.Linear(s.ffn, s.d, bias=False)
-
-    def forward(self, x):  # (B, S, d)
-        b, n, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, n, self.h + 2 * self.kv, self.hd).transpose(1, 2)
-        q, k, v = qkv.split([self.h, self.kv, self.kv], dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
-        x = x + self.o(a.transpose(1, 2).reshape(b, n, -1))
-        g, u = self.up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+def Block(s: LlamaShape) -> torch.nn.Module:
+    """One Llama block in plain PyTorch (the 2-GPU benchmark's, benchmarks/distributed.py)."""
+    return distributed.Block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn)
 
 
 def ops_block(s: LlamaShape, recipe=None) -> torch.nn.Module:
     """The same block from float8 ops."""
-    return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(s.d), ops.Linear(s.d, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False),
-        ops.Attention(s.heads, s.head_dim, num_kv_heads=s.kv_heads), ops.Linear(s.heads * s.head_dim, s.d, bias=False),
-        ops.AddResidual(),
-        ops.Residual(), ops.RMSNorm(s.d), ops.Linear(s.d, 2 * s.ffn, bias=False), ops.SwiGLU(),
-        ops.Linear(s.ffn, s.d, bias=False), ops.AddResidual(),
-        recipe=recipe,
-    )  # fmt: skip
+    return distributed.ops_block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn, recipe)
 
 
 class TorchHead(torch.nn.Module):

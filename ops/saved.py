@@ -34,35 +34,31 @@ class _Slot:
         self.index = index
 
 
+def _map(value, leaf):
+    """value with each tensor or slot in it replaced by leaf(it), through tuples (named ones too), lists and
+    the records; anything else as it is."""
+    if isinstance(value, (torch.Tensor, _Slot)):
+        return leaf(value)
+    if isinstance(value, tuple):
+        items = [_map(v, leaf) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_map(v, leaf) for v in value]
+    if type(value) in _RECORDS:
+        return type(value)(*[_map(getattr(value, f), leaf) for f in type(value).__match_args__])
+    return value
+
+
 def _pack(value, tensors: List[torch.Tensor], inputs):
-    if isinstance(value, torch.Tensor):
+    def slot(t):
         # A tensor the forward made is copied: dynamo drops (and then refuses to read in the backward) a
         # saved intermediate that shares storage with another tensor of the forward, and an FP8 tensor's
         # saved layout always does (it is a view of the Float8Tensor's data). The Function's own inputs
         # (the activation, the parameters) are saved as they are.
-        tensors.append(value if any(value is t for t in inputs) else value.clone())
+        tensors.append(t if any(t is i for i in inputs) else t.clone())
         return _Slot(len(tensors) - 1)
-    if isinstance(value, tuple):
-        items = [_pack(v, tensors, inputs) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_pack(v, tensors, inputs) for v in value]
-    if type(value) in _RECORDS:
-        return type(value)(*[_pack(getattr(value, f), tensors, inputs) for f in type(value).__match_args__])
-    return value
 
-
-def _unpack(value, tensors):
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, tuple):
-        items = [_unpack(v, tensors) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_unpack(v, tensors) for v in value]
-    if type(value) in _RECORDS:
-        return type(value)(*[_unpack(getattr(value, f), tensors) for f in type(value).__match_args__])
-    return value
+    return _map(value, slot)
 
 
 # What ops keep on their contexts (ops/*.py). Named here rather than read from the context's __dict__,
@@ -91,6 +87,6 @@ def unpack_contexts(skeleton, tensors) -> List[OpContext]:
     for input_requires_grad, first, saved in entries:
         ctx = OpContext(run, input_requires_grad, first)
         for k, v in saved.items():
-            setattr(ctx, k, _unpack(v, tensors))
+            setattr(ctx, k, _map(v, lambda slot: tensors[slot.index]))
         ctxs.append(ctx)
     return ctxs
