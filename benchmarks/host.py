@@ -1,15 +1,22 @@
-"""Host time of a tiny Linear forward+backward (GPU work negligible), ours against bf16 nn.Linear, eager
-and captured in CUDA graphs (torch.cuda.make_graphed_callables), and a cProfile of ours: where the
-microseconds go.
+"""Host time of tiny forward+backward steps (GPU work negligible), ours against the same bf16 torch modules:
+a Linear alone and a Sequential of Linear, RMSNorm, GELU. Variants: bf16 eager; ours eager with the default
+recipe (the small-layer policy runs a layer this small in bf16); ours forced onto its FP8 path
+(Recipe(min_fp8_gemm_flops=0)); both captured in CUDA graphs (torch.cuda.make_graphed_callables), and a
+cProfile of ours: where the microseconds go, by function and by file.
 
-    python -m benchmarks.host [--profile]
+    python -m benchmarks.host [--profile] [--json PATH]
+
+Targets (issue 11): Sequential eager <= 1.3x bf16 eager host time, forced FP8 <= 2x, graphed <= 1.0x.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import cProfile
+import io
+import json
 import pstats
 import time
 
@@ -35,9 +42,11 @@ class Step:
 
     def __init__(self, model, x, dy, fn=None):
         self.model, self.x, self.dy, self.fn = model, x, dy, fn or model
+        self.params = list(model.parameters())
 
     def __call__(self):
-        self.model.weight.grad = None
+        for p in self.params:
+            p.grad = None
         self.x.grad = None
         self.fn(self.x).backward(self.dy)
 
@@ -46,43 +55,99 @@ class Step:
         return Step(model, self.x, self.dy, torch.cuda.make_graphed_callables(model, (self.x,)))
 
 
+def _inputs(m, k, n):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return x, torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+
 def tiny_linear_steps(m=16, k=64, n=64, recipe=None):
-    """(bf16 step, ours step). recipe=Recipe(min_fp8_gemm_flops=0) forces the FP8 path: with the default
-    recipe a layer this small runs in bf16 (the small-layer policy)."""
+    """(bf16 step, ours step) of one Linear. recipe=Recipe(min_fp8_gemm_flops=0) forces the FP8 path: with
+    the default recipe a layer this small runs in bf16 (the small-layer policy)."""
     import float8.ops as ops
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x, dy = _inputs(m, k, n)
     ref = torch.nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16)
     ours = ops.Linear(k, n, bias=False, recipe=recipe).to("cuda", torch.bfloat16)
     return Step(ref, x, dy), Step(ours, x, dy)
 
 
+def tiny_sequential_steps(m=16, k=64, n=64, recipe=None):
+    """(bf16 step, ours step) of Linear -> RMSNorm -> GELU: torch.nn.Sequential against ops.Sequential."""
+    import float8.ops as ops
+
+    x, dy = _inputs(m, k, n)
+    ref = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False), torch.nn.RMSNorm(n), torch.nn.GELU())
+    ours = ops.Sequential(ops.Linear(k, n, bias=False), ops.RMSNorm(n), ops.GELU(), recipe=recipe)
+    return Step(ref.to("cuda", torch.bfloat16), x, dy), Step(ours.to("cuda", torch.bfloat16), x, dy)
+
+
+def measure() -> list:
+    """Rows {case, variant, us, vs_bf16}: every variant of both cases, bf16 eager timed beside them."""
+    from float8 import Recipe
+
+    forced = Recipe(min_fp8_gemm_flops=0)
+    rows = []
+    for case, make in (("linear", tiny_linear_steps), ("sequential", tiny_sequential_steps)):
+        bf16, ours = make()
+        _, fp8 = make(recipe=forced)
+        variants = {
+            "bf16 eager": bf16,
+            "ours eager (policy)": ours,
+            "ours eager, forced FP8": fp8,
+            "bf16 graphed": bf16.graphed(),
+            "ours graphed, forced FP8": fp8.graphed(),
+        }
+        base = host_us(bf16)
+        for name, step in variants.items():
+            us = base if name == "bf16 eager" else host_us(step)
+            rows.append({"case": case, "variant": name, "us": round(us, 1), "vs_bf16": round(us / base, 2)})
+    return rows
+
+
+def profile(step, calls=200) -> str:
+    """cProfile of `calls` steps: the top functions by own time, then own time summed per file."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(40)
+    per_file = collections.Counter()
+    for (path, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        per_file[path.split("site-packages/")[-1]] += tottime
+    out.write(f"own time per file, us per step ({calls} steps):\n")
+    for path, t in per_file.most_common(25):
+        out.write(f"{t / calls * 1e6:9.1f}  {path}\n")
+    return out.getvalue()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", help="write the rows (and profiles) here")
     args = p.parse_args(argv)
     from float8 import Recipe
 
-    bf16, ours = tiny_linear_steps()
-    _, fp8 = tiny_linear_steps(recipe=Recipe(min_fp8_gemm_flops=0))
-    b, o, f = host_us(bf16), host_us(ours), host_us(fp8)
-    bg, fg = host_us(tiny_linear_steps()[0].graphed()), host_us(fp8.graphed())
-    print(f"host us per tiny Linear fwd+bwd: bf16 nn.Linear {b:.1f}, ours (policy: bf16) {o:.1f} ({o / b:.2f}x), "
-          f"ours forced FP8 {f:.1f} ({f / b:.2f}x); CUDA graphs: bf16 {bg:.1f}, ours forced FP8 {fg:.1f} ({fg / b:.2f}x of bf16 eager)")
+    rows = measure()
+    for r in rows:
+        print(f"{r['case']:11s} {r['variant']:28s} {r['us']:8.1f} us  {r['vs_bf16']:.2f}x bf16 eager")
+    profiles = {}
     if args.profile:
-        for name, fn in (("policy path", ours), ("forced FP8 path", fp8)):
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            prof.disable()
-            print(f"--- cProfile, {name}, 200 steps")
-            pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(40)
-        return b, o
-    return b, o
+        forced = Recipe(min_fp8_gemm_flops=0)
+        for name, make, recipe in (("sequential, policy", tiny_sequential_steps, None),
+                                   ("sequential, forced FP8", tiny_sequential_steps, forced)):
+            step = make(recipe=recipe)[1]
+            for _ in range(20):
+                step()
+            profiles[name] = profile(step)
+            print(f"--- cProfile, {name}\n{profiles[name]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "profiles": profiles}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

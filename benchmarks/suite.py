@@ -2,7 +2,7 @@
 
 All in one process, each case also measured against its roofline floor.
 
-    python -m benchmarks [--out examples/results] [--quick] [--cases a,b,c,d,e,f] [--cpu-smoke]
+    python -m benchmarks [--out examples/results] [--quick] [--cases a,b,c,d,e,f,g] [--cpu-smoke]
                            [--no-rowwise] [--budget-s S]
 
 Cases (how they are measured: docs/design.md §8):
@@ -14,6 +14,10 @@ Cases (how they are measured: docs/design.md §8):
   d  MLP block forward+backward (RMSNorm -> Linear d->2f -> SwiGLU -> Linear f->d), time and peak memory
   e  transformer layer forward+backward (GQA attention through SDPA, SwiGLU FFN), time and peak memory
   f  host time per forward+backward of a tiny Linear (GPU work negligible; benchmarks.host, reused)
+  g  whole training steps (zero_grad, forward, backward, AdamW foreach step) of the Linear and the MLP block,
+     at the sizes where host time shows (1024 and 2048 tokens) and at a large one
+Variants of c, d, g: ours eager and compiled, bf16 eager and compiled, torchao tensorwise and rowwise
+(compiled); case e has no ours compiled (ops.Attention does not run under torch.compile).
 
 Method. Timings: triton.testing.do_bench(warmup=25, rep=100, return_mode="median"); rep=250 for the block
 cases (d, e) so their ~20 ms steps still give a dozen samples. Inputs are randn. Each timed forward+backward
@@ -71,7 +75,7 @@ E4M3 = torch.float8_e4m3fn
 REP = 100
 BLOCK_REP = 250
 ROUNDS = 3  # cases c-e: each variant timed in this many interleaved rounds after a warm-up (fwd_bwd_variants)
-VARIANTS = ["ours", "bf16", "bf16_compiled", "torchao", "torchao_rowwise"]  # fields <key>_ms, peak_mem_<key>
+VARIANTS = ["ours", "ours_compiled", "bf16", "bf16_compiled", "torchao", "torchao_rowwise"]  # <key>_ms, peak_mem_<key>
 
 # Shapes. Linear and GEMM shapes are (M, K, N); mlp is (tokens, d, f); layer as named.
 SIZES = {
@@ -82,6 +86,8 @@ SIZES = {
                 (16384, 4096, 14336), (16384, 14336, 4096)],
         mlp=(16384, 4096, 14336),
         layer=dict(batch=8, seq=1024, d=4096, heads=32, kv_heads=8, head_dim=128, ffn=16384),
+        step_linear=[(1024, 4096, 4096), (2048, 4096, 4096), (8192, 8192, 8192)],
+        step_mlp=[(1024, 4096, 14336), (2048, 4096, 14336), (16384, 4096, 14336)],
         tiny=(16, 64, 64), copy_bytes=2**30, rate=8192, budget_s=420.0,
     ),
     "quick": dict(
@@ -90,6 +96,8 @@ SIZES = {
         linear=[(4096, 4096, 4096)],
         mlp=(4096, 2048, 8192),
         layer=dict(batch=2, seq=1024, d=2048, heads=16, kv_heads=4, head_dim=128, ffn=8192),
+        step_linear=[(2048, 4096, 4096)],
+        step_mlp=[(2048, 2048, 8192)],
         tiny=(16, 64, 64), copy_bytes=2**30, rate=8192, budget_s=90.0,
     ),
     "smoke": dict(
@@ -98,6 +106,8 @@ SIZES = {
         linear=[(32, 64, 48)],
         mlp=(32, 64, 96),
         layer=dict(batch=2, seq=8, d=64, heads=4, kv_heads=2, head_dim=16, ffn=64),
+        step_linear=[(32, 64, 48)],
+        step_mlp=[(32, 64, 96)],
         tiny=(16, 64, 64), copy_bytes=2**20, rate=64, budget_s=math.inf,
     ),
 }
@@ -247,7 +257,8 @@ def new_record(env: Env, letter: str, case: str, label: str, shape, **extra) -> 
         rec[f"peak_mem_{key}"] = None
     rec.update(gemm_flops=None, floor_bytes=None, floor_ms=None, fraction_of_floor=None,
                speedup_vs_bf16=None, speedup_vs_bf16_compiled=None, speedup_vs_torchao=None,
-               speedup_vs_torchao_rowwise=None, skipped={}, errors={}, error=None, notes=[])
+               speedup_vs_torchao_rowwise=None, compiled_speedup_vs_bf16_compiled=None,
+               compiled_speedup_vs_torchao=None, skipped={}, errors={}, error=None, notes=[])
     rec.update(extra)
     rec.update(env.meta)
     rec.update(env.calib)
@@ -255,21 +266,24 @@ def new_record(env: Env, letter: str, case: str, label: str, shape, **extra) -> 
 
 
 def finish_record(rec: dict) -> dict:
-    """Speedups and the fraction of the floor. With timed rounds (cases c-e), each speedup is the median
-    over rounds of that round's ratio, so both times of a ratio come from the same round."""
-    ours = rec["ours_ms"]
+    """Speedups and the fraction of the floor. With timed rounds (cases c-e, g), each speedup is the median
+    over rounds of that round's ratio, so both times of a ratio come from the same round. Ours eager is
+    held against every baseline; ours compiled against bf16 compiled and torchao (both compiled too)."""
     rounds = rec.get("rounds_ms") or {}
-    if ours:
-        for key in ["bf16", "bf16_compiled", "torchao", "torchao_rowwise"]:
-            if not rec[f"{key}_ms"]:
-                continue
-            if key in rounds and "ours" in rounds:
-                ratios = [b / o for b, o in zip(rounds[key], rounds["ours"])]
-                rec[f"speedup_vs_{key}"] = statistics.median(ratios)
-            else:
-                rec[f"speedup_vs_{key}"] = rec[f"{key}_ms"] / ours
-        if rec["floor_ms"]:
-            rec["fraction_of_floor"] = rec["floor_ms"] / ours
+
+    def speedup(base: str, ours: str) -> Optional[float]:
+        if not rec[f"{base}_ms"] or not rec[f"{ours}_ms"]:
+            return None
+        if base in rounds and ours in rounds:
+            return statistics.median([b / o for b, o in zip(rounds[base], rounds[ours])])
+        return rec[f"{base}_ms"] / rec[f"{ours}_ms"]
+
+    for key in ["bf16", "bf16_compiled", "torchao", "torchao_rowwise"]:
+        rec[f"speedup_vs_{key}"] = speedup(key, "ours")
+    rec["compiled_speedup_vs_bf16_compiled"] = speedup("bf16_compiled", "ours_compiled")
+    rec["compiled_speedup_vs_torchao"] = speedup("torchao", "ours_compiled")
+    if rec["ours_ms"] and rec["floor_ms"]:
+        rec["fraction_of_floor"] = rec["floor_ms"] / rec["ours_ms"]
     return rec
 
 
@@ -343,6 +357,21 @@ class FwdBwd:
         self.model(self.x).backward(self.dy)
 
 
+class TrainStep(FwdBwd):
+    """A whole training step: zero_grad (to None), y = model(x), y.backward(dy), AdamW step (foreach, the
+    same eager optimizer for every variant). The optimizer moves the weights, so FP8 copies are made anew
+    each step, as in training."""
+
+    def __init__(self, model, x, dy):
+        super().__init__(model, x, dy, bump=False)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-6, foreach=True)
+
+    def __call__(self) -> None:
+        self.clear()
+        self.model(self.x).backward(self.dy)
+        self.opt.step()
+
+
 def peak_memory(env: Env, step: FwdBwd) -> Optional[int]:
     if not env.cuda:
         step()
@@ -374,7 +403,7 @@ def torchao_model(env: Env, ref: torch.nn.Module, recipe: str):
     return env.compile(model)
 
 
-def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP) -> None:
+def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP, step_cls=FwdBwd) -> None:
     """Build, warm and time each builder's model in the order given (bf16 compiled before torchao, whose
     conversion patches inductor's min/max codegen process-wide), with its peak memory; that first timing
     is a warm-up and is not kept (it follows a build, a compile or a cleanup: at M = 1024 it read 0.29 ms
@@ -385,7 +414,7 @@ def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP)
     steps = {}
 
     def first(key, build):
-        step = FwdBwd(build(), x, dy)
+        step = step_cls(build(), x, dy)
         out = measure(env, step, rep)
         steps[key] = step
         return out
@@ -406,11 +435,14 @@ def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP)
     env.cleanup()
 
 
-def standard_builders(env: Env, ref, ours) -> dict:
+def standard_builders(env: Env, ref, ours, compiled_ours: bool = True) -> dict:
+    """bf16 eager and compiled, ours eager (and compiled, unless the model cannot compile: ops.Attention),
+    torchao tensorwise and rowwise compiled. Compiled variants share their eager twin's parameters."""
     return {
         "bf16": lambda: ref,
         "bf16_compiled": lambda: env.compile(ref),
         "ours": lambda: ours,
+        **({"ours_compiled": lambda: env.compile(ours)} if compiled_ours else {}),
         "torchao": lambda: torchao_model(env, ref, "tensorwise"),
         "torchao_rowwise": lambda: torchao_model(env, ref, "rowwise"),
     }
@@ -555,17 +587,27 @@ def case_linear(env: Env) -> list:
     return records
 
 
-def _linear_shape(env, rec, m, k, n):
+def _linear_shape(env, rec, m, k, n, step_cls=None):
     import float8.ops as ops
 
+    step_cls = step_cls or FwdBwd
     x, dy = env.randn(m, k, requires_grad=True), env.randn(m, n)
     ref = torch.nn.Linear(k, n, bias=False).to(env.device, BF16)
     ours = ops.Linear(k, n, bias=False).to(env.device, BF16)
     copy_weights([(ours.weight, ref.weight)])
-    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy)
-    rec["gemm_flops"] = 3 * 2 * m * k * n
-    rec["floor_bytes"] = _nbytes_fwd_bwd(m, k, n, k * n)
-    rec["floor_ms"] = floor_ms(env, rec["gemm_flops"], rec["floor_bytes"])
+    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, step_cls=step_cls)
+    _set_floor(env, rec, step_cls, 3 * 2 * m * k * n, _nbytes_fwd_bwd(m, k, n, k * n), k * n)
+
+
+def _set_floor(env, rec, step_cls, flops, nbytes, params):
+    """floor_ms from the GEMM FLOPs and the bytes of a forward+backward; a whole step (TrainStep) adds
+    AdamW's: weight, gradient and both states read, weight and states written, all bf16 (the states take the
+    parameters' dtype), 14 bytes per parameter."""
+    if step_cls is TrainStep:
+        nbytes += 14 * params
+        rec["notes"].append("whole step: zero_grad, forward, backward, AdamW(foreach) step")
+    rec["gemm_flops"], rec["floor_bytes"] = flops, nbytes
+    rec["floor_ms"] = floor_ms(env, flops, nbytes)
 
 
 def case_mlp(env: Env) -> list:
@@ -575,20 +617,19 @@ def case_mlp(env: Env) -> list:
     return [guarded(rec, lambda: _mlp(env, rec, tokens, d, f))]
 
 
-def _mlp(env, rec, tokens, d, f):
+def _mlp(env, rec, tokens, d, f, step_cls=None):
     from benchmarks.blocks import Bf16MLP, fp8_mlp
 
+    step_cls = step_cls or FwdBwd
     x, dy = env.randn(tokens, d, requires_grad=True), env.randn(tokens, d)
     ref = Bf16MLP(d, f).to(env.device, BF16)
     ours = fp8_mlp(d, f).to(env.device, BF16)
     copy_weights([(ours[0].weight, ref.norm.weight), (ours[1].weight, ref.up.weight),
                   (ours[3].weight, ref.down.weight)])
     rec["output_sqnr_db_vs_bf16"] = sqnr_db(ref, ours, x)
-    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP)
+    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP, step_cls=step_cls)
     params = d + 2 * f * d + f * d
-    rec["gemm_flops"] = 3 * 2 * tokens * (d * 2 * f + f * d)
-    rec["floor_bytes"] = _nbytes_fwd_bwd(tokens, d, d, params)
-    rec["floor_ms"] = floor_ms(env, rec["gemm_flops"], rec["floor_bytes"])
+    _set_floor(env, rec, step_cls, 3 * 2 * tokens * (d * 2 * f + f * d), _nbytes_fwd_bwd(tokens, d, d, params), params)
 
 
 def case_layer(env: Env) -> list:
@@ -608,7 +649,8 @@ def _layer(env, rec, batch, seq, d, heads, kv_heads, head_dim, ffn):
                   (ours[4].weight, ref.proj.weight), (ours[7].weight, ref.norm2.weight),
                   (ours[8].weight, ref.up.weight), (ours[10].weight, ref.down.weight)])
     rec["output_sqnr_db_vs_bf16"] = sqnr_db(ref, ours, x)
-    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP)
+    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours, compiled_ours=False), x, dy, BLOCK_REP)
+    rec["notes"].append("ours compiled: not measured (ops.Attention does not run under torch.compile)")
     tokens, qkv = batch * seq, (heads + 2 * kv_heads) * head_dim
     weights = d * qkv + heads * head_dim * d + d * 2 * ffn + ffn * d
     rec["gemm_flops"] = 3 * 2 * tokens * weights
@@ -673,6 +715,18 @@ def _wall_us(step, n=5) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
+def case_steps(env: Env) -> list:
+    """(g) whole training steps with AdamW (TrainStep): the Linear and the MLP block of cases c and d."""
+    records = []
+    for m, k, n in env.sizes["step_linear"]:
+        rec = new_record(env, "g", "step_linear", "g Linear train step", (m, k, n))
+        records.append(guarded(rec, lambda: _linear_shape(env, rec, m, k, n, TrainStep)))
+    for tokens, d, f in env.sizes["step_mlp"]:
+        rec = new_record(env, "g", "step_mlp", "g MLP train step", (tokens, d, f))
+        records.append(guarded(rec, lambda: _mlp(env, rec, tokens, d, f, TrainStep)))
+    return records
+
+
 CASES = {
     "a": ("kernels", case_kernels),
     "b": ("gemm", case_gemm),
@@ -680,6 +734,7 @@ CASES = {
     "d": ("mlp", case_mlp),
     "e": ("transformer_layer", case_layer),
     "f": ("host", case_host),
+    "g": ("steps", case_steps),
 }
 
 
@@ -715,16 +770,20 @@ def markdown(env: Env, records: list) -> str:
     lines += [
         "Speedup = baseline ms / ours ms (above 1: ours is faster). floor = GEMM FLOPs / FP8 rate + minimal "
         "bytes / copy bandwidth; of floor = floor / ours. Peak memory: MiB above what was allocated before "
-        "one forward+backward. Case a: bf16 = eager torch of the same math, bf16 compiled = its torch.compile. "
-        "Case f: ms per call, host-bound.",
+        "one forward+backward (case g: one whole step). Case a: bf16 = eager torch of the same math, bf16 compiled "
+        "= its torch.compile. Case f: ms per call, host-bound. Case g: whole training steps (zero_grad, forward, "
+        "backward, AdamW foreach step). The vs columns hold ours eager against each baseline; ours compiled "
+        "against bf16 compiled and torchao tensorwise is in the notes below the table.",
         "",
-        "| case | shape | ours ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms | vs bf16 "
-        "| vs compiled | vs torchao tw | vs torchao rw | floor ms | of floor | peak MiB ours | bf16 | torchao tw |",
-        "| --- | --- |" + " ---: |" * 14,
+        "| case | shape | ours ms | ours compiled ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms "
+        "| vs bf16 | vs compiled | vs torchao tw | vs torchao rw | floor ms | of floor | peak MiB ours | bf16 "
+        "| torchao tw |",
+        "| --- | --- |" + " ---: |" * 15,
     ]
     for r in records:
         lines.append(
-            f"| {r['label']} | {_shape(r)} | {_fmt(r['ours_ms'], '.4f')} | {_fmt(r['bf16_ms'], '.4f')} | "
+            f"| {r['label']} | {_shape(r)} | {_fmt(r['ours_ms'], '.4f')} | {_fmt(r['ours_compiled_ms'], '.4f')} | "
+            f"{_fmt(r['bf16_ms'], '.4f')} | "
             f"{_fmt(r['bf16_compiled_ms'], '.4f')} | {_fmt(r['torchao_ms'], '.4f')} | "
             f"{_fmt(r['torchao_rowwise_ms'], '.4f')} | {_fmt(r['speedup_vs_bf16'], '.2f', 'x')} | "
             f"{_fmt(r['speedup_vs_bf16_compiled'], '.2f', 'x')} | {_fmt(r['speedup_vs_torchao'], '.2f', 'x')} | "
@@ -758,6 +817,10 @@ def _block_notes(records) -> list:
                          f"{r['ours_graphed_ms']:.4f} ms, {r['ours_graphed_ms'] / r['bf16_ms']:.2f}x the time of bf16 "
                          f"eager (speedup {r['bf16_ms'] / r['ours_graphed_ms']:.2f}x), bf16 graphed "
                          f"{_fmt(r.get('bf16_graphed_ms'), '.4f')} ms{eager}")
+        if r.get("compiled_speedup_vs_bf16_compiled") is not None:
+            lines.append(f"- {r['label']} {_shape(r)}: ours compiled {r['compiled_speedup_vs_bf16_compiled']:.2f}x bf16 "
+                         f"compiled, {_fmt(r['compiled_speedup_vs_torchao'], '.2f', 'x')} torchao tensorwise; peak "
+                         f"MiB ours compiled {_mib(r['peak_mem_ours_compiled'])}")
         if r.get("output_sqnr_db_vs_bf16") is not None:
             lines.append(f"- {r['label']} {_shape(r)}: ours' output against bf16 on the same weights, "
                          f"SQNR {r['output_sqnr_db_vs_bf16']:.1f} dB; peak MiB bf16 compiled "
@@ -780,7 +843,8 @@ def _problems(env: Env, records) -> list:
 
 
 def plot(records: list, path: str) -> Optional[str]:
-    """Speedup over bf16 eager per case/shape (bars: ours, bf16 compiled, torchao tw, rw). None if skipped."""
+    """Speedup over bf16 eager per case/shape (bars: ours eager and compiled, bf16 compiled, torchao tw, rw).
+    None if skipped."""
     try:
         import matplotlib
 
@@ -790,13 +854,13 @@ def plot(records: list, path: str) -> Optional[str]:
         print("matplotlib is not installed: no PNG written")
         return None
     rows = [r for r in records if r["bf16_ms"]]
-    series = [("ours", "ours (float8)"), ("bf16_compiled", "bf16 compiled"),
+    series = [("ours", "ours (float8)"), ("ours_compiled", "ours compiled"), ("bf16_compiled", "bf16 compiled"),
               ("torchao", "torchao tensorwise"), ("torchao_rowwise", "torchao rowwise")]
-    width = 0.2
+    width = 0.16
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows) + 2), 5))
     for i, (key, name) in enumerate(series):
         ys = [r["bf16_ms"] / r[f"{key}_ms"] if r[f"{key}_ms"] else math.nan for r in rows]
-        ax.bar([j + (i - 1.5) * width for j in range(len(rows))], ys, width, label=name)
+        ax.bar([j + (i - 2) * width for j in range(len(rows))], ys, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{textwrap.shorten(r['label'], 34)}\n{_shape(r)}" for r in rows], rotation=60, ha="right",
@@ -839,7 +903,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="examples/results", help="folder for bench_<gpu>.json/.md/.png")
     p.add_argument("--quick", action="store_true", help="small shapes (under ~2 minutes)")
-    p.add_argument("--cases", default="a,b,c,d,e,f", help="comma-separated letters among a..f")
+    p.add_argument("--cases", default="a,b,c,d,e,f,g", help="comma-separated letters among a..g")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, wall-clock timer, no compile")
     p.add_argument("--no-rowwise", action="store_true", help="skip the torchao rowwise variants")
     p.add_argument("--budget-s", type=float, default=None,

@@ -9,6 +9,7 @@ them: see ops/fusion.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from float8.kernels.activation import SAVED_X_DTYPE, act_bwd, act_fp8, act_fp8_save_input, act_fwd, dact_fp8
 from float8.kernels.quantize import quantize_tensorwise
@@ -17,6 +18,24 @@ from float8.ops.base import BasicOp, OpContext, plain, take
 # The kinds that keep an E4M3 copy of their input under Recipe(lean_activations=True): smooth derivatives,
 # so rounding the input moves the gradient by about the input's own rounding. ReLU's derivative jumps at 0.
 LEAN_KINDS = ("gelu", "gelu_tanh", "silu", "swiglu")
+
+
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"SwiGLU takes x (..., 2H) = [gate | linear] and needs an even last dim, got shape {tuple(x.shape)}")
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The plain-torch twin of each kind (BasicOp.torch_forward), in x's dtype: torch rounds after each function,
+# the kernels once, from float32 registers (SwiGLU's silu(gate) * up: twice against once).
+TORCH_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swiglu": _swiglu,
+}
 
 
 class Activation(BasicOp):
@@ -74,6 +93,11 @@ class Activation(BasicOp):
         if r is not None:
             dx = r.quantize(dx)
         return dx, dbias
+
+    has_torch_forward = True
+
+    def torch_forward(self, x, residuals=None):
+        return TORCH_ACTIVATIONS[self.kind](x)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         return self.activation_forward(ctx, x, out_request)

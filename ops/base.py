@@ -28,6 +28,8 @@ DEFAULT_RECIPE = Recipe()
 
 def is_dtensor(t) -> bool:
     """Whether t is a torch.distributed DTensor (False where this torch build has none)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False  # the common case, without looking the class up
     dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -79,6 +81,9 @@ class BasicOp(torch.nn.Module):
     grad_sum_group = None
     # Why this op cannot run inside torch.compile, or None (ops/sequential.py checks it while tracing).
     not_compilable: Optional[str] = None
+    # Whether `torch_forward` exists: the op's plain-torch twin, which a Sequential runs instead of the
+    # fused kernels when none of its Linears runs in FP8 (the small-layer policy, ops/sequential.py).
+    has_torch_forward: bool = False
 
     def __init__(self):
         super().__init__()
@@ -138,6 +143,11 @@ class BasicOp(torch.nn.Module):
 
     def op_backward(self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest]):
         """Returns (dx, [grad for each of op_params(), None where not needed])."""
+        raise NotImplementedError
+
+    def torch_forward(self, x: torch.Tensor, residuals: List[torch.Tensor]) -> torch.Tensor:
+        """y for x (rows, features) with torch's own differentiable functions, high precision in and out
+        (`residuals`: the stack that Residual pushes and AddResidual pops). Only where `has_torch_forward`."""
         raise NotImplementedError
 
     def expand(self) -> List["BasicOp"]:

@@ -47,6 +47,13 @@ class Bias(BasicOp):
         sequence_parallel(self, sequence_parallel_group)
         self.set_recipe(recipe)
 
+    @property
+    def has_torch_forward(self) -> bool:
+        return self.grad_sum_group is None  # a sequence-parallel bias's gradient is summed by the runner
+
+    def torch_forward(self, x, residuals=None):
+        return x + self.bias.to(x.dtype)
+
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
         if x.shape[-1] != self.bias.shape[0]:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, check_amax_group
-from float8.ops.base import BasicOp, OpContext, check_gathered, take
+from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias
 from float8.ops.functional import (
     check_fp8_weight_grad,
@@ -210,6 +210,8 @@ class Linear(BasicOp):
     def _expansion_bias_of(expansion):
         return next((op.bias for op in expansion if isinstance(op, Bias)), None)
 
+    has_torch_forward = True
+
     def op_params(self) -> List[torch.nn.Parameter]:
         return check_gathered(self, [self.weight])  # the bias belongs to the Bias op of the expansion
 
@@ -235,21 +237,30 @@ class Linear(BasicOp):
             return True
         return fp8_pays_off(self.recipe, tokens, self.local_in_features, self.local_out_features, device)
 
+    def runs_as_torch(self, tokens: int, device: torch.device) -> bool:
+        """Whether this Linear may run as F.linear (its `torch_forward`): a high-precision weight of a layer
+        that is not tensor-parallel, on GEMMs too small for FP8 (the small-layer policy)."""
+        return self.parallel is None and not self.runs_in_fp8(tokens, device) and not is_dtensor(self.weight)
+
+    def torch_forward(self, x, residuals=None, bias=None):
+        """F.linear(x, weight, bias) in x's dtype: the same kernels and autograd as nn.Linear."""
+        self._check_input(x)
+        w = self.weight
+        if self._weight_cache.w8 is not None and w.requires_grad and torch.is_grad_enabled():
+            self._weight_cache.clear()  # a copy from ops.requantize_weights that this step does not read
+        if w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return F.linear(x, w, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Alone and below the policy's size: exactly nn.Linear (native autograd, the same kernels), with as
         # little Python before it as nn.Linear has: at M = 1024 a bf16 Linear's fwd+bwd is about as long on
         # the GPU (0.15 ms) as on the H100 machine's host, so each microsecond here shows in the ratio.
-        w = self.weight
-        if type(x) is torch.Tensor and self.parallel is None and x.dim() >= 1 and x.shape[-1] == self.in_features:
-            if not self.runs_in_fp8(x.numel() // self.in_features, x.device):
-                if self._weight_cache.w8 is not None and w.requires_grad and torch.is_grad_enabled():
-                    self._weight_cache.clear()  # a copy from ops.requantize_weights that this step does not read
-                b = self.bias
-                if w.dtype != x.dtype:
-                    w = w.to(x.dtype)
-                if b is not None and b.dtype != x.dtype:
-                    b = b.to(x.dtype)
-                return F.linear(x, w, b)
+        if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
+            if self.runs_as_torch(x.numel() // self.in_features, x.device):
+                return self.torch_forward(x, bias=self.bias)
         return super().forward(x)
 
     # ---- the weight's FP8 copy ------------------------------------------------------------------------
@@ -309,9 +320,12 @@ class Linear(BasicOp):
         return w8, wd
 
     # ---- forward / backward --------------------------------------------------------------------
-    def op_forward(self, ctx: OpContext, x, out_request=None, bias=None):
+    def _check_input(self, x) -> None:
         if x.dim() < 1 or x.shape[-1] != self.local_in_features:
             raise ValueError(f"Linear expects input (..., {self.local_in_features}), got shape {tuple(x.shape)}")
+
+    def op_forward(self, ctx: OpContext, x, out_request=None, bias=None):
+        self._check_input(x)
         if ctx.run.grad:
             check_fp8_weight_grad(self.weight)
         need_wgrad = ctx.run.grad and self.weight.requires_grad

@@ -43,6 +43,11 @@ class Quantize(BasicOp):
 class Identity(BasicOp):
     """y = x, and dx = dy: a placeholder op."""
 
+    has_torch_forward = True
+
+    def torch_forward(self, x, residuals=None):
+        return x
+
     def op_forward(self, ctx, x, out_request=None):
         return x
 
@@ -89,6 +94,14 @@ class Dropout(BasicOp):
     def extra_repr(self) -> str:
         return f"p={self.p}"
 
+    has_torch_forward = True
+
+    def torch_forward(self, x, residuals=None):
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # the mask op_forward draws, from the same RNG
+        return x * keep.to(x.dtype) * (1.0 / (1 - self.p))
+
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
         if not self.training or self.p == 0:
@@ -109,6 +122,12 @@ class Dropout(BasicOp):
 class Residual(BasicOp):
     """Branch out: remember the activation here; the matching AddResidual adds it back. Pairs nest."""
 
+    has_torch_forward = True
+
+    def torch_forward(self, x, residuals):
+        residuals.append(x)
+        return x
+
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
         ctx.run.residuals.append(x)
@@ -122,6 +141,14 @@ class Residual(BasicOp):
 
 class AddResidual(BasicOp):
     """Add back the activation remembered by the matching Residual (the nearest one still open)."""
+
+    has_torch_forward = True
+
+    def torch_forward(self, x, residuals):
+        r = residuals.pop()
+        if r.shape != x.shape:
+            raise ValueError(f"AddResidual: the branch has shape {tuple(x.shape)}, the residual {tuple(r.shape)}")
+        return x + r
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         if not ctx.run.residuals:

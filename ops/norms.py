@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from float8.kernels.norm import norm_bwd, norm_fp8, norm_fwd
 from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel, take
@@ -63,6 +64,16 @@ class _Norm(BasicOp):
         y, mean, rstd = norm_forward(x, self.weight.to(x.dtype), b, self.eps, self.rms, out_request)
         ctx.saved = (x, mean, rstd)
         return y
+
+    @property
+    def has_torch_forward(self) -> bool:
+        return self.grad_sum_group is None  # a sequence-parallel weight's gradient is summed by the runner
+
+    def torch_forward(self, x, residuals=None):
+        w = self.weight.to(x.dtype)
+        if self.rms:
+            return F.rms_norm(x, (self.normalized_shape,), w, self.eps)
+        return F.layer_norm(x, (self.normalized_shape,), w, self.bias.to(x.dtype), self.eps)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         x, mean, rstd = take(ctx, "saved")

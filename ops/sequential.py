@@ -17,6 +17,7 @@ from float8.quantizer import check_amax_group, reduce_deferred
 from float8.ops.base import BasicOp, OpContext, RunState, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.saved import pack_contexts, unpack_contexts
+from float8.ops.bias import Bias
 from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.linear import Linear
 
@@ -185,6 +186,41 @@ def _check_compilable(ops) -> None:
             )
 
 
+def _runs_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> bool:
+    """The small-layer policy applied to a whole run: when none of its Linears runs in FP8 (each too small
+    for FP8 to win, on CUDA), no kernel of ours has FP8 to write or read, and torch's own functions under
+    ordinary autograd cost the host least. On the H100 machine's host a tiny Linear -> RMSNorm -> GELU
+    took 1558 us per forward+backward through our kernels against 419 us for torch.nn (2026-11-22,
+    benchmarks/host.py): the Triton launches and the run's Python, with nothing for FP8 to win. At least
+    one Linear: norms or activations alone keep their kernels."""
+    if x2.device.type != "cuda" or isinstance(x2, Float8Tensor):
+        return False
+    rows, device, linear = x2.shape[0], x2.device, False
+    for op in ops:
+        if not op.has_torch_forward:
+            return False
+        if isinstance(op, Linear):
+            if not op.runs_as_torch(rows, device):
+                return False
+            linear = True
+    return linear
+
+
+def _run_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> torch.Tensor:
+    """The ops' plain-torch twins in order (a Linear with its own Bias after it as one F.linear)."""
+    residuals: list = []
+    i = 0
+    while i < len(ops):
+        op, after = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(op, Linear) and isinstance(after, Bias) and op.bias is not None and after.bias is op.bias:
+            x2 = op.torch_forward(x2, residuals, bias=op.bias)
+            i += 2
+        else:
+            x2 = op.torch_forward(x2, residuals)
+            i += 1
+    return x2
+
+
 def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
     """Run basic ops on x (..., features): one autograd node for all of them."""
     if not isinstance(x, torch.Tensor):
@@ -197,6 +233,9 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Ten
         _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
+    if _runs_as_torch(ops, x2):
+        y = _run_as_torch(ops, x2)
+        return y.reshape(*lead, y.shape[-1])
     params = [p for op in ops for p in op.op_params()]
     grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     runner = _Runner(ops, fuse, grad, lead, x.requires_grad)

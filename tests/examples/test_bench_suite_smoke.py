@@ -12,11 +12,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
 REQUIRED = [
-    "case", "shape", "ours_ms", "bf16_ms", "bf16_compiled_ms", "torchao_ms", "torchao_rowwise_ms",
+    "case", "shape", "ours_ms", "ours_compiled_ms", "bf16_ms", "bf16_compiled_ms", "torchao_ms", "torchao_rowwise_ms",
     "peak_mem_ours", "peak_mem_bf16", "floor_ms", "fraction_of_floor", "device", "torch", "triton", "date",
     "error", "errors", "skipped",
 ]
-CASES = {"kernels", "gemm", "linear", "mlp", "transformer_layer", "host"}
+CASES = {"kernels", "gemm", "linear", "mlp", "transformer_layer", "host", "step_linear", "step_mlp"}
+TIMED_IN_ROUNDS = {"linear", "mlp", "transformer_layer", "step_linear", "step_mlp"}
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +54,24 @@ def test_records_keep_the_schema(smoke):
     from benchmarks.suite import ROUNDS
 
     for r in records:
-        if r["case"] in {"linear", "mlp", "transformer_layer"}:  # interleaved rounds, the median kept
+        if r["case"] in TIMED_IN_ROUNDS:  # interleaved rounds, the median kept
             rounds = r["rounds_ms"]
             assert {"ours", "bf16", "bf16_compiled"} <= set(rounds) and all(len(t) == ROUNDS for t in rounds.values())
             assert all(r[f"{k}_ms"] == sorted(t)[ROUNDS // 2] for k, t in rounds.items())
             per_round = sorted(b / o for b, o in zip(rounds["bf16"], rounds["ours"]))
             assert r["speedup_vs_bf16"] == per_round[ROUNDS // 2]  # the median of same-round ratios
+            if r["case"] != "transformer_layer":  # ours compiled, against the compiled baselines
+                per_round = sorted(b / o for b, o in zip(rounds["bf16_compiled"], rounds["ours_compiled"]))
+                assert r["compiled_speedup_vs_bf16_compiled"] == per_round[ROUNDS // 2]
+    steps = [r for r in records if r["case"].startswith("step_")]
+    assert [r["shape"] for r in steps] == [[32, 64, 48], [32, 64, 96]]
+    assert all("AdamW" in " ".join(r["notes"]) for r in steps)
 
 
 def test_torchao_fields_follow_its_availability(smoke):
     out, _, records = smoke
     md = (out / "bench_cpu.md").read_text()
-    peers = [r for r in records if r["case"] in {"linear", "mlp", "transformer_layer"}]
+    peers = [r for r in records if r["case"] in TIMED_IN_ROUNDS]
     if records[0]["torchao"] is None:
         assert all(r["torchao_ms"] is None and r["torchao_rowwise_ms"] is None for r in peers)
         assert "torchao not importable" in md
@@ -75,7 +82,7 @@ def test_torchao_fields_follow_its_availability(smoke):
 def test_outputs_written_and_table_printed(smoke):
     out, stdout, records = smoke
     md = (out / "bench_cpu.md").read_text()
-    header = "| case | shape | ours ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms | vs bf16 "
+    header = "| case | shape | ours ms | ours compiled ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms "
     assert header in md and header in stdout
     assert md.count("\n| ") >= len(records) + 2
     assert (out / "kernels_cpu.json").exists()  # case a reuses benchmarks.kernels, which writes its own

@@ -72,12 +72,31 @@ def test_inductor_converted_block_matches_eager():
 
 
 def test_inductor_small_layers_in_high_precision_same_bits_as_eager():
-    """Below Recipe.min_fp8_gemm_flops the Linears run in bf16 (the small-layer policy): that path saves
-    the weight itself for the backward, and must compile as well."""
+    """Below Recipe.min_fp8_gemm_flops a Linear runs in bf16 (the small-layer policy). Beside a Linear that
+    runs FP8 (its own recipe) it stays inside the fused run, which saves the weight itself for the
+    backward: that must compile as well."""
+    torch._dynamo.reset()
+
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256, recipe=Recipe(min_fp8_gemm_flops=0))
+        ).cuda().to(torch.bfloat16)
+
+    _compare(build, (2, 64, 256), assert_same_bits)
+
+
+def test_inductor_small_layer_run_as_torch_functions():
+    """A run with no Linear big enough for FP8 is torch's own functions (ops/sequential.py): inductor
+    compiles them as it compiles torch.nn, fusing the norm and activation with its own rounding."""
     torch._dynamo.reset()
 
     def build():
         torch.manual_seed(0)
         return ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256)).cuda().to(torch.bfloat16)
 
-    _compare(build, (2, 64, 256), assert_same_bits)
+    def close(got, want):
+        # A bf16 rounding apart per op that inductor fuses differently: far above the FP8 bounds.
+        assert sqnr_db(want, got) >= 35, sqnr_db(want, got)
+
+    _compare(build, (2, 64, 256), close)

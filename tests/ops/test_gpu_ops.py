@@ -101,6 +101,34 @@ def test_small_layer_policy_runs_plain_bf16_on_cuda():
     assert big.runs_in_fp8(16384, x.device)
 
 
+def test_small_layer_sequential_runs_torch_functions_on_cuda():
+    # No Linear of the run big enough for FP8: the run is torch's own functions (ops/sequential.py
+    # _runs_as_torch), so the bits of F.linear / F.rms_norm / F.gelu, forward and backward.
+    from float8.ops.sequential import _runs_as_torch
+
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.Linear(256, 256), ops.RMSNorm(256), ops.GELU(), ops.Linear(256, 128, bias=False))
+    seq = seq.cuda().to(torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flat = [o for op in seq for o in op.expand()]
+    assert _runs_as_torch(flat, x)
+    F = torch.nn.functional
+    runs = []
+    for fn in (seq, lambda x: F.linear(F.gelu(F.rms_norm(F.linear(x, seq[0].weight, seq[0].bias), (256,), seq[1].weight,
+                                                            seq[1].eps)), seq[3].weight)):
+        y = fn(x)
+        y.float().square().sum().backward()
+        runs.append([y.detach(), x.grad] + [p.grad for p in seq.parameters()])
+        x.grad = None
+        seq.zero_grad(set_to_none=True)
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+    # One Linear that runs FP8 (its own recipe) makes the whole run ours: FP8 where it pays, fused.
+    seq[3].set_recipe(ALWAYS_FP8, overwrite=True)
+    assert not _runs_as_torch(flat, x)
+    assert not torch.equal(seq(x), runs[0][0])
+
+
 @pytest.mark.parametrize("make", [lambda: mlp(256, 512), lambda: ops.Linear(256, 512, bias=True, recipe=ALWAYS_FP8)],
                          ids=["mlp", "linear"])
 def test_cuda_graphed_training_steps_equal_eager_ones(make):

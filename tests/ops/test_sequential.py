@@ -95,3 +95,64 @@ def test_float8_output_from_a_final_quantize():
     with torch.no_grad():
         out = seq(torch.randn(4, 32, dtype=torch.bfloat16))
     assert isinstance(out, Float8Tensor)
+
+
+def _torch_twin(seq):
+    """torch.nn modules computing what `seq` (Linear+bias, RMSNorm, GELU, Residual pair, SwiGLU, LayerNorm,
+    ReLU, SiLU, Linear) computes, sharing its parameters."""
+    lin1, norm, lin2, ln, lin3 = seq[0], seq[1], seq[4], seq[7], seq[10]
+
+    def run(x):
+        h = torch.nn.functional.gelu(torch.nn.functional.rms_norm(
+            torch.nn.functional.linear(x, lin1.weight, lin1.bias), (64,), norm.weight, norm.eps))
+        g = torch.nn.functional.linear(h, lin2.weight)
+        h = torch.nn.functional.silu(g[:, :64]) * g[:, 64:] + h
+        h = torch.nn.functional.layer_norm(h, (64,), ln.weight, ln.bias, ln.eps)
+        return torch.nn.functional.linear(torch.nn.functional.silu(torch.relu(h)), lin3.weight)
+
+    return run
+
+
+def test_plain_torch_twin_of_a_run_gives_torch_bits():
+    # Where none of a run's Linears is big enough for FP8 on CUDA (the small-layer policy), a Sequential
+    # runs its ops' torch twins under ordinary autograd (ops/sequential.py _run_as_torch): the same bits
+    # as torch's functions, forward and backward. Checked here on the CPU, where the run itself is FP8.
+    from float8.ops.sequential import _run_as_torch, _runs_as_torch
+
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.Linear(32, 64, bias=True), ops.RMSNorm(64), ops.GELU(), ops.Residual(), ops.Linear(64, 128, bias=False),
+        ops.SwiGLU(), ops.AddResidual(), ops.LayerNorm(64), ops.ReLU(), ops.SiLU(), ops.Linear(64, 16, bias=False),
+    ).to(torch.bfloat16)
+    for p in seq.parameters():
+        p.data.normal_()
+    twin = _torch_twin(seq)
+    flat = [o for op in seq for o in op.expand()]
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert not _runs_as_torch(flat, x)  # on the CPU a Sequential always runs FP8
+    for fn in (lambda x: _run_as_torch(flat, x), twin):
+        y = fn(x)
+        y.float().square().sum().backward()
+        got = [y.detach(), x.grad] + [p.grad for p in seq.parameters()]
+        if fn is twin:
+            for a, b in zip(want, got):
+                assert torch.equal(a, b)
+        want = got
+        x.grad = None
+        seq.zero_grad(set_to_none=True)
+
+
+def test_plain_torch_twin_checks_shapes_and_draws_dropout_like_the_op():
+    from float8.ops.sequential import _run_as_torch
+
+    lin = ops.Linear(16, 8)
+    with pytest.raises(ValueError, match=r"Linear expects input \(\.\.\., 16\)"):
+        _run_as_torch(lin.expand(), torch.randn(4, 12))
+    with pytest.raises(ValueError, match="even last dim"):
+        _run_as_torch([ops.SwiGLU()], torch.randn(4, 7))
+    drop = ops.Dropout(p=0.5)
+    x = torch.randn(64, 32)
+    torch.manual_seed(3)
+    plain = _run_as_torch([drop], x)
+    torch.manual_seed(3)
+    assert torch.equal(plain, ops.Sequential(drop)(x))
