@@ -110,16 +110,32 @@ def write_report(name: str, out: str, env: dict, rows: List[dict], columns: List
 
 
 def make_timer(cuda: bool, warmup: int = 25, rep: int = 100) -> Callable[[Callable], float]:
-    """A kernel timer: do_bench's median on the GPU, a wall clock on the CPU (smoke runs)."""
+    """A kernel timer, milliseconds per call: do_bench's median on the GPU, a wall clock over two calls
+    after one warm-up on the CPU (smoke runs, which test plumbing, not speed)."""
     if cuda:
         from triton.testing import do_bench
 
         return lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
-    def wall(fn) -> float:
+    def wall(fn, n: int = 2) -> float:
         fn()
         t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e3
 
     return wall
+
+
+def host_us(fn: Callable[[], None], n: int = 300, warmup: int = 30) -> float:
+    """Microseconds per call of a stream of `n` calls of fn on small inputs (GPU work negligible, so the
+    host is the bottleneck): launch overhead and Python, not GPU time. Synchronizes before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / n * 1e6

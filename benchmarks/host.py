@@ -18,21 +18,10 @@ import cProfile
 import io
 import json
 import pstats
-import time
 
 import torch
 
-
-def host_us(step, n=300, warmup=30) -> float:
-    """Microseconds per call with the GPU idle enough that the host is the bottleneck (tiny shapes)."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+from benchmarks.harness import host_us
 
 
 class Step:

@@ -26,11 +26,11 @@ import json
 import os
 import platform
 import re
-import time
 
 import torch
 
 import float8.kernels as K
+from benchmarks.harness import host_us, make_timer
 
 _cast = importlib.import_module("float8.kernels.cast")
 _quant = importlib.import_module("float8.kernels.quantize")
@@ -87,34 +87,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _timer(cpu: bool):
-    if not cpu:
-        import triton.testing
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-    def wall(fn, n=2):
-        fn()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t) / n * 1e3
-
-    return wall
-
-
-def host_us_per_call(fn, sync, n=200) -> float:
-    """Wall time per call of a stream of calls on a small input: launch overhead, not GPU time."""
-    for _ in range(10):
-        fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync()
-    return (time.perf_counter() - t) / n * 1e6
-
-
 def run(args) -> dict:
     cpu = args.cpu_smoke
     device = "cpu" if cpu else "cuda"
@@ -134,8 +106,7 @@ def run(args) -> dict:
     if args.check_only:
         return {}
 
-    bench = _timer(cpu)
-    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    bench = make_timer(not cpu)
     numel = x.numel()
     copy_ms = bench(lambda: x.clone())
     copy_gbps = 2 * 2 * numel / copy_ms / 1e6
@@ -176,7 +147,7 @@ def run(args) -> dict:
             ("op float8::quantize_tensorwise, a given scale", lambda: K.quantize_tensorwise(small, E4M3, scale)),
             ("eager quantize_tensorwise_ref", lambda: K.quantize_tensorwise_ref(small, E4M3)),
         ]:
-            host.append({"what": name, "us_per_call": host_us_per_call(fn, sync)})
+            host.append({"what": name, "us_per_call": host_us(fn, n=200, warmup=10)})
     sweep = run_sweep(x, scale, bench, numel, copy_gbps) if args.sweep and not cpu else []
     return {"meta": meta, "records": records, "host": host, "sweep": sweep, "checks": notes}
 

@@ -70,6 +70,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import host_us, make_timer
+
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 REP = 100
@@ -137,15 +139,7 @@ class Env:
 
     def bench(self, fn: Callable, rep: int = REP) -> float:
         """Milliseconds per call: do_bench median on the GPU, a plain wall clock in the CPU smoke run."""
-        if self.cuda:
-            from triton.testing import do_bench
-
-            return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-        fn()
-        t = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t) / 2 * 1e3
+        return make_timer(self.cuda, warmup=25, rep=rep)(fn)
 
     def sync(self) -> None:
         if self.cuda:
@@ -679,10 +673,10 @@ def _host(env, rec, m, k, n):
 
         # The FP8 path itself: with the default recipe a layer this small would run in bf16 (policy).
         bf16_step, ours_step = host.tiny_linear_steps(m, k, n, recipe=Recipe(min_fp8_gemm_flops=0))
-        timer = host.host_us
+        timer = host_us
     else:
         bf16_step, ours_step = _tiny_steps_cpu(env, m, k, n)
-        timer = _wall_us
+        timer = lambda fn: host_us(fn, n=5, warmup=1)  # noqa: E731  (CPU smoke: plumbing only)
     x, dy = env.randn(m, k, requires_grad=True), env.randn(m, n)
     lin = torch.nn.Linear(k, n, bias=False).to(env.device, BF16)
     steps = {
@@ -705,14 +699,6 @@ def _tiny_steps_cpu(env, m, k, n):
     ref = torch.nn.Linear(k, n, bias=False).to(env.device, BF16)
     ours = ops.Linear(k, n, bias=False).to(env.device, BF16)
     return FwdBwd(ref, x, dy, bump=False), FwdBwd(ours, x, dy, bump=False)
-
-
-def _wall_us(step, n=5) -> float:
-    step()
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def case_steps(env: Env) -> list:

@@ -124,7 +124,9 @@ class BasicOp(torch.nn.Module):
     # ---- protocol ----------------------------------------------------------------------------------
     def op_params(self) -> List[torch.nn.Parameter]:
         """The parameters whose gradients op_backward returns, in that order."""
-        return check_gathered(self, [p for p in self.parameters(recurse=False)])
+        # Straight from _parameters: parameters(recurse=False) walks nn.Module's generic member iterator,
+        # 5 us a call under cProfile on the H100 machine's host (benchmarks/host.py --profile), per op per run.
+        return check_gathered(self, [p for p in self._parameters.values() if p is not None])
 
     def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
         """What this op wants its forward input as; `grad`: whether a backward pass will run; `tokens`:
