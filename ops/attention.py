@@ -7,6 +7,8 @@ The token dims (batch, sequence) come from the Sequential's input shape (..., ba
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -21,12 +23,6 @@ class Attention(BasicOp):
     default num_heads), causal (default True), sequence_first (token dims (..., seq, batch), the layout of
     sequence-parallel activations; default False).
     """
-
-    not_compilable = (
-        "its backward differentiates SDPA with torch.autograd.grad, which dynamo cannot trace inside the "
-        "Sequential's autograd Function. Compile a model whose attention is a plain module (e.g. "
-        "ops.convert of a PyTorch model) instead"
-    )
 
     def __init__(
         self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
@@ -54,7 +50,7 @@ class Attention(BasicOp):
             s, b = lead[-2], lead[-1]
             x = qkv.reshape(s, b, h + 2 * hk, d).permute(1, 2, 0, 3)  # (B, heads, S, D)
         else:
-            b, s = int(torch.tensor(lead[:-1]).prod()) if len(lead) > 1 else 1, lead[-1]
+            b, s = math.prod(lead[:-1]), lead[-1]
             x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
         q, k, v = x.split([h, hk, hk], dim=1)
         # Grouped KV heads go to SDPA as they are (enable_gqa): no repeated K/V copies, which at 32 heads
@@ -63,6 +59,13 @@ class Attention(BasicOp):
         if self.sequence_first:
             return o.permute(2, 0, 1, 3).reshape(s * b, h * d)
         return o.transpose(1, 2).reshape(b * s, h * d)
+
+    def torch_forward_nd(self, x: torch.Tensor) -> torch.Tensor:
+        """SDPA under ordinary autograd on x (..., batch, seq, features): how a Sequential runs this op
+        inside torch.compile (ops/sequential.py), whose tracer cannot follow op_backward's autograd.grad."""
+        lead = tuple(x.shape[:-1])
+        y = self._sdpa(plain(x).reshape(-1, x.shape[-1]), lead)
+        return y.reshape(*lead, y.shape[-1])
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         if not ctx.run.grad:

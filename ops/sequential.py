@@ -14,6 +14,7 @@ import torch
 
 from float8 import DelayedScalingState, Float8Tensor, Recipe
 from float8.quantizer import check_amax_group, reduce_deferred
+from float8.ops.attention import Attention
 from float8.ops.base import BasicOp, OpContext, RunState, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.saved import pack_contexts, unpack_contexts
@@ -221,6 +222,33 @@ def _run_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def _run_split_at_attention(ops: List[BasicOp], x: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """A run holding ops.Attention, under torch.compile: the attention runs as SDPA under ordinary autograd
+    (whose backward dynamo traces; the op's own backward differentiates a recorded SDPA graph, which it
+    cannot), between fused runs of the other ops. The residual pairs around it become plain adds, so no
+    activation crosses from one fused run into another; `_check_residual_pairs` keeps each pair inside
+    one Sequential run. The numerics are eager's: the same kernels, and a residual's two gradients are
+    summed by autograd instead of by Residual's backward (one addition either way)."""
+    from float8.ops.misc import AddResidual, Residual
+
+    residuals: list = []
+    part: List[BasicOp] = []
+    for op in [*ops, None]:
+        if op is None or isinstance(op, (Attention, Residual, AddResidual)):
+            if part:
+                x = run_ops(part, x, fuse)
+                part = []
+            if isinstance(op, Attention):
+                x = op.torch_forward_nd(x)
+            elif isinstance(op, Residual):
+                residuals.append(x)
+            elif isinstance(op, AddResidual):
+                x = op.torch_forward(x, residuals)
+        else:
+            part.append(op)
+    return x
+
+
 def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
     """Run basic ops on x (..., features): one autograd node for all of them."""
     if not isinstance(x, torch.Tensor):
@@ -228,6 +256,8 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Ten
     if x.dim() == 0:
         raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
     if torch.compiler.is_compiling():
+        if any(isinstance(op, Attention) for op in ops):
+            return _run_split_at_attention(ops, x, fuse)
         _check_compilable(ops)
     else:
         _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only

@@ -158,12 +158,33 @@ def test_delayed_scaling_under_compile_names_the_problem():
         run(torch.randn(2, 16, 128, dtype=torch.bfloat16))
 
 
-def test_attention_op_under_compile_names_the_problem():
+def _attention_block(recipe=None, sequence_first=False):
+    torch.manual_seed(0)
+    return ops.Sequential(
+        ops.Residual(), ops.RMSNorm(64), ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
+        ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first), ops.Linear(64, 64, bias=False),
+        ops.AddResidual(), ops.Residual(), ops.RMSNorm(64), ops.Linear(64, 256, bias=False), ops.SwiGLU(),
+        ops.Linear(128, 64, bias=False), ops.AddResidual(),
+        recipe=recipe,
+    ).to(torch.bfloat16)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "lean"])
+@pytest.mark.parametrize("sequence_first", [False, True], ids=["bsd", "sbd"])
+def test_block_with_attention_compiles_fullgraph_and_matches_eager(name, sequence_first):
+    # Under compile the attention runs as SDPA under autograd between fused runs, the residual pairs as
+    # plain adds (ops/sequential.py _run_split_at_attention): eager's kernels, so eager's bits.
+    _compare_steps(lambda: _attention_block(RECIPES[name], sequence_first),
+                   lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
+
+
+def test_attention_alone_compiles_and_checks_its_input():
     torch._dynamo.reset()
-    model = ops.Sequential(ops.Linear(64, 192), ops.Attention(4, 16)).to(torch.bfloat16)
-    run = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="ops.Attention cannot run under torch.compile"):
-        run(torch.randn(2, 8, 64, dtype=torch.bfloat16))
+    attn = ops.Attention(4, 16, num_kv_heads=2)
+    _compare_steps(lambda: attn, lambda s: torch.randn(2, 8, 128, dtype=torch.bfloat16))
+    run = torch.compile(attn, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="needs 128 features, got 96"):
+        run(torch.randn(2, 8, 96, dtype=torch.bfloat16))
 
 
 def test_compiled_cross_entropy_still_refuses_a_bad_label():

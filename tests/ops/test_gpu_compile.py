@@ -2,8 +2,8 @@
 
 A Sequential of float8 ops runs the same kernels compiled as eager (our Triton kernels and cuBLASLt are
 opaque to inductor; what it generates are the casts and residual adds, elementwise), so its outputs and
-gradients must be the same bits. A converted PyTorch block is compared with a tolerance: inductor writes
-its own RMSNorm, SDPA glue and SiLU kernels there."""
+gradients must be the same bits. A converted PyTorch block, and an ops block holding ops.Attention, are
+compared with a tolerance: inductor writes its own RMSNorm, SDPA and SiLU kernels there."""
 
 import pytest
 import torch
@@ -52,6 +52,29 @@ def test_inductor_sequential_same_bits_as_eager(lean):
     _compare(build, (4, 1024, 1024), assert_same_bits)
 
 
+def _within_fp8_grad_bound(got, want):
+    # An input one bf16 rounding apart can land on the next FP8 step: held to the bound of FP8 gradients
+    # against high precision (a norm weight's gradient measured 27.8 dB on the H100, 2026-11-22).
+    assert sqnr_db(want, got) >= SQNR_DB["grad"], sqnr_db(want, got)
+
+
+def test_inductor_block_with_attention_matches_eager():
+    """An ops block holding ops.Attention: under compile the attention runs as SDPA under autograd and the
+    residual pairs as adds (ops/sequential.py), between fused runs of our kernels. Inductor lowers SDPA
+    itself: the block's output differed from eager's in the last bits at 240k of 1M elements (H100,
+    2026-11-22), the rest is our kernels, so the check is a tolerance (the CPU test with aot_eager, which
+    runs eager's SDPA, checks the bits)."""
+    from benchmarks.distributed import ops_block
+
+    torch._dynamo.reset()
+
+    def build():
+        torch.manual_seed(0)
+        return ops_block(1024, 8, 2, 128, 2048, recipe=Recipe(min_fp8_gemm_flops=0)).cuda().to(torch.bfloat16)
+
+    _compare(build, (2, 512, 1024), _within_fp8_grad_bound)
+
+
 def test_inductor_converted_block_matches_eager():
     from benchmarks.llama import Block, LlamaShape
 
@@ -62,13 +85,7 @@ def test_inductor_converted_block_matches_eager():
         torch.manual_seed(0)
         return ops.convert(Block(s).cuda().to(torch.bfloat16), recipe=Recipe(min_fp8_gemm_flops=0))
 
-    def close(got, want):
-        # Inductor's RMSNorm rounds differently, and an input one bf16 rounding apart can land on the next
-        # FP8 step: held to the bound of FP8 gradients against high precision (a norm weight's gradient
-        # measured 27.8 dB on the H100, 2026-11-22).
-        assert sqnr_db(want, got) >= SQNR_DB["grad"], sqnr_db(want, got)
-
-    _compare(build, (2, 512, 1024), close)
+    _compare(build, (2, 512, 1024), _within_fp8_grad_bound)  # inductor writes its own RMSNorm there
 
 
 def test_inductor_small_layers_in_high_precision_same_bits_as_eager():
