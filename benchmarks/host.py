@@ -18,6 +18,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 
 import torch
 
@@ -70,8 +71,11 @@ def tiny_sequential_steps(m=16, k=64, n=64, recipe=None):
     return Step(ref.to("cuda", torch.bfloat16), x, dy), Step(ours.to("cuda", torch.bfloat16), x, dy)
 
 
-def measure() -> list:
-    """Rows {case, variant, us, vs_bf16}: every variant of both cases, bf16 eager timed beside them."""
+def measure(rounds: int = 5, calls: int = 100) -> list:
+    """Rows {case, variant, us, vs_bf16}: every variant of both cases, timed in `rounds` interleaved rounds
+    of `calls` calls each; `us` is a variant's median round and `vs_bf16` the median over rounds of its time
+    over bf16 eager's in the same round. The host's speed drifts (bf16 eager read 179-204 us for the tiny
+    Linear in three runs of 2026-11-22), so both sides of a ratio come from the same round."""
     from float8 import Recipe
 
     forced = Recipe(min_fp8_gemm_flops=0)
@@ -86,10 +90,14 @@ def measure() -> list:
             "bf16 graphed": bf16.graphed(),
             "ours graphed, forced FP8": fp8.graphed(),
         }
-        base = host_us(bf16)
-        for name, step in variants.items():
-            us = base if name == "bf16 eager" else host_us(step)
-            rows.append({"case": case, "variant": name, "us": round(us, 1), "vs_bf16": round(us / base, 2)})
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, step in variants.items():
+                times[name].append(host_us(step, n=calls, warmup=10))
+        base = times["bf16 eager"]
+        for name, t in times.items():
+            ratio = statistics.median(a / b for a, b in zip(t, base))
+            rows.append({"case": case, "variant": name, "us": round(statistics.median(t), 1), "vs_bf16": round(ratio, 2)})
     return rows
 
 

@@ -108,7 +108,11 @@ class DelayedScaling:
     from it to quantize (an op with a delayed recipe makes its own).
     """
 
-    history_len: int = 16
+    # 1024, not 16: in examples/train_gpt.py (4 blocks of d=1024, 1000 steps, H100, one seed each) delayed
+    # scaling ended +2.29% above bf16's held-out loss with a history of 16 and +0.72% with 1024. Likely (not
+    # measured per tensor): a short window forgets the spikes of the gradients' amax and saturates the next.
+    # 1024 floats per tensor, three tensors per Linear: 12 KiB.
+    history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
     power_of_2: bool = False
@@ -198,7 +202,7 @@ class Recipe:
         return cls(format)
 
     @classmethod
-    def delayed(cls, format: Format = Format.HYBRID, history_len: int = 16, amax_compute_algo: str = "max") -> "Recipe":
+    def delayed(cls, format: Format = Format.HYBRID, history_len: int = 1024, amax_compute_algo: str = "max") -> "Recipe":
         """Per-tensor delayed scaling (an amax history per role, kept by the op that quantizes) everywhere."""
         d = DelayedScaling(history_len, amax_compute_algo)
         return cls(format, d, d, d)
