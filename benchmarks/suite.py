@@ -76,7 +76,7 @@ BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 REP = 100
 BLOCK_REP = 250
-ROUNDS = 3  # cases c-e: each variant timed in this many interleaved rounds after a warm-up (fwd_bwd_variants)
+ROUNDS = 3  # cases c-e, g: each variant timed in this many interleaved rounds after a warm-up (--rounds)
 VARIANTS = ["ours", "ours_compiled", "bf16", "bf16_compiled", "torchao", "torchao_rowwise"]  # <key>_ms, peak_mem_<key>
 
 # Shapes. Linear and GEMM shapes are (M, K, N); mlp is (tokens, d, f); layer as named.
@@ -130,6 +130,7 @@ class Env:
     torchao_note: Optional[str]
     no_rowwise: bool = False
     budget_s: float = math.inf
+    rounds: int = ROUNDS  # interleaved timing rounds of cases c-e, g (fwd_bwd_variants)
     t0: float = field(default_factory=time.perf_counter)
     calib: dict = field(default_factory=dict)
 
@@ -210,7 +211,8 @@ def make_env(args) -> Env:
     }
     sizes = SIZES[mode]
     budget = args.budget_s if args.budget_s is not None else sizes["budget_s"]
-    return Env(device, mode, args.out, sizes, meta, tao, note, args.no_rowwise, budget)
+    meta["rounds"] = args.rounds
+    return Env(device, mode, args.out, sizes, meta, tao, note, args.no_rowwise, budget, args.rounds)
 
 
 def calibrate(env: Env) -> dict:
@@ -401,7 +403,7 @@ def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP,
     """Build, warm and time each builder's model in the order given (bf16 compiled before torchao, whose
     conversion patches inductor's min/max codegen process-wide), with its peak memory; that first timing
     is a warm-up and is not kept (it follows a build, a compile or a cleanup: at M = 1024 it read 0.29 ms
-    for a step that then took 0.15). Then time them all ROUNDS times, round-robin, and keep each variant's
+    for a step that then took 0.15). Then time them all env.rounds times, round-robin, and keep each variant's
     median round and, in finish_record, the median of each round's ratio. Timed one after the other, the
     same step moved by 5-7% between runs on the H100 (clocks follow power and heat); interleaved, the two
     sides of a ratio see the same drift. Every timed round is kept in rec["rounds_ms"]."""
@@ -416,7 +418,7 @@ def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP,
     for key, build in builders.items():
         run_variant(env, rec, key, lambda key=key, build=build: first(key, build), reset=False)
     rounds = {key: [] for key in steps}
-    for _ in range(ROUNDS):
+    for _ in range(env.rounds):
         for key, step in steps.items():
             try:
                 rounds[key].append(env.bench(step, rep))
@@ -746,7 +748,8 @@ def markdown(env: Env, records: list) -> str:
     lines = [
         f"# float8 benchmark suite, {m['device']}",
         "",
-        f"{m['date']}, torch {m['torch']}, triton {m['triton']}, {tao}; mode {m['mode']}; {m['timer']}.",
+        f"{m['date']}, torch {m['torch']}, triton {m['triton']}, {tao}; mode {m['mode']}; {m['timer']}; "
+        f"{m['rounds']} interleaved rounds per variant (cases c-e, g), median.",
     ]
     if c:
         lines.append(
@@ -892,6 +895,9 @@ def parse_args(argv):
     p.add_argument("--cases", default="a,b,c,d,e,f,g", help="comma-separated letters among a..g")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, wall-clock timer, no compile")
     p.add_argument("--no-rowwise", action="store_true", help="skip the torchao rowwise variants")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"interleaved timing rounds per variant in cases c-e and g (default {ROUNDS}; more where the "
+                        "host's drift shows: host-bound steps)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip torchao rowwise once the run has taken this long (default 420 full, 90 quick)")
     args = p.parse_args(argv)
