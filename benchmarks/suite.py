@@ -17,7 +17,7 @@ Cases (how they are measured: docs/design.md §8):
   g  whole training steps (zero_grad, forward, backward, AdamW foreach step) of the Linear and the MLP block,
      at the sizes where host time shows (1024 and 2048 tokens) and at a large one
 Variants of c, d, g: ours eager and compiled, bf16 eager and compiled, torchao tensorwise and rowwise
-(compiled); case e has no ours compiled (ops.Attention does not run under torch.compile).
+(compiled).
 
 Method. Timings: triton.testing.do_bench(warmup=25, rep=100, return_mode="median"); rep=250 for the block
 cases (d, e) so their ~20 ms steps still give a dozen samples. Inputs are randn. Each timed forward+backward
@@ -431,14 +431,14 @@ def fwd_bwd_variants(env: Env, rec: dict, builders: dict, x, dy, rep: int = REP,
     env.cleanup()
 
 
-def standard_builders(env: Env, ref, ours, compiled_ours: bool = True) -> dict:
-    """bf16 eager and compiled, ours eager (and compiled, unless the model cannot compile: ops.Attention),
-    torchao tensorwise and rowwise compiled. Compiled variants share their eager twin's parameters."""
+def standard_builders(env: Env, ref, ours) -> dict:
+    """bf16 eager and compiled, ours eager and compiled, torchao tensorwise and rowwise compiled. Compiled
+    variants share their eager twin's parameters."""
     return {
         "bf16": lambda: ref,
         "bf16_compiled": lambda: env.compile(ref),
         "ours": lambda: ours,
-        **({"ours_compiled": lambda: env.compile(ours)} if compiled_ours else {}),
+        "ours_compiled": lambda: env.compile(ours),
         "torchao": lambda: torchao_model(env, ref, "tensorwise"),
         "torchao_rowwise": lambda: torchao_model(env, ref, "rowwise"),
     }
@@ -645,8 +645,7 @@ def _layer(env, rec, batch, seq, d, heads, kv_heads, head_dim, ffn):
                   (ours[4].weight, ref.proj.weight), (ours[7].weight, ref.norm2.weight),
                   (ours[8].weight, ref.up.weight), (ours[10].weight, ref.down.weight)])
     rec["output_sqnr_db_vs_bf16"] = sqnr_db(ref, ours, x)
-    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours, compiled_ours=False), x, dy, BLOCK_REP)
-    rec["notes"].append("ours compiled: not measured (ops.Attention does not run under torch.compile)")
+    fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP)
     tokens, qkv = batch * seq, (heads + 2 * kv_heads) * head_dim
     weights = d * qkv + heads * head_dim * d + d * 2 * ffn + ffn * d
     rec["gemm_flops"] = 3 * 2 * tokens * weights

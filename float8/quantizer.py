@@ -318,6 +318,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
     - Buffers, registered at construction (so a checkpoint loads strictly into a fresh model and resumes
       with the same scales): `amax_history` (history_len,) float32, newest first; `scale` () float32, NaN
       until a finite amax is recorded (no scale yet). They stay float32 through `model.to(bfloat16)`.
+      A checkpoint with another history length loads too: its newest entries are kept.
       The state dict also carries the format and whether a step was recorded (`get_extra_state`).
     - The first step (no amax recorded yet) quantizes with current scaling and records its amax. If that
       amax was not finite, the next step casts with the NaN "no scale yet": its tensor comes out NaN (an
@@ -373,6 +374,18 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
             moved = fn(buf)
             self._buffers[name] = moved if moved.dtype == torch.float32 else buf.to(moved.device)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint made with another history length (the default was 16 before 1024) loads: the newest
+        # entries are kept, and a longer window starts with the rest empty (0 never raises a "max").
+        key = prefix + "amax_history"
+        loaded = state_dict.get(key)
+        if isinstance(loaded, torch.Tensor) and loaded.dim() == 1 and loaded.shape != self.amax_history.shape:
+            fitted = torch.zeros_like(self.amax_history)
+            n = min(loaded.shape[0], fitted.shape[0])
+            fitted[:n] = loaded[:n].to(fitted.device, fitted.dtype)
+            state_dict[key] = fitted
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_extra_state(self):
         """The format and whether a step was recorded: what the buffers alone do not say."""

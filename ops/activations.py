@@ -96,7 +96,7 @@ class Activation(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, residuals=None):
+    def torch_forward(self, x, run=None):
         return TORCH_ACTIVATIONS[self.kind](x)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):

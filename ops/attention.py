@@ -60,6 +60,12 @@ class Attention(BasicOp):
             return o.permute(2, 0, 1, 3).reshape(s * b, h * d)
         return o.transpose(1, 2).reshape(b * s, h * d)
 
+    has_torch_forward = True
+
+    def torch_forward(self, x, run):
+        """SDPA under ordinary autograd on x (tokens, features), the token dims in `run.lead`."""
+        return self._sdpa(plain(x), tuple(run.lead))
+
     def torch_forward_nd(self, x: torch.Tensor) -> torch.Tensor:
         """SDPA under ordinary autograd on x (..., batch, seq, features): how a Sequential runs this op
         inside torch.compile (ops/sequential.py), whose tracer cannot follow op_backward's autograd.grad."""

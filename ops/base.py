@@ -147,9 +147,11 @@ class BasicOp(torch.nn.Module):
         """Returns (dx, [grad for each of op_params(), None where not needed])."""
         raise NotImplementedError
 
-    def torch_forward(self, x: torch.Tensor, residuals: List[torch.Tensor]) -> torch.Tensor:
+    def torch_forward(self, x: torch.Tensor, run: "RunState") -> torch.Tensor:
         """y for x (rows, features) with torch's own differentiable functions, high precision in and out
-        (`residuals`: the stack that Residual pushes and AddResidual pops). Only where `has_torch_forward`."""
+        (`run`: the token dims, and the stack that Residual pushes and AddResidual pops). Only where
+        `has_torch_forward`. A parameter kept in another dtype than x (a float32 master weight) gets the
+        gradient that op_backward gives it."""
         raise NotImplementedError
 
     def expand(self) -> List["BasicOp"]:

@@ -11,6 +11,15 @@ from float8.kernels.activation import dact_fp8
 from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel
 
 
+def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + bias under autograd, in x's dtype. A bias kept in another dtype (a float32 master weight) is
+    added in its own precision, so its gradient is the float32 sum over rows that Bias.op_backward gives,
+    not a sum rounded to x's dtype (bf16: 8 bits)."""
+    if bias.dtype == x.dtype:
+        return x + bias
+    return (x + bias).to(x.dtype)
+
+
 def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]):
     """(dx, dbias in float32 sums cast to dy's dtype) of y = x + bias, for dy2 (rows, N) high precision:
     dx is FP8 as `dx_request` asks (dbias and the cast-transpose in one kernel where its quantizer fuses)."""
@@ -51,8 +60,8 @@ class Bias(BasicOp):
     def has_torch_forward(self) -> bool:
         return self.grad_sum_group is None  # a sequence-parallel bias's gradient is summed by the runner
 
-    def torch_forward(self, x, residuals=None):
-        return x + self.bias.to(x.dtype)
+    def torch_forward(self, x, run=None):
+        return add_bias(x, self.bias)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from float8 import DelayedScalingState, Float8Tensor
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, check_amax_group
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
-from float8.ops.bias import Bias
+from float8.ops.bias import Bias, add_bias
 from float8.ops.functional import (
     check_fp8_weight_grad,
     fp8_pays_off,
@@ -242,8 +242,9 @@ class Linear(BasicOp):
         that is not tensor-parallel, on GEMMs too small for FP8 (the small-layer policy)."""
         return self.parallel is None and not self.runs_in_fp8(tokens, device) and not is_dtensor(self.weight)
 
-    def torch_forward(self, x, residuals=None, bias=None):
-        """F.linear(x, weight, bias) in x's dtype: the same kernels and autograd as nn.Linear."""
+    def torch_forward(self, x, run=None, bias=None):
+        """F.linear(x, weight, bias) in x's dtype: the same kernels and autograd as nn.Linear (a bias in
+        another dtype, a float32 master, is added after the GEMM in its own precision: ops/bias.py)."""
         self._check_input(x)
         w = self.weight
         if self._weight_cache.w8 is not None and w.requires_grad and torch.is_grad_enabled():
@@ -251,7 +252,7 @@ class Linear(BasicOp):
         if w.dtype != x.dtype:
             w = w.to(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
+            return add_bias(F.linear(x, w), bias)
         return F.linear(x, w, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Identity(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, residuals=None):
+    def torch_forward(self, x, run=None):
         return x
 
     def op_forward(self, ctx, x, out_request=None):
@@ -96,7 +96,7 @@ class Dropout(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, residuals=None):
+    def torch_forward(self, x, run=None):
         if not self.training or self.p == 0:
             return x
         keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # the mask op_forward draws, from the same RNG
@@ -124,9 +124,11 @@ class Residual(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, residuals):
-        residuals.append(x)
-        return x
+    def torch_forward(self, x, run):
+        run.residuals.append(x)
+        # A view, so that each use of x has a node of its own: the gradients then meet two by two, in the
+        # order of Residual's backward (branch + residual, innermost pair first), whatever the nesting.
+        return x.view_as(x)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         x = plain(x)
@@ -144,11 +146,14 @@ class AddResidual(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, residuals):
-        r = residuals.pop()
-        if r.shape != x.shape:
-            raise ValueError(f"AddResidual: the branch has shape {tuple(x.shape)}, the residual {tuple(r.shape)}")
-        return x + r
+    def torch_forward(self, x, run):
+        """x + the residual, both as (rows, features) like the op's own forward (a Reshape between the
+        pair may have changed the token dims); the result in x's shape."""
+        r = run.residuals.pop()
+        x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
+        if r2.shape != x2.shape:
+            raise ValueError(f"AddResidual: the branch has shape {tuple(x2.shape)}, the residual {tuple(r2.shape)}")
+        return (x2 + r2).reshape(x.shape)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         if not ctx.run.residuals:

@@ -69,7 +69,7 @@ class _Norm(BasicOp):
     def has_torch_forward(self) -> bool:
         return self.grad_sum_group is None  # a sequence-parallel weight's gradient is summed by the runner
 
-    def torch_forward(self, x, residuals=None):
+    def torch_forward(self, x, run=None):
         w = self.weight.to(x.dtype)
         if self.rms:
             return F.rms_norm(x, (self.normalized_shape,), w, self.eps)

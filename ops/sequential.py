@@ -193,13 +193,15 @@ def _runs_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> bool:
     ordinary autograd cost the host least. On the H100 machine's host a tiny Linear -> RMSNorm -> GELU
     took 1558 us per forward+backward through our kernels against 419 us for torch.nn (2026-11-22,
     benchmarks/host.py): the Triton launches and the run's Python, with nothing for FP8 to win. At least
-    one Linear: norms or activations alone keep their kernels."""
+    one Linear: norms or activations alone keep their kernels. Not under lean activations, whose FP8
+    copies of saved inputs only the ops' own backwards read."""
     if x2.device.type != "cuda" or isinstance(x2, Float8Tensor):
         return False
     rows, device, linear = x2.shape[0], x2.device, False
     for op in ops:
-        if not op.has_torch_forward:
+        if not op.has_torch_forward or op.recipe.lean_activations:
             return False
+        op.op_params()  # a parameter still sharded by FSDP2 is refused here, naming the op
         if isinstance(op, Linear):
             if not op.runs_as_torch(rows, device):
                 return False
@@ -207,17 +209,19 @@ def _runs_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> bool:
     return linear
 
 
-def _run_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> torch.Tensor:
-    """The ops' plain-torch twins in order (a Linear with its own Bias after it as one F.linear)."""
-    residuals: list = []
+def _run_as_torch(ops: List[BasicOp], x2: torch.Tensor, lead, fuse: bool) -> torch.Tensor:
+    """The ops' plain-torch twins in order; with fusion on, a Linear and the Bias after it (its own, or
+    one after a bias-free Linear) as one F.linear, as LinearBiasForward fuses them."""
+    run = RunState(torch.is_grad_enabled(), lead)
     i = 0
     while i < len(ops):
         op, after = ops[i], ops[i + 1] if i + 1 < len(ops) else None
-        if isinstance(op, Linear) and isinstance(after, Bias) and op.bias is not None and after.bias is op.bias:
-            x2 = op.torch_forward(x2, residuals, bias=op.bias)
+        fold = fuse and isinstance(op, Linear) and isinstance(after, Bias) and (op.bias is None or op.bias is after.bias)
+        if fold:
+            x2 = op.torch_forward(x2, run, bias=after.bias)
             i += 2
         else:
-            x2 = op.torch_forward(x2, residuals)
+            x2 = op.torch_forward(x2, run)
             i += 1
     return x2
 
@@ -227,45 +231,46 @@ def _run_split_at_attention(ops: List[BasicOp], x: torch.Tensor, fuse: bool) -> 
     (whose backward dynamo traces; the op's own backward differentiates a recorded SDPA graph, which it
     cannot), between fused runs of the other ops. The residual pairs around it become plain adds, so no
     activation crosses from one fused run into another; `_check_residual_pairs` keeps each pair inside
-    one Sequential run. The numerics are eager's: the same kernels, and a residual's two gradients are
-    summed by autograd instead of by Residual's backward (one addition either way)."""
+    one Sequential run. The numerics are eager's: the same kernels, and a residual's gradients are summed
+    two by two in the order of Residual's backward (Residual.torch_forward). The fused runs between never
+    take the torch twins: the eager run, one fused Function, did not either."""
     from float8.ops.misc import AddResidual, Residual
 
-    residuals: list = []
+    stack = RunState(torch.is_grad_enabled())
     part: List[BasicOp] = []
     for op in [*ops, None]:
         if op is None or isinstance(op, (Attention, Residual, AddResidual)):
             if part:
-                x = run_ops(part, x, fuse)
+                x = run_ops(part, x, fuse, as_torch=False)
                 part = []
             if isinstance(op, Attention):
                 x = op.torch_forward_nd(x)
-            elif isinstance(op, Residual):
-                residuals.append(x)
-            elif isinstance(op, AddResidual):
-                x = op.torch_forward(x, residuals)
+            elif op is not None:
+                x = op.torch_forward(x, stack)
         else:
             part.append(op)
     return x
 
 
-def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
-    """Run basic ops on x (..., features): one autograd node for all of them."""
+def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True, as_torch: bool = True) -> torch.Tensor:
+    """Run basic ops on x (..., features): one autograd node for all of them, or, where the small-layer
+    policy keeps every Linear of the run in high precision, torch's own functions (`as_torch`: allowed)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ops take a tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
-    if torch.compiler.is_compiling():
-        if any(isinstance(op, Attention) for op in ops):
-            return _run_split_at_attention(ops, x, fuse)
-        _check_compilable(ops)
-    else:
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
-    if _runs_as_torch(ops, x2):
-        y = _run_as_torch(ops, x2)
+    if as_torch and _runs_as_torch(ops, x2):
+        y = _run_as_torch(ops, x2, lead, fuse)
         return y.reshape(*lead, y.shape[-1])
+    if compiling:
+        if any(isinstance(op, Attention) for op in ops):
+            return _run_split_at_attention(ops, x, fuse)
+        _check_compilable(ops)
     params = [p for op in ops for p in op.op_params()]
     grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     runner = _Runner(ops, fuse, grad, lead, x.requires_grad)

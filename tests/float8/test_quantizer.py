@@ -166,6 +166,24 @@ def test_delayed_checkpoint_loads_strictly_into_a_fresh_state_and_resumes():
     assert_same_bits(a.scale, b.scale)
 
 
+@pytest.mark.parametrize("saved_len, new_len", [(16, 1024), (8, 3)], ids=["old default into 1024", "longer into shorter"])
+def test_delayed_checkpoint_of_another_history_length_loads(saved_len, new_len):
+    # The default history went from 16 to 1024 steps: a checkpoint of the old default must still load
+    # strictly, keeping its newest amaxes, and give the scale the saved window would give from there on.
+    a = DelayedScalingState(DelayedScaling(history_len=saved_len), fp8_dtype=E4M3)
+    for s in (3.0, 7.0, 1.0, 2.0):
+        Float8Tensor.quantize(torch.randn(16, 16) * s, scaling=a)
+    b = DelayedScalingState(DelayedScaling(history_len=new_len), fp8_dtype=E4M3)
+    b.load_state_dict(a.state_dict(), strict=True)
+    n = min(saved_len, new_len)
+    assert b.amax_history.shape == (new_len,)
+    assert_same_bits(b.amax_history[:n], a.amax_history[:n])
+    assert (b.amax_history[n:] == 0).all()
+    assert_same_bits(b.scale, a.scale)  # the step after loading casts with the saved scale
+    x = torch.randn(16, 16) * 5
+    same(Float8Tensor.quantize(x, scaling=a), Float8Tensor.quantize(x, scaling=b))
+
+
 def test_delayed_first_step_is_current_scaling():
     state = DelayedScalingState(DelayedScaling())
     g = torch.randn(64, 64) * 1e-3  # a gradient far below 448: scale 1 would flush most of it to 0

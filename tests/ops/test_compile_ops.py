@@ -178,6 +178,20 @@ def test_block_with_attention_compiles_fullgraph_and_matches_eager(name, sequenc
                    lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
 
 
+def test_nested_residuals_and_a_reshape_around_attention_keep_eager_bits():
+    # Two pairs opened at one point (three uses of one activation: the gradients must meet in Residual's
+    # order), and a Reshape inside a pair that changes the token dims (the pair adds as (rows, features)).
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.Residual(), ops.Residual(), ops.RMSNorm(64), ops.Linear(64, 128, bias=False),
+            ops.Attention(4, 16, num_kv_heads=2), ops.AddResidual(), ops.Reshape((4, 8, 64)), ops.Linear(64, 64),
+            ops.AddResidual(),
+        ).to(torch.bfloat16)  # fmt: skip
+
+    _compare_steps(build, lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
+
+
 def test_attention_alone_compiles_and_checks_its_input():
     torch._dynamo.reset()
     attn = ops.Attention(4, 16, num_kv_heads=2)

@@ -129,6 +129,26 @@ def test_small_layer_sequential_runs_torch_functions_on_cuda():
     assert not torch.equal(seq(x), runs[0][0])
 
 
+def test_small_layer_run_conditions_on_cuda():
+    # A small block with attention runs torch's functions too; lean activations keep the run ours (their
+    # FP8 saved inputs); a small block with attention compiled gives what its eager run gives, within
+    # inductor's own rounding of the torch functions.
+    from benchmarks.distributed import ops_block
+    from float8.ops.sequential import _runs_as_torch
+    from tests.tolerances import sqnr_db
+
+    torch.manual_seed(0)
+    block = ops_block(256, 4, 2, 64, 512).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    flat = [o for op in block for o in op.expand()]
+    assert _runs_as_torch(flat, x.reshape(-1, 256))
+    lean = ops_block(256, 4, 2, 64, 512, recipe=Recipe(lean_activations=True)).cuda().to(torch.bfloat16)
+    assert not _runs_as_torch([o for op in lean for o in op.expand()], x.reshape(-1, 256))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    assert sqnr_db(block(x), compiled(x)) >= 35
+
+
 @pytest.mark.parametrize("make", [lambda: mlp(256, 512), lambda: ops.Linear(256, 512, bias=True, recipe=ALWAYS_FP8)],
                          ids=["mlp", "linear"])
 def test_cuda_graphed_training_steps_equal_eager_ones(make):

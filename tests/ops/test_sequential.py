@@ -130,7 +130,7 @@ def test_plain_torch_twin_of_a_run_gives_torch_bits():
     flat = [o for op in seq for o in op.expand()]
     x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
     assert not _runs_as_torch(flat, x)  # on the CPU a Sequential always runs FP8
-    for fn in (lambda x: _run_as_torch(flat, x), twin):
+    for fn in (lambda x: _run_as_torch(flat, x, (8,), True), twin):
         y = fn(x)
         y.float().square().sum().backward()
         got = [y.detach(), x.grad] + [p.grad for p in seq.parameters()]
@@ -147,12 +147,66 @@ def test_plain_torch_twin_checks_shapes_and_draws_dropout_like_the_op():
 
     lin = ops.Linear(16, 8)
     with pytest.raises(ValueError, match=r"Linear expects input \(\.\.\., 16\)"):
-        _run_as_torch(lin.expand(), torch.randn(4, 12))
+        _run_as_torch(lin.expand(), torch.randn(4, 12), (4,), True)
     with pytest.raises(ValueError, match="even last dim"):
-        _run_as_torch([ops.SwiGLU()], torch.randn(4, 7))
+        _run_as_torch([ops.SwiGLU()], torch.randn(4, 7), (4,), True)
     drop = ops.Dropout(p=0.5)
     x = torch.randn(64, 32)
     torch.manual_seed(3)
-    plain = _run_as_torch([drop], x)
+    plain = _run_as_torch([drop], x, (64,), True)
     torch.manual_seed(3)
     assert torch.equal(plain, ops.Sequential(drop)(x))
+
+
+def test_plain_torch_twin_gives_float32_master_biases_float32_gradients():
+    # A bias kept in float32 beside bf16 activations: Bias.op_backward sums the rows' gradients in
+    # float32; the torch twin must too, not hand back a sum rounded to bf16.
+    from float8.ops.sequential import _run_as_torch
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 64, dtype=torch.bfloat16)
+    dy = torch.randn(512, 64, dtype=torch.bfloat16) * 10
+    want = dy.double().sum(0)
+    for ops_list in ([ops.Bias(64)], ops.Linear(64, 64, bias=True).to(torch.bfloat16).expand()):
+        bias = ops_list[-1].bias
+        bias.data = bias.data.float()
+        y = _run_as_torch(ops_list, x, (512,), True)
+        assert y.dtype == torch.bfloat16
+        y.backward(dy)
+        assert bias.grad.dtype == torch.float32
+        assert (bias.grad.double() - want).abs().max() < 1e-3, (bias.grad.double() - want).abs().max()
+        bias.grad = None
+
+
+def test_plain_torch_twin_folds_a_separate_bias_as_the_fused_run_does():
+    from float8.ops.sequential import _run_as_torch
+
+    torch.manual_seed(0)
+    lin, bias = ops.Linear(32, 16, bias=False).to(torch.bfloat16), ops.Bias(16).to(torch.bfloat16)
+    bias.bias.data.normal_()
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    F = torch.nn.functional
+    assert torch.equal(_run_as_torch([lin, bias], x, (8,), True), F.linear(x, lin.weight, bias.bias))
+    assert torch.equal(_run_as_torch([lin, bias], x, (8,), False), F.linear(x, lin.weight) + bias.bias)
+    # A Linear with a bias of its own and another Bias after it: two additions, neither folded away.
+    lin_b = ops.Linear(32, 16, bias=True).to(torch.bfloat16)
+    want = F.linear(x, lin_b.weight, lin_b.bias) + bias.bias
+    assert torch.equal(_run_as_torch(lin_b.expand() + [bias], x, (8,), True), want)
+    # Straight after such a Linear, another Bias is not its own: added after the GEMM (the Linear's own
+    # bias belongs to the Bias op of its expansion, as in the fused run).
+    assert torch.equal(_run_as_torch([lin_b, bias], x, (8,), True), F.linear(x, lin_b.weight) + bias.bias)
+
+
+def test_plain_torch_twin_of_attention_gives_the_ops_bits():
+    from float8.ops.sequential import _run_as_torch
+
+    torch.manual_seed(0)
+    attn = ops.Attention(4, 16, num_kv_heads=2)
+    x = torch.randn(2, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    runs = []
+    for fn in (lambda x: _run_as_torch([attn], x.reshape(16, 128), (2, 8), True).reshape(2, 8, 64), attn):
+        fn(x).backward(dy)
+        runs.append((fn(x).detach(), x.grad))
+        x.grad = None
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
