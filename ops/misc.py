@@ -94,22 +94,21 @@ class Dropout(BasicOp):
     def extra_repr(self) -> str:
         return f"p={self.p}"
 
+    def _drop(self, x):
+        """(x with elements dropped and the rest scaled, the keep mask), or (x, None) when nothing drops."""
+        if not self.training or self.p == 0:
+            return x, None
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p
+        return x * keep.to(x.dtype) * (1.0 / (1 - self.p)), keep
+
     has_torch_forward = True
 
     def torch_forward(self, x, run=None):
-        if not self.training or self.p == 0:
-            return x
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # the mask op_forward draws, from the same RNG
-        return x * keep.to(x.dtype) * (1.0 / (1 - self.p))
+        return self._drop(x)[0]  # the mask op_forward draws, from the same RNG
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
-        x = plain(x)
-        if not self.training or self.p == 0:
-            ctx.mask = None
-            return x
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p
-        ctx.mask = keep
-        return x * keep.to(x.dtype) * (1.0 / (1 - self.p))
+        y, ctx.mask = self._drop(plain(x))
+        return y
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         dy = plain(dy)
@@ -146,23 +145,22 @@ class AddResidual(BasicOp):
 
     has_torch_forward = True
 
+    @staticmethod
+    def _add(x2, r2):
+        if r2.shape != x2.shape:
+            raise ValueError(f"AddResidual: the branch has shape {tuple(x2.shape)}, the residual {tuple(r2.shape)}")
+        return x2 + r2
+
     def torch_forward(self, x, run):
         """x + the residual, both as (rows, features) like the op's own forward (a Reshape between the
         pair may have changed the token dims); the result in x's shape."""
         r = run.residuals.pop()
-        x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
-        if r2.shape != x2.shape:
-            raise ValueError(f"AddResidual: the branch has shape {tuple(x2.shape)}, the residual {tuple(r2.shape)}")
-        return (x2 + r2).reshape(x.shape)
+        return self._add(x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])).reshape(x.shape)
 
     def op_forward(self, ctx: OpContext, x, out_request=None):
         if not ctx.run.residuals:
             raise ValueError("AddResidual needs a Residual op before it in the same Sequential")
-        r = ctx.run.residuals.pop()
-        x = plain(x)
-        if r.shape != x.shape:
-            raise ValueError(f"AddResidual: the branch has shape {tuple(x.shape)}, the residual {tuple(r.shape)}")
-        return x + r
+        return self._add(plain(x), ctx.run.residuals.pop())
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         dy = plain(dy)
