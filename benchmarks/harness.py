@@ -56,10 +56,35 @@ def step_peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[
     return torch.cuda.max_memory_allocated()
 
 
-def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 15) -> List[dict]:
-    """Where one step's GPU time goes: the `top` kernels by total time (torch.profiler), in ms."""
+# Kernel-name patterns, in the order they are tried: the first that matches names the group.
+KERNEL_GROUPS = [
+    ("GEMM (cuBLAS)", ("nvjet", "gemm", "xmma", "cutlass")),
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("optimizer (foreach)", ("multi_tensor_apply",)),
+    ("float8: activations", ("_act_",)),
+    ("float8: norms", ("_norm_",)),
+    ("float8: casts, amax, transposes", ("_cast", "_amax", "_multi_", "_quantize", "_transpose", "_rowwise", "_block2d")),
+    ("float8: cross-entropy", ("_ce_",)),
+    ("inductor", ("triton_",)),
+    ("copies and cat", ("CatArray", "copy", "Copy")),
+    ("elementwise (ATen)", ("elementwise",)),
+    ("reductions (ATen)", ("reduce",)),
+]
+
+
+def kernel_group(name: str) -> str:
+    """The KERNEL_GROUPS group a kernel's name falls in ("other" for none)."""
+    for group, patterns in KERNEL_GROUPS:
+        if any(p in name for p in patterns):
+            return group
+    return "other"
+
+
+def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 25) -> dict:
+    """Where one step's GPU time goes (torch.profiler, ms): `total` of all kernels (against the step's
+    wall time, the rest is the GPU waiting), the time of each KERNEL_GROUPS group, and the `top` kernels."""
     if device.type != "cuda":
-        return []
+        return {}
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -70,9 +95,17 @@ def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
-            rows.append({"kernel": e.key[:90], "ms": round(t / 1e3, 3), "calls": e.count})
+            rows.append({"kernel": e.key[:120], "ms": t / 1e3, "calls": e.count})
     rows.sort(key=lambda r: -r["ms"])
-    return rows[:top]
+    groups: dict = {}
+    for r in rows:
+        g = kernel_group(r["kernel"])
+        groups[g] = groups.get(g, 0.0) + r["ms"]
+    return {
+        "total_ms": round(sum(r["ms"] for r in rows), 2),
+        "groups": {g: round(ms, 2) for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top": [{**r, "ms": round(r["ms"], 3)} for r in rows[:top]],
+    }
 
 
 def environment(device: torch.device) -> dict:

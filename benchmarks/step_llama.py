@@ -88,6 +88,8 @@ def run(device, tiny: bool, variants=None) -> List[dict]:
             row = {"variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
             free_memory()
         print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
+        if row.get("kernels"):
+            print("  kernels", row["kernels"]["total_ms"], "ms:", row["kernels"]["groups"], flush=True)
         rows.append(row)
     base = {r["variant"]: r.get("ms_per_step") for r in rows}
     for r in rows:
