@@ -59,7 +59,7 @@ def step_peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[
 # Kernel-name patterns, in the order they are tried: the first that matches names the group.
 KERNEL_GROUPS = [
     ("GEMM (cuBLAS)", ("nvjet", "gemm", "xmma", "cutlass")),
-    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention", "cudnn")),
     ("optimizer (foreach)", ("multi_tensor_apply",)),
     ("float8: activations", ("_act_",)),
     ("float8: norms", ("_norm_",)),

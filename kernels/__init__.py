@@ -3,11 +3,12 @@
 Importing this package registers the custom ops `torch.ops.float8.*`, one per kernel family: amax,
 quantize_tensorwise (a given scale or current scaling, with or without the transpose), quantize_rowwise,
 quantize_blockwise, dequantize, and norm_fwd / norm_fp8 / norm_bwd (`norm.py`) and act_fwd / act_fp8 /
-act_bwd / dact_fp8 (`activation.py`). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
+act_bwd / dact_fp8 (`activation.py`), and pack_heads_fp8 (`pack_heads.py`: attention's q/k/v gradients
+packed into tokens x features, in FP8). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
-from . import activation, norm  # fused activation/bias and norm kernels (float8::act_*, dact_fp8, norm_*)
+from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
 from .amax import amax, amax_ref
 from .blockwise import quantize_blockwise, quantize_blockwise_ref
 from .dequantize import dequantize, dequantize_ref
@@ -17,6 +18,7 @@ from .rowwise import quantize_rowwise, quantize_rowwise_ref
 __all__ = [
     "activation",
     "norm",
+    "pack_heads",
     "amax",
     "amax_ref",
     "quantize_tensorwise",

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from float8.kernels.pack_heads import pack_heads, pack_heads_fp8
 from float8.ops.base import BasicOp, OpContext, plain, take
 
 
@@ -37,7 +38,8 @@ class Attention(BasicOp):
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"
 
-    def _sdpa(self, qkv, lead):
+    def _split(self, qkv, lead):
+        """q, k, v: head-major (B, heads, S, D) views of the packed qkv (tokens, features)."""
         if len(lead) < 2:
             raise ValueError(f"Attention needs input (..., batch, seq, features), got token dims {tuple(lead)}")
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -52,13 +54,20 @@ class Attention(BasicOp):
         else:
             b, s = math.prod(lead[:-1]), lead[-1]
             x = qkv.reshape(b, s, h + 2 * hk, d).transpose(1, 2)  # (B, heads, S, D)
-        q, k, v = x.split([h, hk, hk], dim=1)
+        return x.split([h, hk, hk], dim=1)
+
+    def _attend(self, q, k, v):
+        """SDPA of head-major q, k, v, back to (tokens, heads * head_dim) in the input's token order."""
         # Grouped KV heads go to SDPA as they are (enable_gqa): no repeated K/V copies, which at 32 heads
         # over 8 KV heads would be 4x the K/V bytes, kept for the backward.
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=hk != h)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])
+        b, h, s, d = o.shape
         if self.sequence_first:
             return o.permute(2, 0, 1, 3).reshape(s * b, h * d)
         return o.transpose(1, 2).reshape(b * s, h * d)
+
+    def _sdpa(self, qkv, lead):
+        return self._attend(*self._split(qkv, lead))
 
     has_torch_forward = True
 
@@ -76,15 +85,25 @@ class Attention(BasicOp):
     def op_forward(self, ctx: OpContext, x, out_request=None):
         if not ctx.run.grad:
             return self._sdpa(plain(x), tuple(ctx.run.lead))
-        # Grad mode is off inside the Sequential's autograd Function: record SDPA's own small graph on a
-        # detached leaf, and differentiate it in op_backward.
-        qkv = plain(x).detach().requires_grad_(True)
+        # Grad mode is off inside the Sequential's autograd Function: record SDPA's own small graph on
+        # detached q, k, v leaves (views of x, no copy), and differentiate it in op_backward. Leaves per
+        # part, not one for x: their gradients are SDPA's own outputs, which pack_heads reads in place.
+        q, k, v = (t.detach().requires_grad_(True) for t in self._split(plain(x), tuple(ctx.run.lead)))
         with torch.enable_grad():
-            out = self._sdpa(qkv, tuple(ctx.run.lead))
-        ctx.saved = (qkv, out)
+            out = self._attend(q, k, v)
+        ctx.saved = (q, k, v, out)
         return out.detach()
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
-        qkv, out = take(ctx, "saved")
-        (dqkv,) = torch.autograd.grad(out, qkv, plain(dy))
-        return dqkv, []
+        q, k, v, out = take(ctx, "saved")
+        dy = plain(dy)
+        grads = list(torch.autograd.grad(out, (q, k, v), dy))
+        r = dx_request
+        if r is not None and r.fuses:
+            # Straight into the QKV Linear's FP8 gradient: no packed high-precision copy (kernels/pack_heads.py).
+            data, data_t, scale_inv, amax = pack_heads_fp8(
+                grads, self.sequence_first, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose
+            )
+            return r.finish(data, data_t, scale_inv, amax, dy.dtype), []
+        dx = pack_heads(grads, self.sequence_first)
+        return (r.quantize(dx) if r is not None else dx), []

@@ -84,3 +84,35 @@ def test_fused_equals_unfused(name, dtype):
 # with torch 2.13 (largest 0.028, relu_silu); torch 2.11's CPU bf16 arithmetic gives up to 0.056 there,
 # the same before and after the quantizer change (measured on the GPU machine, 2026-11-22).
 FUSED_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 7e-2}
+
+
+@pytest.mark.parametrize("sequence_first", [False, True], ids=["batch_first", "sequence_first"])
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
+def test_attention_gradient_packed_into_fp8_equals_unfused(sequence_first, scaling):
+    # Fused, the attention backward writes the QKV Linear's FP8 gradient from SDPA's q/k/v gradients
+    # (kernels/pack_heads.py); unfused, it packs them in high precision and the Linear quantizes. Same amax,
+    # same per-element cast: the same bits. Rowwise gradients do not fuse (the packed copy is quantized).
+    from float8 import DelayedScaling, Recipe, RowwiseScaling
+
+    recipe = {
+        "current": None,
+        "delayed": Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling()),
+        "rowwise": Recipe(input=RowwiseScaling(), weight=RowwiseScaling(), grad=RowwiseScaling()),
+    }[scaling]
+    torch.manual_seed(2)
+    x, dy = torch.randn(4, 6, 64, dtype=torch.bfloat16), torch.randn(4, 6, 64, dtype=torch.bfloat16)
+
+    def make(fuse):
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.Linear(64, 128, bias=False),
+            ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first),
+            ops.Linear(64, 64, bias=False),
+            recipe=recipe,
+            fuse=fuse,
+        ).to(torch.bfloat16)
+
+    fused, unfused = make(True), make(False)
+    for step in range(2):  # delayed scaling: the second step casts with the first step's amax history
+        for a, b in zip(grads_of(fused, x * (step + 1), dy), grads_of(unfused, x * (step + 1), dy)):
+            assert torch.equal(a, b)
