@@ -58,14 +58,14 @@ def step_peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[
 
 # Kernel-name patterns, in the order they are tried: the first that matches names the group.
 KERNEL_GROUPS = [
+    ("inductor", ("triton_",)),  # first: inductor's names carry the ops they fuse (rms_norm, ...)
     ("GEMM (cuBLAS)", ("nvjet", "gemm", "xmma", "cutlass")),
     ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention", "cudnn")),
     ("optimizer (foreach)", ("multi_tensor_apply",)),
     ("float8: activations", ("_act_",)),
     ("float8: norms", ("_norm_",)),
-    ("float8: casts, amax, transposes", ("_cast", "_amax", "_multi_", "_quantize", "_transpose", "_rowwise", "_block2d")),
+    ("float8: casts, amax, transposes", ("_cast", "_amax", "_multi_", "_quantize", "_transpose", "_rowwise", "_block2d", "_pack_heads")),
     ("float8: cross-entropy", ("_ce_",)),
-    ("inductor", ("triton_",)),
     ("copies and cat", ("CatArray", "copy", "Copy")),
     ("elementwise (ATen)", ("elementwise",)),
     ("reductions (ATen)", ("reduce",)),

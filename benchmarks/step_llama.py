@@ -43,8 +43,9 @@ def _model(variant: str, s: LlamaShape, device):
     return model
 
 
-def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
-    """One variant's record: ms per step, tokens/s, peak GiB (and its kernel breakdown)."""
+def build_step(variant: str, s: LlamaShape, device):
+    """(step, losses): one whole training step of `variant` (zero_grad, forward, backward, AdamW foreach),
+    and the list each step appends its loss to."""
     model = _model(variant, s, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -59,6 +60,12 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
         opt.step()
         losses.append(loss.detach())
 
+    return step, losses
+
+
+def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
+    """One variant's record: ms per step, tokens/s, peak GiB (and its kernel breakdown)."""
+    step, losses = build_step(variant, s, device)
     for _ in range(3):
         step()  # compile, autotune, and the optimizer's states exist from here on
     ms = time_steps(step, device, warmup=0, reps=5 if device.type == "cuda" else 2)
@@ -72,7 +79,7 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     }
     if breakdown:
         row["kernels"] = kernel_breakdown(step, device)
-    del model, opt
+    del step
     free_memory()
     return row
 

@@ -27,3 +27,26 @@ def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
     losses = [r["final_loss"] for v, r in rows.items() if not v.startswith("torchao")]
     assert max(losses) - min(losses) < 0.05, losses
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
+
+
+def test_kernel_groups_name_each_family():
+    from benchmarks.harness import kernel_group
+
+    assert kernel_group("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "GEMM (cuBLAS)"
+    # Inductor's names carry what they fuse: still inductor's.
+    assert kernel_group("triton_poi_fused__fused_rms_norm__scaled_mm_add_7") == "inductor"
+    assert kernel_group("_pack_heads_kernel") == "float8: casts, amax, transposes"
+    assert kernel_group("cudnn::fusion::compute_dot_do_o_specialized<true, 128>") == "attention (SDPA)"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>") == "elementwise (ATen)"
+    assert kernel_group("some_vendor_kernel") == "other"
+
+
+def test_gaps_tiny_runs(tmp_path):
+    out = tmp_path / "gaps.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gaps", "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    # No kernels on the CPU: an empty report per variant, written.
+    assert json.loads(out.read_text()) == {"float8 ops eager": {}}
