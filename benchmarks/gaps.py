@@ -4,8 +4,8 @@ step of the Llama-style model (benchmarks/step_llama.py variants).
 A step's wall time is its kernels' time plus the time the GPU sits idle, waiting for the host to launch
 the next kernel. This profiles one step (after warm-up) with CPU and CUDA activity and Python stacks,
 finds every idle interval longer than --min-us between kernels, and charges it to the Python line that
-was running on the host when the kernel after the gap was launched (the innermost profiled op alive just
-before that kernel started). CUDA only: on the CPU there are no kernels and the report is empty.
+launched the kernel after the gap (the profiled op with a Python stack that started last before that
+kernel did). CUDA only: on the CPU there are no kernels and the report is empty.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def gpu_gaps(step: Callable[[], None], device: torch.device, min_us: float = 20.
     by_line: Dict[str, float] = {}
     rows = []
     for a, b, name in gaps:
-        alive = [e for e in host_ops if e.time_range.start <= b - 2 <= e.time_range.end]
-        inner = min(alive, key=lambda e: e.time_range.end - e.time_range.start) if alive else None
+        # The host runs one op at a time: the launcher is the op that started last before the kernel did
+        # (an innermost op starts after the ops it runs in).
+        before = [e for e in host_ops if e.time_range.start <= b]
+        inner = max(before, key=lambda e: e.time_range.start) if before else None
         where = _where(inner.stack) if inner is not None else "?"
         by_line[where] = by_line.get(where, 0.0) + (b - a)
         rows.append({"idle_us": round(b - a, 1), "before_kernel": name[:80], "host_op": inner.name if inner else "?", "where": where})

@@ -194,7 +194,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a CPU-sized run (default without a GPU)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out", default=".", help="folder for train_gpt.json and train_gpt.png")
-    p.add_argument("--seeds", type=int, default=1, help="runs per variant (seeds 0..K-1); the verdict is on the mean gap")
+    p.add_argument("--seeds", type=int, default=1, help="runs per variant; the verdict is on the mean gap")
+    p.add_argument("--first-seed", type=int, default=0, help="the seeds are first-seed .. first-seed + seeds - 1")
+    p.add_argument("--variants", default=None, help=f"comma-separated, from {VARIANTS} (bf16, the baseline, always runs)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type == "cpu"
@@ -204,7 +206,12 @@ def main(argv=None):
     data = load_text()
     split = int(0.9 * len(data))
     print(f"{len(data) / 1e6:.2f} MB of text, {cfg['steps']} steps of {cfg['batch']}x{cfg['seq']} tokens, {device}")
-    runs = {v: [train(v, cfg, data[:split], data[split:], device, seed) for seed in range(args.seeds)] for v in VARIANTS}
+    variants = ["bf16", *[v for v in (args.variants.split(",") if args.variants else VARIANTS) if v != "bf16"]]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    runs = {v: [train(v, cfg, data[:split], data[split:], device, seed) for seed in seeds] for v in variants}
     results = {}
     for variant, rs in runs.items():
         vals = [r["val_loss"] for r in rs]
@@ -224,7 +231,7 @@ def main(argv=None):
         )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": cfg, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    meta = {"config": cfg, "seeds": list(seeds), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
     (out / "train_gpt.json").write_text(json.dumps({**meta, "results": results}))
     png = plot(results, out / "train_gpt.png")
     print(f"wrote {out / 'train_gpt.json'}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
