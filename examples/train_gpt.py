@@ -1,4 +1,4 @@
-"""Train a small GPT on real text three ways, bf16 against FP8, and compare the loss curves.
+"""Train a small GPT on real text, bf16 against FP8, and compare the loss curves.
 
     python examples/train_gpt.py            # on a GPU: 4 blocks of d=1024, 1000 steps per variant
     python examples/train_gpt.py --tiny     # a CPU-sized run (the default without a GPU)
@@ -11,7 +11,9 @@ about 0.5 MB of English), read as bytes (a vocabulary of 256). Every variant see
   autocast alone gives), to show what that choice moves.
 - fp8 current / fp8 delayed: the same blocks from float8 ops (FP8 GEMMs in forward and backward,
   per-tensor current or delayed scaling), float32 master weights, bfloat16 activations, and the fused
-  FP8 linear + cross-entropy head.
+  linear + cross-entropy head in bfloat16: the LM head stays in high precision, as TransformerEngine's
+  and torchao's guides advise (its output is the logits themselves).
+- fp8 current + fp8 head: the head's GEMMs in FP8 too (per-tensor current scaling), to show what that costs.
 --seeds K trains every variant K times (seed k: initial weights and batch order); each FP8 run is compared
 with the bf16 run of its own seed, and the verdict is on the mean gap. Writes train_gpt.json (the curves,
 the losses per seed) and train_gpt.png (mean curves, when matplotlib is installed) in --out, and says
@@ -35,7 +37,8 @@ from float8 import DelayedScaling, Recipe
 
 # Small layers: without this the small-layer policy would (rightly, for speed) run them in bf16 on a GPU.
 FP8 = {"fp8 current": Recipe(min_fp8_gemm_flops=0),
-       "fp8 delayed": Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling(), min_fp8_gemm_flops=0)}  # fmt: skip
+       "fp8 delayed": Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling(), min_fp8_gemm_flops=0),
+       "fp8 current + fp8 head": Recipe(min_fp8_gemm_flops=0)}  # fmt: skip
 
 
 VARIANTS = ["bf16", "bf16 fp32 residual", *FP8]
@@ -86,7 +89,7 @@ def fp8_block(d, heads, kv, ffn, recipe):
 class GPT(torch.nn.Module):
     """Byte embedding, blocks, final norm and LM head; forward(tokens, targets) -> mean loss."""
 
-    def __init__(self, cfg, recipe=None, fp32_residual=False):
+    def __init__(self, cfg, recipe=None, fp32_residual=False, fp8_head=False):
         super().__init__()
         self.fp32_residual = fp32_residual
         d, heads, kv, ffn, blocks = cfg["d"], cfg["heads"], cfg["kv"], cfg["ffn"], cfg["blocks"]
@@ -94,8 +97,9 @@ class GPT(torch.nn.Module):
         self.embed = torch.nn.Embedding(256, d)
         if self.fp8:
             self.blocks = torch.nn.ModuleList(fp8_block(d, heads, kv, ffn, recipe) for _ in range(blocks))
-            # The head's GEMMs run with per-tensor current scaling: a fused loss keeps no amax history.
-            self.head = ops.Sequential(ops.RMSNorm(d), ops.LinearCrossEntropy(d, 256, recipe=Recipe(min_fp8_gemm_flops=0)))
+            # An FP8 head runs per-tensor current scaling (a fused loss keeps no amax history); else bf16 GEMMs.
+            head_recipe = Recipe(min_fp8_gemm_flops=0) if fp8_head else None
+            self.head = ops.Sequential(ops.RMSNorm(d), ops.LinearCrossEntropy(d, 256, recipe=head_recipe))
         else:
             self.blocks = torch.nn.ModuleList(TorchBlock(d, heads, kv, ffn) for _ in range(blocks))
             self.norm, self.lm_head = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.Linear(d, 256, bias=False)
@@ -136,7 +140,8 @@ def learning_rate(step, steps, peak=1e-3, warmup=50):
 def train(variant, cfg, train_data, val_data, device, seed=0):
     """Train one variant from `seed`; returns its loss curve and held-out loss."""
     torch.manual_seed(seed)
-    model = GPT(cfg, FP8.get(variant), fp32_residual=variant == "bf16 fp32 residual").to(device)
+    model = GPT(cfg, FP8.get(variant), fp32_residual=variant == "bf16 fp32 residual", fp8_head="fp8 head" in variant)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     curve, start = [], time.perf_counter()
     for step, (x, y) in enumerate(batches(train_data, cfg["steps"], cfg["batch"], cfg["seq"], 1234 + seed, device)):
