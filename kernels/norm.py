@@ -3,7 +3,7 @@
 norm_fwd(x, weight, bias, eps, rms) -> (y, mean, rstd)
 norm_fp8(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
     -> (data, data_t, scale_inv, amax, mean, rstd)
-norm_bwd(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
+norm_bwd(dy, x, weight, mean, rstd, dres=None) -> (dx, dweight, dbias)      dx + dres, when given
 
 rms=True is RMSNorm (no bias: one is refused), rms=False LayerNorm (bias optional). A custom op cannot
 return None, so RMSNorm's mean output is an empty (0,) float32 tensor; norm_bwd takes mean None for
@@ -414,6 +414,16 @@ def _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _plus_dres(dx, dres_ptr, dx_ptr, rows, cols, M, N, stride_rm, HAS_DRES: tl.constexpr):
+    """dx, or dx rounded to its output dtype plus the residual's gradient in float32 (rounded again when
+    stored): the bits of a separate add of the two tensors, without its pass over memory."""
+    if HAS_DRES:
+        r, _ = _load_tile(dres_ptr, rows, cols, M, N, stride_rm)
+        dx = dx.to(dx_ptr.dtype.element_ty).to(tl.float32) + r
+    return dx
+
+
+@triton.jit
 def _norm_bwd_kernel(
     dy_ptr,  # (M, N) hp, row stride stride_dym, unit column stride
     x_ptr,  # (M, N) hp, row stride stride_xm, unit column stride
@@ -421,6 +431,7 @@ def _norm_bwd_kernel(
     mean_ptr,  # (M,) fp32 (not IS_RMS)
     rstd_ptr,  # (M,) fp32
     dx_ptr,  # (M, N) contiguous, x.dtype
+    dres_ptr,  # (M, N) x.dtype, row stride stride_rm, unit column stride (HAS_DRES): added to dx
     dw_ptr,  # (G, N) fp32, zeroed: row g = program g's sum of dy * xhat over its rows
     db_ptr,  # (G, N) fp32, zeroed: row g = program g's sum of dy (not IS_RMS)
     M,
@@ -428,8 +439,10 @@ def _norm_bwd_kernel(
     n_f,  # float(N)
     stride_xm,
     stride_dym,
+    stride_rm,
     row_blocks,  # cdiv(M, BLOCK_M)
     IS_RMS: tl.constexpr,
+    HAS_DRES: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -450,7 +463,8 @@ def _norm_bwd_kernel(
             )
             c1 = tl.math.div_rn(tl.sum(g * xhat, axis=1), n_f)
             c2 = tl.math.div_rn(tl.sum(g, axis=1), n_f)
-            _store_rows(dx_ptr, _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), rows, cols0, M, N)
+            dx = _plus_dres(_bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols0, M, N, stride_rm, HAS_DRES)
+            _store_rows(dx_ptr, dx, rows, cols0, M, N)
             dw_acc += tl.sum(dy * xhat, axis=0)
             db_acc += tl.sum(dy, axis=0)
         tl.store(dw_ptr + part + cols0, dw_acc, mask=cols0 < N)
@@ -475,7 +489,8 @@ def _norm_bwd_kernel(
                 xhat, g, dy = _bwd_tile(
                     x_ptr, dy_ptr, w_ptr, rows, cols, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
                 )
-                _store_rows(dx_ptr, _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), rows, cols, M, N)
+                dx = _plus_dres(_bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols, M, N, stride_rm, HAS_DRES)
+                _store_rows(dx_ptr, dx, rows, cols, M, N)
                 # This program's own row of the partial sums: no other program touches it.
                 dw = tl.load(dw_ptr + part + cols, mask=cols < N, other=0.0) + tl.sum(dy * xhat, axis=0)
                 tl.store(dw_ptr + part + cols, dw, mask=cols < N)
@@ -672,13 +687,15 @@ def norm_fp8_triton(
     return data, data_t, scale_inv, amax, _no_mean(x) if mean is None else mean, rstd
 
 
-def norm_bwd_triton(dy, x, weight, mean, rstd, config=None):
+def norm_bwd_triton(dy, x, weight, mean, rstd, config=None, dres=None):
     """norm_bwd on the GPU (mean None: RMSNorm): (dx (x.shape, x.dtype), dweight (N,), dbias (N,) or (0,)
-    for RMSNorm, in weight.dtype). Partial column sums per program, summed by torch (no atomics)."""
+    for RMSNorm, in weight.dtype). Partial column sums per program, summed by torch (no atomics).
+    dres: added to dx (see norm_bwd)."""
     is_rms = mean is None
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
     dy2 = _rows_2d(dy, N)
+    dres2 = _rows_2d(dres, N) if dres is not None else x2
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cfg = _bwd_config(N, config)
@@ -700,6 +717,7 @@ def norm_bwd_triton(dy, x, weight, mean, rstd, config=None):
             mean.contiguous() if mean is not None else rstd,
             rstd.contiguous(),
             dx,
+            dres2,
             dw_part,
             db_part if db_part is not None else dw_part,
             M,
@@ -707,8 +725,10 @@ def norm_bwd_triton(dy, x, weight, mean, rstd, config=None):
             float(N),
             x2.stride(0),
             dy2.stride(0),
+            dres2.stride(0),
             row_blocks,
             IS_RMS=is_rms,
+            HAS_DRES=dres is not None,
             ONE_CHUNK=cfg["ONE_CHUNK"],
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
@@ -766,13 +786,20 @@ def _check_stat(t, name, M, x, op):
         raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
 
 
-def _check_bwd(op, dy, x, weight, mean, rstd) -> None:
+def _check_bwd(op, dy, x, weight, mean, rstd, dres=None) -> None:
     _check_fwd(op, x, weight, None, 0.0, mean is None)
     check_hp_input(dy, op, "dy")
     if dy.shape != x.shape:
         raise ValueError(f"{op}: dy must have the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
     if dy.device != x.device:
         raise ValueError(f"{op}: dy is on {dy.device} but x is on {x.device}")
+    if dres is not None:
+        check_hp_input(dres, op, "dres")
+        if dres.shape != x.shape or dres.dtype != x.dtype or dres.device != x.device:
+            raise ValueError(
+                f"{op}: dres must have x's shape, dtype and device {tuple(x.shape)}, {x.dtype}, {x.device}; got "
+                f"{tuple(dres.shape)}, {dres.dtype}, {dres.device}"
+            )
     M = _rows(x)
     if mean is not None:
         _check_stat(mean, "mean", M, x, op)
@@ -848,21 +875,23 @@ def _(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=Fal
 
 @custom_op("float8::norm_bwd")
 def norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor,
+    dres: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) from the forward's stats.
 
-    mean None: RMSNorm, and dbias is an empty (0,) tensor of weight.dtype.
+    mean None: RMSNorm, and dbias is an empty (0,) tensor of weight.dtype. dres (x's shape and dtype): a
+    gradient added to dx, as `dx + dres` would (the residual branch's, for a norm right after a Residual).
     """
-    _check_bwd("norm_bwd", dy, x, weight, mean, rstd)
+    _check_bwd("norm_bwd", dy, x, weight, mean, rstd, dres)
     if use_triton(x, writes_fp8=False):
-        return norm_bwd_triton(dy, x, weight, mean, rstd)
-    return norm_bwd_ref(dy, x, weight, mean, rstd)
+        return norm_bwd_triton(dy, x, weight, mean, rstd, dres=dres)
+    return norm_bwd_ref(dy, x, weight, mean, rstd, dres)
 
 
 @norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd):
-    _check_bwd("norm_bwd", dy, x, weight, mean, rstd)
+def _(dy, x, weight, mean, rstd, dres=None):
+    _check_bwd("norm_bwd", dy, x, weight, mean, rstd, dres)
     dbias = weight.new_empty((0,) if mean is None else weight.shape)
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), dbias
 
@@ -940,8 +969,9 @@ def norm_fp8_ref(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, pow
     return (*quantize_y_ref(y, fp8_dtype, scale, margin, power_of_2, with_transpose), mean, rstd)
 
 
-def norm_bwd_ref(dy, x, weight, mean, rstd):
-    """(dx (x.shape, x.dtype), dweight, dbias (weight.dtype)) from given stats; mean None: RMSNorm, dbias (0,)."""
+def norm_bwd_ref(dy, x, weight, mean, rstd, dres=None):
+    """(dx (x.shape, x.dtype), dweight, dbias (weight.dtype)) from given stats; mean None: RMSNorm, dbias (0,).
+    dres: added to dx once dx is rounded to x.dtype."""
     N = x.shape[-1]
     xf = x.reshape(-1, N).float()
     dyf = dy.reshape(-1, N).float()
@@ -959,4 +989,5 @@ def norm_bwd_ref(dy, x, weight, mean, rstd):
         dx = ((g - c2[:, None]) - xhat * c1[:, None]) * r
         db = dyf.sum(0).to(weight.dtype)
     dw = (dyf * xhat).sum(0).to(weight.dtype)
-    return dx.to(x.dtype).reshape(x.shape), dw, db
+    dx = dx.to(x.dtype).reshape(x.shape)
+    return (dx if dres is None else dx + dres), dw, db

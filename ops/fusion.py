@@ -9,6 +9,8 @@ Forward:
   Bias + Activation      one kernel: act(x + bias), written as FP8 when the next op wants FP8
 Backward:
   Bias + Activation      one kernel: dact, dbias and the FP8 cast-transpose of the gradient
+  Residual + norm        the norm's backward kernel adds the residual branch's gradient to dx as it writes
+                         it: no separate add (a read of two tensors and a write of one)
 Single ops fuse with their neighbours through requests (ops/base.py): a norm or activation writes FP8
 for the Linear after it; Bias and activation backwards write the FP8 gradient the Linear before wants.
 """
@@ -21,6 +23,8 @@ from float8.ops.activations import Activation
 from float8.ops.base import BasicOp, OpContext, plain
 from float8.ops.bias import Bias
 from float8.ops.linear import Linear
+from float8.ops.misc import Residual
+from float8.ops.norms import _Norm
 
 
 class Unit:
@@ -77,12 +81,30 @@ class BiasActivationBackward(Unit):
         return dx, [[dbias.to(bias.bias.dtype)], []]
 
 
+class ResidualNormBackward(Unit):
+    @staticmethod
+    def can_fuse(ops) -> bool:
+        return True
+
+    def backward(self, ctxs, dy, dx_request):
+        residual, norm = self.ops
+        grads = ctxs[0].run.residual_grads
+        if not grads or not norm.saved_input_like(ctxs[1], grads[-1]):
+            # Unmatched, or a branch gradient of another dtype (torch's add would promote): one op at a time.
+            dx, norm_grads = norm.op_backward(ctxs[1], dy, None)
+            dx, _ = residual.op_backward(ctxs[0], dx, dx_request)
+            return dx, [[], norm_grads]
+        dx, norm_grads = norm.norm_backward(ctxs[1], dy, dres=grads.pop())
+        return dx, [[], norm_grads]
+
+
 FORWARD_FUSIONS = [
     ((Linear, Bias), LinearBiasForward),
     ((Bias, Activation), BiasActivationForward),
 ]
 BACKWARD_FUSIONS = [
     ((Bias, Activation), BiasActivationBackward),
+    ((Residual, _Norm), ResidualNormBackward),
 ]
 
 

@@ -76,10 +76,20 @@ class _Norm(BasicOp):
         return F.layer_norm(x, (self.normalized_shape,), w, self.bias.to(x.dtype), self.eps)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
+        return self.norm_backward(ctx, dy)
+
+    def norm_backward(self, ctx: OpContext, dy, dres=None):
+        """(dx, [dweight (, dbias)]); dres, a gradient of x's shape and dtype, is added to dx by the
+        backward kernel itself (a Residual right before the norm: ops/fusion.py)."""
         x, mean, rstd = take(ctx, "saved")
-        dx, dw, db = norm_bwd(plain(dy), x, self.weight.to(x.dtype), mean, rstd)
+        dx, dw, db = norm_bwd(plain(dy), x, self.weight.to(x.dtype), mean, rstd, dres)
         grads = [dw.to(self.weight.dtype)] if self.rms else [dw.to(self.weight.dtype), db.to(self.bias.dtype)]
         return dx, grads
+
+    def saved_input_like(self, ctx: OpContext, t: torch.Tensor) -> bool:
+        """Whether t has the shape and dtype of the input this run saved (what norm_backward's dres needs)."""
+        x = ctx.saved[0]
+        return t.shape == x.shape and t.dtype == x.dtype
 
 
 class RMSNorm(_Norm):

@@ -244,6 +244,27 @@ def test_backward(kind, dtype, shape, config):
         assert max_rel_err(ours, r) <= hp_rtol(dtype), name
 
 
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype, config", CASES, ids=CASE_IDS)
+def test_backward_adds_the_residual_gradient(kind, dtype, shape, config):
+    # dres is added to dx as a separate add would: dx rounded to x.dtype first, then the sum rounded.
+    x, w, b = inputs(shape, dtype, kind)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    dres = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    _, mean, rstd = fwd_ref(kind, x, w, b)
+    fused = nm.norm_bwd_triton(dy, x, w, mean, rstd, config, dres=dres)
+    plain = nm.norm_bwd_triton(dy, x, w, mean, rstd, config)
+    assert_bits(fused[0], plain[0] + dres, "dx + dres")
+    for name, f, p in zip(("dweight", "dbias"), fused[1:], plain[1:]):
+        assert torch.equal(f, p), name
+    ref = nm.norm_bwd_ref(dy, x, w, mean, rstd, dres)
+    assert torch.equal(ref[0], nm.norm_bwd_ref(dy, x, w, mean, rstd)[0] + dres)
+    assert max_rel_err(fused[0], ref[0]) <= hp_rtol(dtype)
+    with pytest.raises(ValueError, match="dres must have x's shape, dtype"):
+        nm.norm_bwd(dy, x, w, mean, rstd, dres.float() if dtype != torch.float32 else dres.half())
+
+
 # ---- against float64 autograd -----------------------------------------------------------------------
 
 
@@ -682,6 +703,11 @@ def test_gpu_against_references(kind, shape, dtype):
         if ours is not None:
             # dweight sums 16384 rows in float32 in another order: 1e-5 of the largest element.
             assert max_rel_err(ours, r) <= max(hp_rtol(dtype), 1e-5), name
+    # With the residual's gradient added in the kernel (its own compiled variant: row sums may differ by an ulp).
+    dres = torch.randn(shape, device="cuda").to(dtype)
+    dx_res, dw_res, _ = nm.norm_bwd_triton(dy, x, w, mean, rstd, dres=dres)
+    assert max_rel_err(dx_res, dx + dres) <= hp_rtol(dtype)
+    assert max_rel_err(dw_res, dw) <= max(hp_rtol(dtype), 1e-5)
 
     # The ops' CUDA dispatch: the launchers' bits.
     rms = kind == "rms"

@@ -116,3 +116,38 @@ def test_attention_gradient_packed_into_fp8_equals_unfused(sequence_first, scali
     for step in range(2):  # delayed scaling: the second step casts with the first step's amax history
         for a, b in zip(grads_of(fused, x * (step + 1), dy), grads_of(unfused, x * (step + 1), dy)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_backward_equals_unfused(dtype):
+    # The norm's backward kernel adds the residual branch's gradient as it writes dx: the bits of the
+    # separate add (dx rounded first, then the sum), for nested pairs and both norms.
+    from float8.ops.fusion import ResidualNormBackward
+
+    def make(fused):
+        # Unfused: an Identity between each Residual and its norm breaks the pattern and nothing else (fuse=False
+        # would also turn off the norms' FP8 outputs, whose bf16 bits differ).
+        gap = [] if fused else [ops.Identity()]
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.Residual(), *gap, ops.RMSNorm(64), ops.Linear(64, 64, bias=False), ops.AddResidual(),
+            ops.Residual(), *gap, ops.LayerNorm(64), ops.Residual(), *gap, ops.RMSNorm(64), ops.Linear(64, 64),
+            ops.AddResidual(), ops.AddResidual(),
+        ).to(dtype)  # fmt: skip
+
+    fused, unfused = make(True), make(False)
+    units = [type(u) for _, u in match(list(fused.ops), BACKWARD_FUSIONS)]
+    assert units.count(ResidualNormBackward) == 3
+    assert ResidualNormBackward not in [type(u) for _, u in match(list(unfused.ops), BACKWARD_FUSIONS)]
+    x, dy = torch.randn(3, 5, 64, dtype=dtype), torch.randn(3, 5, 64, dtype=dtype)
+    for a, b in zip(grads_of(fused, x, dy), grads_of(unfused, x, dy)):
+        assert torch.equal(a, b)
+
+
+def test_residual_norm_backward_keeps_a_gradient_of_another_dtype_apart():
+    # A float32 branch gradient meeting a bfloat16 norm input: torch's add promotes, so no fusion.
+    seq = ops.Sequential(ops.Residual(), ops.RMSNorm(16), ops.Linear(16, 16), ops.AddResidual())
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = seq.to(torch.bfloat16)(x)
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
