@@ -127,12 +127,15 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return p if p.is_contiguous() else t.contiguous()
 
 
-def _check(parts, sequence_first, op: str) -> None:
+def _check(parts, sequence_first, op: str, plain_only: bool = True) -> None:
     if not isinstance(parts, (list, tuple)) or not parts:
         raise ValueError(f"{op}: parts must be a non-empty list of (B, H, S, D) tensors")
     B, _, S, D = _shape4(parts[0], op)
     for i, p in enumerate(parts):
         check_hp_input(p, op, f"parts[{i}]")
+        if plain_only and type(p) not in (torch.Tensor, torch.nn.Parameter):
+            # A subclass inside a list is not seen by the op dispatcher: its data pointer is not its values.
+            raise TypeError(f"{op}: parts[{i}] is a {type(p).__name__}; pass plain tensors (dequantize first)")
         b, _, s, d = _shape4(p, op)
         if (b, s, d) != (B, S, D) or p.dtype != parts[0].dtype or p.device != parts[0].device:
             raise ValueError(
@@ -222,8 +225,9 @@ def pack_heads_fp8(
 
 @pack_heads_fp8.register_fake
 def _(parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True):
-    _check(parts, sequence_first, "pack_heads_fp8")
+    _check(parts, sequence_first, "pack_heads_fp8", plain_only=False)  # fake tensors are subclasses
     check_tensorwise_args(parts[0], fp8_dtype, scale, margin, power_of_2, "pack_heads_fp8")
+    check_flag(with_transpose, "with_transpose", "pack_heads_fp8")
     B, _, S, D = parts[0].shape
     T, N = B * S, sum(p.shape[1] for p in parts) * D
     return fake_fp8_outputs(parts[0], (T, N), (N, T) if with_transpose else None, fp8_dtype)

@@ -49,6 +49,8 @@ class Attention(BasicOp):
                 f"Attention(heads={h}, kv_heads={hk}, head_dim={d}) needs {expected} features, got {qkv.shape[-1]}"
             )
         if self.sequence_first:  # (S, B): the rows are position-major
+            if len(lead) != 2:
+                raise ValueError(f"Attention(sequence_first=True) needs input (seq, batch, features), got token dims {tuple(lead)}")
             s, b = lead[-2], lead[-1]
             x = qkv.reshape(s, b, h + 2 * hk, d).permute(1, 2, 0, 3)  # (B, heads, S, D)
         else:

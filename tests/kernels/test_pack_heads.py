@@ -101,6 +101,10 @@ def test_op_dispatches_and_checks():
         ph.pack_heads_fp8([parts[0].to(torch.float8_e4m3fn)], False, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="non-empty"):
         ph.pack_heads([], False)
+    from float8 import Float8Tensor
+
+    with pytest.raises(TypeError, match="Float8Tensor; pass plain tensors"):
+        ph.pack_heads_fp8([Float8Tensor.quantize(parts[0])], False, torch.float8_e4m3fn)
 
 
 def test_op_opcheck():
@@ -126,3 +130,26 @@ def test_gpu_sdpa_gradients_bit_exact(sequence_first, scale):
         ours, ref = ph.pack_heads_fp8_triton(*args), ph.pack_heads_fp8_ref(*args)
         assert_outputs(ours, ref, CAST_T)
     assert torch.equal(ph.pack_heads(grads, sequence_first), torch_packed(grads, sequence_first))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sequence_first", [False, True])
+def test_attention_op_runs_the_launcher_bit_exact(sequence_first, monkeypatch):
+    # Inside ops.Attention's backward, the Triton launcher (on the interpreter, whose FP8 conversions this
+    # folder's conftest makes hardware-faithful) gives the unfused run's bits.
+    import float8.ops as ops
+
+    monkeypatch.setattr(ph, "use_triton", lambda x, writes_fp8=True: True)
+    x, dy = torch.randn(4, 6, 64, dtype=torch.bfloat16), torch.randn(4, 6, 64, dtype=torch.bfloat16)
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        seq = ops.Sequential(
+            ops.Linear(64, 128, bias=False), ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first),
+            ops.Linear(64, 64, bias=False), fuse=fuse,
+        ).to(torch.bfloat16)  # fmt: skip
+        xi = x.clone().requires_grad_(True)
+        seq(xi).backward(dy)
+        runs.append([xi.grad] + [p.grad for p in seq.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
