@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from .amax import launch_amax
+# The cast-transpose tiles: a (64, 128) tile is one head of 128 values for 64 tokens.
+from .cast_transpose import CONFIGS
 from .common import (
     abs_bits,
     atomic_amax,
@@ -46,14 +48,6 @@ from .common import (
     use_triton,
 )
 from .reference import quantize_tensorwise_ref
-
-# Per element size, as the cast-transpose of kernels/cast_transpose.py: a (64, 128) tile is one head of
-# 128 values for 64 tokens.
-CONFIGS = {
-    2: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=True),
-    4: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, TRANS_INPUT=False),
-}
-
 
 @triton.jit
 def _pack_heads_kernel(
