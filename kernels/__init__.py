@@ -3,8 +3,9 @@
 Importing this package registers the custom ops `torch.ops.float8.*`, one per kernel family: amax,
 quantize_tensorwise (a given scale or current scaling, with or without the transpose), quantize_rowwise,
 quantize_blockwise, dequantize, and norm_fwd / norm_fp8 / norm_bwd (`norm.py`) and act_fwd / act_fp8 /
-act_bwd / dact_fp8 (`activation.py`), and pack_heads_fp8 (`pack_heads.py`: attention's q/k/v gradients
-packed into tokens x features, in FP8). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
+act_bwd / dact_fp8 (`activation.py`), pack_heads_fp8 (`pack_heads.py`: attention's q/k/v gradients
+packed into tokens x features, in FP8), and fp8_weight_mm (`weight_only.py`: few-token activations times
+an FP8 weight, one launch, no activation cast). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
@@ -12,6 +13,7 @@ from . import activation, norm, pack_heads  # the fused kernels registering floa
 from .amax import amax, amax_ref
 from .blockwise import quantize_blockwise, quantize_blockwise_ref
 from .dequantize import dequantize, dequantize_ref
+from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
 from .quantize import quantize_tensorwise, quantize_tensorwise_ref
 from .rowwise import quantize_rowwise, quantize_rowwise_ref
 
@@ -29,4 +31,6 @@ __all__ = [
     "quantize_blockwise_ref",
     "dequantize",
     "dequantize_ref",
+    "fp8_weight_mm",
+    "fp8_weight_mm_ref",
 ]

@@ -208,19 +208,37 @@ def custom_op(name: str):
     """
 
     def wrap(fn):
-        op = torch.library.custom_op(name, mutates_args=())(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if _plain_eager(args, kwargs):
-                return fn(*args, **kwargs)
-            return op(*args, **kwargs)
-
-        call.op = op
-        call.register_fake = op.register_fake
+        call = _direct_in_eager(fn, torch.library.custom_op(name, mutates_args=())(fn))
+        call.register_fake = call.op.register_fake
         return call
 
     return wrap
+
+
+def _direct_in_eager(fn, op):
+    """A callable that runs fn itself on plain eager calls and the registered op otherwise."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _plain_eager(args, kwargs):
+            return fn(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    call.op = op
+    return call
+
+
+def triton_op(name: str):
+    """`torch.library.triton_op(name)` with the same direct eager call as `custom_op`.
+
+    Under torch.compile the op's body is traced, not called: its kernel launches (through
+    `launch.FastLauncher`, which hands them to `torch.library.wrap_triton` while tracing) become Triton
+    kernels of the compiled graph, launched by inductor's own generated code instead of through the op
+    dispatcher and our Python launcher (~50 us a call on the H100 machine's host; see custom_op). The CPU
+    reference inside the body is traced as the torch ops it is. No register_fake: tracing the body on fake
+    tensors gives the output shapes."""
+
+    return lambda fn: _direct_in_eager(fn, torch.library.triton_op(name, fn, mutates_args=()))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -1,0 +1,173 @@
+"""float8::fp8_weight_mm: y = x @ dequantize(w).t() (+ bias) for few tokens, reading the weight as FP8 bytes.
+
+fp8_weight_mm(x, w_data, w_scale_inv, bias=None) -> y
+    x (M, K) bfloat16/float16; w_data (N, K) FP8 (E4M3 or E5M2), rows contiguous; w_scale_inv () float32
+    (one scale) or (N, 1) (one per row); bias (N,) in x's dtype or None. y (M, N) in x's dtype.
+
+Why: at decode and small-batch sizes an inference Linear is bound by host time and by reading its weight,
+not by arithmetic. The FP8xFP8 path quantizes the activation first (a kernel of ours) and then calls
+cuBLASLt: two launches and their Python. Here one kernel reads the weight's FP8 bytes (half of bf16's),
+widens each tile to x's dtype in registers and multiplies with the activation as it is. The widening is
+exact (every E4M3 and E5M2 value is a bfloat16 and a float16 value), the products are exact in the float32
+accumulator, and the weight's scale is applied to the accumulated row once: the result is the
+high-precision product with the dequantized weight, rounded once to x's dtype. Only the order of the
+float32 sums differs from `fp8_weight_mm_ref`, so tests compare with a tolerance, not bits. There is no
+activation quantization at all: it is more accurate than the FP8xFP8 GEMM, not less.
+
+Non-finite values propagate: inf/NaN in x or a NaN weight code give non-finite outputs through the dot, and
+a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
+
+The tile table `CONFIGS` was chosen by the sweep in benchmarks/inference.py's kernel stage on the H100
+(see the note there); the grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K,
+so the result does not depend on scheduling (no split-K atomics: deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import triton_op, use_triton
+from .launch import FastLauncher
+from .reference import FP8_DTYPES
+
+# Largest token count the weight-only path serves (ops.Linear's inference forward takes it at or below).
+MAX_TOKENS = 128
+
+# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row whose max M >= M.
+CONFIGS = [
+    (16, 16, 32, 256, 4, 4),
+    (32, 32, 32, 256, 4, 4),
+    (64, 64, 64, 128, 4, 4),
+    (MAX_TOKENS, 128, 64, 128, 8, 3),
+]
+
+
+@triton.jit
+def _fp8_weight_mm_kernel(
+    x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1)
+    w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
+    s_ptr,  # () or (N,) fp32: scale_inv of the weight
+    b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
+    y_ptr,  # (M, N) x dtype, contiguous
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # the (BLOCK_K, BLOCK_N) tile of w.t()
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = rk < K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if ROW_SCALE:
+        s = tl.load(s_ptr + rn, mask=rn < N, other=1.0)[None, :]
+    else:
+        s = tl.load(s_ptr)
+    acc = acc * s
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+
+_launch = FastLauncher(_fp8_weight_mm_kernel)
+
+
+def config_for(m: int):
+    """The CONFIGS row serving m tokens."""
+    for row in CONFIGS:
+        if m <= row[0]:
+            return row[1:]
+    return CONFIGS[-1][1:]
+
+
+def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None):
+    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    m, k = x.shape
+    n = w_data.shape[0]
+    block_m, block_n, block_k, warps, stages = config or config_for(m)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _launch(
+        grid, x, w_data, w_scale_inv, x if bias is None else bias, y, m, n, k, x.stride(0), w_data.stride(0),
+        w_scale_inv.numel() != 1, bias is not None, block_m, block_n, block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
+    """The semantics: the float32 product of x with the widened FP8 weight, scaled per row or per tensor,
+    plus the bias, rounded once to x's dtype."""
+    acc = x.float() @ w_data.float().t()
+    acc = acc * (w_scale_inv.reshape(1, -1) if w_scale_inv.numel() != 1 else w_scale_inv.reshape(()))
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> bool:
+    """Whether fp8_weight_mm takes these operands: a 2-D bf16/fp16 x with contiguous rows, an (N, K) FP8
+    weight with contiguous rows, and a per-tensor or per-row scale (block scales are not)."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and w_data.dim() == 2
+        and w_data.dtype in FP8_DTYPES
+        and w_data.stride(1) == 1
+        and (w_scale_inv.numel() == 1 or tuple(w_scale_inv.shape) == (w_data.shape[0], 1))
+    )
+
+
+def _check(x, w_data, w_scale_inv, bias):
+    op = "fp8_weight_mm"
+    if not supports(x, w_data, w_scale_inv):
+        raise ValueError(
+            f"{op}: needs x (M, K) bfloat16/float16 and w_data (N, K) FP8, both with contiguous rows, and "
+            f"w_scale_inv () or (N, 1) float32; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, w_data "
+            f"{tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv {tuple(w_scale_inv.shape)}"
+        )
+    if x.shape[1] != w_data.shape[1]:
+        raise ValueError(f"{op}: x has K={x.shape[1]} but w_data has K={w_data.shape[1]}")
+    if w_scale_inv.dtype != torch.float32:
+        raise TypeError(f"{op}: w_scale_inv must be float32, got {w_scale_inv.dtype}")
+    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"{op}: bias must be ({w_data.shape[0]},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    devices = {t.device for t in (x, w_data, w_scale_inv, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: operands on several devices: {sorted(map(str, devices))}")
+
+
+@triton_op("float8::fp8_weight_mm")
+def fp8_weight_mm(
+    x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """y (M, N) in x's dtype = x @ (w_data * w_scale_inv).t() (+ bias); see the module docstring."""
+    _check(x, w_data, w_scale_inv, bias)
+    if use_triton(x):  # FP8 loads need sm_89+ in Triton
+        return fp8_weight_mm_triton(x, w_data, w_scale_inv, bias)
+    return fp8_weight_mm_ref(x, w_data, w_scale_inv, bias)
+

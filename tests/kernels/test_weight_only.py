@@ -1,0 +1,179 @@
+"""float8::fp8_weight_mm (kernels/weight_only.py): few-token activations times an FP8 weight, one launch.
+
+The kernel against its reference on the interpreter (CPU) and on the GPU: the widening of the weight and the
+products are exact, so only the order of float32 sums differs and outputs agree to a few float32 ulps before
+the one rounding to x's dtype (compared after that rounding: at most one ulp of x's dtype apart). Also the
+reference against float64 (it is what it says), non-finite propagation, the launcher's cache key, bad input.
+"""
+
+import pytest
+import torch
+
+import float8.kernels as K
+from float8.kernels import weight_only as W
+from float8.kernels.launch import FastLauncher, _arg_key
+
+from .helpers import FP8, make_x, needs_interpreter
+
+E4M3, E5M2 = FP8
+
+
+def _operands(m, k, n, dtype=torch.bfloat16, fp8=E4M3, rowwise=False, bias=False, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g)).to(dtype)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if rowwise:
+        d, s = K.quantize_rowwise_ref(w, fp8, 0, False)
+    else:
+        d, _, s, _ = K.quantize_tensorwise_ref(w, fp8)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(x), move(d), move(s), move(b)
+
+
+def _close_in_dtype(got, want):
+    """Equal, or one ulp of the output dtype apart (the float32 sums ran in another order)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    both_nan = g.isnan() & w.isnan()
+    ulp = torch.finfo(got.dtype).eps * w.abs().clamp_min(torch.finfo(got.dtype).tiny)
+    bad = ~both_nan & ((g - w).abs() > ulp * 1.01)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs differ by more than one ulp"
+
+
+SHAPES = [(1, 64, 48), (3, 128, 40), (16, 256, 64), (17, 96, 32), (64, 128, 96), (100, 64, 130)]
+
+
+# The interpreter's tl.dot computes on the raw bits of bfloat16 operands (pinned below), so the CPU tier runs
+# the kernel with float16 activations; the GPU tier runs both.
+HALF = torch.float16
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2", "rowwise-bias"])
+def test_kernel_matches_reference_on_the_interpreter(m, k, n, variant):
+    kw = {"e4m3": {}, "e5m2": dict(fp8=E5M2), "rowwise-bias": dict(rowwise=True, bias=True)}
+    x, d, s, b = _operands(m, k, n, dtype=HALF, **kw[variant])
+    _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b))
+
+
+@needs_interpreter
+def test_strided_rows_of_x_and_every_config_row():
+    x, d, s, _ = _operands(8, 128, 64, dtype=HALF)
+    wide = torch.zeros(8, 256, dtype=x.dtype)
+    wide[:, 64:192] = x
+    xv = wide[:, 64:192]  # rows 256 apart, offset 64
+    want = W.fp8_weight_mm_ref(x, d, s)
+    for row in W.CONFIGS:
+        _close_in_dtype(W.fp8_weight_mm_triton(xv, d, s, config=row[1:]), want)
+
+
+@needs_interpreter
+def test_interpreter_dot_on_bfloat16_is_still_wrong():
+    """Why the interpreter tier uses float16: if this starts failing, the interpreter got bfloat16 dots
+    right and the tests above can take bfloat16 too."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot16(a_ptr, o_ptr):
+        r = tl.arange(0, 16)
+        a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
+        tl.store(o_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, a))
+
+    ones, out = torch.ones(16, 16, dtype=torch.bfloat16), torch.empty(16, 16)
+    dot16[(1,)](ones, out)
+    assert out[0, 0] != 16.0
+
+
+def test_reference_is_the_dequantized_product():
+    x, d, s, b = _operands(5, 64, 32, rowwise=True, bias=True)
+    want = (x.double() @ (d.double() * s.double()).t() + b.double()).to(x.dtype)
+    _close_in_dtype(W.fp8_weight_mm_ref(x, d, s, b), want)
+
+
+def test_non_finite_propagates():
+    x, d, s, _ = _operands(4, 64, 32)
+    x[1, 3] = float("inf")
+    x[2, 5] = float("nan")
+    y = K.fp8_weight_mm(x, d, s)
+    assert y[1].isinf().any() or y[1].isnan().any()
+    assert y[2].isnan().all()
+    assert torch.isfinite(y[[0, 3]]).all()
+    poisoned = K.fp8_weight_mm(x[[0]], d, torch.tensor(float("nan")))
+    assert poisoned.isnan().all()
+
+
+def test_op_on_cpu_is_the_reference_and_passes_opcheck():
+    x, d, s, b = _operands(6, 64, 32, bias=True)
+    assert torch.equal(K.fp8_weight_mm(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b))
+    tests = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(torch.ops.float8.fp8_weight_mm.default, (x, d, s, b), test_utils=tests)
+
+
+def test_compiles_fullgraph_aot_eager():
+    x, d, s, b = _operands(6, 64, 32, bias=True)
+    f = torch.compile(lambda x: K.fp8_weight_mm(x, d, s, b), fullgraph=True, backend="aot_eager")
+    assert torch.equal(f(x), K.fp8_weight_mm(x, d, s, b))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x, d, s, b: (x.float(), d, s, b), "bfloat16/float16"),
+        (lambda x, d, s, b: (x, d.float(), s, b), "FP8"),
+        (lambda x, d, s, b: (x, d.t(), s, b), "contiguous rows"),
+        (lambda x, d, s, b: (x[:, :32], d, s, b), "K=32"),
+        (lambda x, d, s, b: (x, d, s.double(), b), "float32"),
+        (lambda x, d, s, b: (x, d, torch.ones(3, 1), b), r"w_scale_inv \(3, 1\)"),
+        (lambda x, d, s, b: (x, d, s, torch.ones(5, dtype=x.dtype)), "bias must be"),
+        (lambda x, d, s, b: (x.t().contiguous().t(), d, s, b), r"strides \(1, 6\)"),
+    ],
+)
+def test_bad_input_names_the_problem(change, match):
+    x, d, s, b = change(*_operands(6, 64, 64))
+    with pytest.raises((ValueError, TypeError), match=match):
+        K.fp8_weight_mm(x, d, s, b)
+
+
+def test_launcher_key_tells_apart_what_triton_specializes():
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    assert _arg_key(t) != _arg_key(t[1:])  # 16-byte alignment
+    assert _arg_key(t) != _arg_key(t.float())  # dtype
+    assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
+    assert _arg_key(True) != _arg_key(1)
+    launcher = FastLauncher(W._fp8_weight_mm_kernel)
+    args = (t, t, t, t, t, 1, 16, 32, 32, 32, True, False, 16, 32, 64)
+    other = args[:12] + (32,) + args[13:]  # a constexpr by value
+    assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
+    assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
+
+
+# ---- GPU tier ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 32, 33, 64, 100, 128])
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2-fp16", "rowwise-bias"])
+def test_gpu_matches_reference(m, variant):
+    kw = {"e4m3": {}, "e5m2-fp16": dict(fp8=E5M2, dtype=torch.float16), "rowwise-bias": dict(rowwise=True, bias=True)}
+    x, d, s, b = _operands(m, 512, 384, device="cuda", **kw[variant])
+    got = K.fp8_weight_mm(x, d, s, b)
+    want = W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), None if b is None else b.cpu())
+    _close_in_dtype(got.cpu(), want)
+    again = K.fp8_weight_mm(x, d, s, b)  # the launcher's cached path
+    assert torch.equal(got, again)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_cache_respects_alignment():
+    x, d, s, _ = _operands(16, 256, 64, device="cuda")
+    base = torch.zeros(16 * 256 + 8, dtype=x.dtype, device="cuda")
+    shifted = base[8:].view(16, 256)  # 16 bytes into the buffer: aligned; then 2 bytes in: not
+    shifted.copy_(x)
+    odd = base[1 : 1 + 16 * 256].view(16, 256)
+    odd.copy_(x)
+    want = W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu())
+    for xv in (x, shifted, odd, x, odd):
+        _close_in_dtype(K.fp8_weight_mm(xv, d, s).cpu(), want)

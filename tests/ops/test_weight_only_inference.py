@@ -1,0 +1,147 @@
+"""ops.Linear's inference forward with an FP8-only weight at few tokens: one fp8_weight_mm (kernels/weight_only.py).
+
+Which calls take it (no backward to record, <= weight_only.MAX_TOKENS tokens, a per-tensor or per-row FP8
+weight, a bf16/fp16 input), that it gives the kernel's reference bits (on the CPU the op is its reference),
+that every other call takes the general path with its old bits, and that it compiles without a graph break.
+"""
+
+import pytest
+import torch
+
+import float8.ops as ops
+from float8 import Recipe
+from float8.kernels import weight_only
+from float8.ops.base import BasicOp
+from tests.tolerances import sqnr_db
+
+
+def _linear(k=64, n=48, bias=False, recipe=None, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(dtype)
+    ops.convert(model, recipe=recipe, fp8_weights=True)
+    return model[0]
+
+
+def _weight_only(lin, x):
+    w = lin.weight
+    y = weight_only.fp8_weight_mm_ref(x.reshape(-1, lin.in_features), w.fp8_data, w.scale_inv, lin.bias)
+    return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def _general(lin, x):
+    return BasicOp.forward(lin, x)  # the one-op Sequential the fast path stands in for
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (128, 64)])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_few_tokens_take_the_weight_only_kernel(shape, mode):
+    lin = _linear()
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    with getattr(torch, mode)():
+        y = lin(x)
+        assert torch.equal(y, _weight_only(lin, x))
+        # ... which is not what the FP8 x FP8 GEMM gives (the activation's cast is gone) ...
+        assert not torch.equal(y, _general(lin, x))
+    # ... and is closer to the high-precision product than that GEMM.
+    want = x.double() @ lin.weight.dequantize(torch.float32).double().t()
+    assert sqnr_db(y.double(), want) >= sqnr_db(_general(lin, x).double(), want)
+
+
+def test_grad_mode_without_anything_requiring_grad_takes_it_too():
+    lin, x = _linear(), torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(lin(x), _weight_only(lin, x))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["129 tokens", "input requires grad", "float32 input", "block-scaled weight", "bias in float32"],
+)
+def test_other_calls_keep_the_general_path(case):
+    block = case == "block-scaled weight"
+    lin = _linear(k=256 if block else 64, n=256 if block else 48, recipe=Recipe.blockwise() if block else None,
+                  bias=case == "bias in float32")  # fmt: skip
+    x = torch.randn(129 if case == "129 tokens" else 8, lin.in_features, dtype=torch.bfloat16)
+    if case == "float32 input":
+        x = x.float()
+    if case == "bias in float32":
+        lin.bias.data = lin.bias.data.float()
+    if case == "input requires grad":
+        x.requires_grad_(True)
+    with pytest.warns() if case == "float32 input" else _nothing():
+        y = lin(x)
+    with torch.no_grad(), (pytest.warns() if case == "float32 input" else _nothing()):
+        assert torch.equal(y.detach(), _general(lin, x.detach()))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("recipe", [None, Recipe.rowwise()], ids=["tensorwise", "rowwise"])
+def test_bias_and_row_scaled_weights(recipe):
+    lin = _linear(bias=True, recipe=recipe)
+    assert lin.weight.scale_inv.numel() == (1 if recipe is None else lin.out_features)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), _weight_only(lin, x))
+
+
+def test_non_finite_input_gives_non_finite_rows():
+    lin = _linear()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x[1, 7] = float("inf")
+    with torch.inference_mode():
+        y = lin(x)
+    assert not torch.isfinite(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+
+
+def test_compiles_fullgraph_with_eagers_bits():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 32)).to(torch.bfloat16)
+    ops.convert(model, fp8_weights=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for tokens in (16, 200):  # the weight-only path, then the general one
+        x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(compiled(x), model(x))
+
+
+# ---- GPU tier ---------------------------------------------------------------------------------------
+
+
+def _gpu_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512, bias=True), torch.nn.SiLU(), torch.nn.Linear(512, 256, bias=False)
+    ).to("cuda", torch.bfloat16)
+    return ops.convert(model, fp8_weights=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_inductor_and_cuda_graphs_give_eagers_bits(mode):
+    """Inductor launches the same Triton kernel (the op is a triton_op), so the bits are eager's; under
+    CUDA graphs (compile's reduce-overhead) too, replay after replay."""
+    model = _gpu_mlp()
+    compiled = torch.compile(model, mode=mode)
+    for tokens in (1, 16, 128, 16, 1):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            want = model(x)
+            for _ in range(3):
+                assert torch.equal(compiled(x), want)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_only_is_closer_to_float64_than_fp8xfp8():
+    lin = _gpu_mlp()[0]
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+        general = _general(lin, x)
+    want = x.double() @ lin.weight.dequantize(torch.float32).double().t() + lin.bias.double()
+    assert sqnr_db(y.double(), want) > sqnr_db(general.double(), want)
