@@ -4,7 +4,7 @@
     python -m benchmarks.weight_only --tiny --out DIR    # plumbing only (CPU, reference path)
 
 For the Linears of a Llama-style model (d 4096, GQA 32/8 of 128, SwiGLU 14336, vocab 32768) at 1-128 tokens,
-GPU time (do_bench median) of: bf16 F.linear; the FP8 x FP8 path (the activation quantized, then
+GPU time (do_bench_cudagraph median: host time left out) of: bf16 F.linear; the FP8 x FP8 path (the activation quantized, then
 torch._scaled_mm through `x8 @ w8.t()`); and fp8_weight_mm with every tile of a small sweep, each output
 checked against fp8_weight_mm_ref before it is timed. The weight-read floor is the FP8 weight's bytes over
 the measured copy bandwidth. The best tile per token bucket is what kernels/weight_only.py CONFIGS holds.
@@ -35,9 +35,9 @@ def candidate_tiles(m: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to sweep for m tokens."""
     block_m = max(16, 1 << (m - 1).bit_length())
     if block_m <= 32:
-        grid = itertools.product((32, 64), (128, 256), (4,), (3, 4, 5))
+        grid = itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 6))
     else:
-        grid = itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
     return [(block_m, n, k, w, s) for n, k, w, s in grid]
 
 
@@ -56,7 +56,10 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth):
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         w8 = Float8Tensor.quantize(w)
         data, scale_inv = w8.fp8_data, w8.scale_inv
-        want = weight_only.fp8_weight_mm_ref(x, data, scale_inv)
+        want = weight_only.fp8_weight_mm_ref(x, data, scale_inv).double()
+        # What summing K float32 products in another order may change, plus one bf16 ulp (the rounding).
+        allowed = 2 * k * 2.0**-24 * (x.double().abs() @ data.double().abs().t()) * scale_inv.double()
+        allowed += 2.0**-8 * want.abs()
         row = {"layer": name, "tokens": m, "bf16_ms": timer(lambda: F.linear(x, w)),
                "fp8xfp8_ms": timer(lambda: Float8Tensor.quantize(x) @ w8.t()),
                "floor_ms": n * k / bandwidth}  # fmt: skip
@@ -68,9 +71,9 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth):
         best = None
         for tile in tiles_for(m):
             got = run(tile)
-            err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
-            if err > 2**-7:  # more than one bf16 ulp (relative 2^-8) apart, give or take: a wrong tile
-                raise AssertionError(f"tile {tile} at {name}, {m} tokens: relative error {err}")
+            bad = int(((got.double() - want).abs() > allowed).sum())
+            if bad:
+                raise AssertionError(f"tile {tile} at {name}, {m} tokens: {bad} outputs off")
             ms = timer(lambda: run(tile))
             if best is None or ms < best[0]:
                 best = (ms, tile)
@@ -102,7 +105,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda" if cuda else "cpu")
-    timer = make_timer(cuda, warmup=5, rep=30)
+    if cuda:  # GPU time without the host: small kernels would otherwise time our launch overhead
+        from triton.testing import do_bench_cudagraph
+
+        timer = lambda fn: float(do_bench_cudagraph(fn, rep=20, return_mode="median"))  # noqa: E731
+    else:
+        timer = make_timer(False)
     if cuda:
         shapes, tokens, tiles_for = SHAPES, TOKENS, candidate_tiles
         bandwidth = copy_bandwidth(timer, device)

@@ -234,13 +234,89 @@ class StaticQuantizer(Quantizer):
         return self.scale
 
     def _quantize(self, x, with_transpose):
-        if self.scale.device != x.device:
-            raise ValueError(f"scale is on {self.scale.device} but the input is on {x.device}")
-        data, data_t, scale_inv, amax = quantize_tensorwise(x, self.fp8_dtype, self.scale, 0, False, with_transpose)
+        scale = self.kernel_scale()  # StaticScalingState keeps it in a buffer
+        if scale.device != x.device:
+            raise ValueError(f"scale is on {scale.device} but the input is on {x.device}")
+        data, data_t, scale_inv, amax = quantize_tensorwise(x, self.fp8_dtype, scale, 0, False, with_transpose)
         return self.finish(data, data_t, scale_inv, amax, x.dtype, with_transpose)
 
     def _after_kernel(self, scale_inv, amax):
         return _poison_if_non_finite(scale_inv, amax)
+
+
+class StaticScalingState(torch.nn.Module, StaticQuantizer):
+    """A StaticQuantizer whose scale is a buffer: an op's fixed scale, saved in its state dict.
+
+    `float8.ops.calibrate` and `ops.set_input_scale` make one a Linear's `input_quantizer` (a submodule,
+    so `model.state_dict()` carries the scale, and `model.to(device)` moves it).
+    - Buffer `static_scale` () float32, registered at construction (its own name, not `scale`: a delayed
+      state's buffer is `scale` too, and a checkpoint must say which quantizer it was made with). It stays
+      float32 through `model.to(bfloat16)`/`.half()`.
+    - The scale is validated as StaticQuantizer validates it, at construction and at every load: on the CPU
+      an invalid value raises ValueError; a CUDA value is not read on the host and an invalid one becomes NaN
+      (every tensor it quantizes comes out NaN, never finite and wrong).
+    - The extra state carries the format (a scale is fp8_max / amax of one format); loading a state of
+      another format raises.
+    - amax_group: the process group the scale was agreed over (calibration reduced its amax over it), or
+      None. The cast reduces nothing; the group tells an FP8 all-gather over it that every rank casts with
+      this one scale (ops/parallel.py), so every rank must be given the same scale.
+    """
+
+    layout = ScaleLayout.TENSOR
+
+    def __init__(
+        self, scale: Union[torch.Tensor, float], fp8_dtype=torch.float8_e4m3fn, *, device=None, amax_group=None
+    ):
+        torch.nn.Module.__init__(self)
+        check_fp8_dtype(fp8_dtype)
+        self.fp8_dtype = fp8_dtype
+        self.amax_group = check_amax_group(amax_group)
+        s = _static_scale(scale, fp8_dtype, device)
+        self.register_buffer("static_scale", s if device is None else s.to(device))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scale (the `static_scale` buffer)."""
+        return self.static_scale
+
+    def kernel_scale(self):
+        """The scale buffer (validated, or NaN if an invalid scale reached it on a CUDA device)."""
+        return self.static_scale
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must move the scale, never round it (a bf16 scale is another scale).
+        return _apply_keeping_float32(self, fn)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A loaded scale is checked like a given one: a checkpoint cannot bring an unvalidated scale in.
+        key = prefix + "static_scale"
+        loaded = state_dict.get(key)
+        if isinstance(loaded, torch.Tensor):
+            state_dict[key] = _static_scale(loaded, self.fp8_dtype, None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def get_extra_state(self):
+        """The format the scale was made for: what the buffer alone does not say."""
+        return {"fp8_dtype": str(self.fp8_dtype)}
+
+    def set_extra_state(self, state) -> None:
+        loaded = getattr(torch, str(state.get("fp8_dtype", self.fp8_dtype)).replace("torch.", ""))
+        if loaded != self.fp8_dtype:
+            raise ValueError(
+                f"the checkpoint's static scale was made for {loaded}, this quantizer casts to {self.fp8_dtype}: "
+                "the scale would be wrong. Load it into a model of the same recipe format."
+            )
+
+    def extra_repr(self) -> str:
+        return f"fp8_dtype={self.fp8_dtype}"
+
+
+def _apply_keeping_float32(module: torch.nn.Module, fn) -> torch.nn.Module:
+    """`Module._apply` for quantizer state: the buffers follow fn's device and stay float32."""
+    for name, buf in module._buffers.items():
+        moved = fn(buf)
+        module._buffers[name] = moved if moved.dtype == torch.float32 else buf.to(moved.device)
+    return module
 
 
 def _static_scale(scale, fp8_dtype, device) -> torch.Tensor:
@@ -370,10 +446,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
     def _apply(self, fn, recurse=True):
         # model.to(torch.bfloat16) / .half() must move the state, never round it: an fp16 scale of 1.6e5
         # would become inf. The buffers follow fn's device and stay float32.
-        for name, buf in self._buffers.items():
-            moved = fn(buf)
-            self._buffers[name] = moved if moved.dtype == torch.float32 else buf.to(moved.device)
-        return self
+        return _apply_keeping_float32(self, fn)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A checkpoint made with another history length (the default was 16 before 1024) loads: the newest
@@ -590,6 +663,7 @@ __all__ = [
     "ScaleLayout",
     "TensorwiseQuantizer",
     "StaticQuantizer",
+    "StaticScalingState",
     "RowwiseQuantizer",
     "BlockwiseQuantizer",
     "DelayedScalingState",

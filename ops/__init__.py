@@ -16,6 +16,7 @@ from float8.ops.base import BasicOp, QuantRequest
 from float8.ops.convert import ConversionWarning, convert
 from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.bias import Bias
+from float8.ops.calibrate import CalibrationReport, calibrate, load_input_scales, set_input_scale
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
@@ -31,6 +32,7 @@ __all__ = [
     "Attention",
     "BasicOp",
     "Bias",
+    "CalibrationReport",
     "ConversionWarning",
     "Dropout",
     "Float8PrecisionWarning",
@@ -49,7 +51,10 @@ __all__ = [
     "Sequential",
     "SiLU",
     "SwiGLU",
+    "calibrate",
     "convert",
     "functional",
+    "load_input_scales",
     "requantize_weights",
+    "set_input_scale",
 ]

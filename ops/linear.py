@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
 from float8.kernels import weight_only
-from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, check_amax_group
+from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
 from float8.ops.functional import (
@@ -54,6 +54,10 @@ from float8.ops.functional import (
     quantize_weight,
     rebuilds_weight,
 )
+
+
+# Where a calibrated Linear's static input scale sits in its state dict (ops/calibrate.py).
+STATIC_SCALE_KEY = "input_quantizer.static_scale"
 
 
 def _check_features(n, name: str) -> int:
@@ -307,9 +311,15 @@ class Linear(BasicOp):
         (such writes move no version counter); loads, moves and replacing `.data` are seen by themselves."""
         self._weight_cache.clear()
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.refresh_fp8_weight()
-        return super()._load_from_state_dict(*args, **kwargs)
+        if prefix + STATIC_SCALE_KEY in state_dict and not isinstance(self.input_quantizer, StaticScalingState):
+            # A checkpoint of a calibrated model (ops.calibrate) into one that is not: a static input
+            # quantizer to load the scale into (its load, right after this one, validates the value).
+            from float8.ops.calibrate import set_input_scale
+
+            set_input_scale(self, scale=state_dict[prefix + STATIC_SCALE_KEY])
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
         self.refresh_fp8_weight()

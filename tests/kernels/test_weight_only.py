@@ -31,14 +31,19 @@ def _operands(m, k, n, dtype=torch.bfloat16, fp8=E4M3, rowwise=False, bias=False
     return move(x), move(d), move(s), move(b)
 
 
-def _close_in_dtype(got, want):
-    """Equal, or one ulp of the output dtype apart (the float32 sums ran in another order)."""
+def _close_in_dtype(got, want, x, d, s):
+    """Within the float32 summation error of K products (2 K 2^-24 sum|x w s|, for the two orders of the
+    kernel and the reference) plus one ulp of the output dtype (the one rounding): what summing in
+    another order may change, and nothing more."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    g, w = got.float(), want.float()
+    g, w = got.double().cpu(), want.double().cpu()
+    scale = s.double().cpu().reshape(1, -1) if s.numel() != 1 else s.double().cpu().reshape(())
+    mag = (x.double().cpu().abs() @ d.cpu().double().abs().t()) * scale
+    k = x.shape[1]
+    allowed = 2 * k * 2.0**-24 * mag + torch.finfo(got.dtype).eps * w.abs()
     both_nan = g.isnan() & w.isnan()
-    ulp = torch.finfo(got.dtype).eps * w.abs().clamp_min(torch.finfo(got.dtype).tiny)
-    bad = ~both_nan & ((g - w).abs() > ulp * 1.01)
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs differ by more than one ulp"
+    bad = ~both_nan & ~((g - w).abs() <= allowed)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs outside the summation-order bound"
 
 
 SHAPES = [(1, 64, 48), (3, 128, 40), (16, 256, 64), (17, 96, 32), (64, 128, 96), (100, 64, 130)]
@@ -55,7 +60,7 @@ HALF = torch.float16
 def test_kernel_matches_reference_on_the_interpreter(m, k, n, variant):
     kw = {"e4m3": {}, "e5m2": dict(fp8=E5M2), "rowwise-bias": dict(rowwise=True, bias=True)}
     x, d, s, b = _operands(m, k, n, dtype=HALF, **kw[variant])
-    _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b))
+    _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
 
 
 @needs_interpreter
@@ -66,7 +71,7 @@ def test_strided_rows_of_x_and_every_config_row():
     xv = wide[:, 64:192]  # rows 256 apart, offset 64
     want = W.fp8_weight_mm_ref(x, d, s)
     for row in W.CONFIGS:
-        _close_in_dtype(W.fp8_weight_mm_triton(xv, d, s, config=row[1:]), want)
+        _close_in_dtype(W.fp8_weight_mm_triton(xv, d, s, config=row[1:]), want, x, d, s)
 
 
 @needs_interpreter
@@ -90,7 +95,7 @@ def test_interpreter_dot_on_bfloat16_is_still_wrong():
 def test_reference_is_the_dequantized_product():
     x, d, s, b = _operands(5, 64, 32, rowwise=True, bias=True)
     want = (x.double() @ (d.double() * s.double()).t() + b.double()).to(x.dtype)
-    _close_in_dtype(W.fp8_weight_mm_ref(x, d, s, b), want)
+    _close_in_dtype(W.fp8_weight_mm_ref(x, d, s, b), want, x, d, s)
 
 
 def test_non_finite_propagates():
@@ -161,7 +166,7 @@ def test_gpu_matches_reference(m, variant):
     x, d, s, b = _operands(m, 512, 384, device="cuda", **kw[variant])
     got = K.fp8_weight_mm(x, d, s, b)
     want = W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), None if b is None else b.cpu())
-    _close_in_dtype(got.cpu(), want)
+    _close_in_dtype(got, want, x, d, s)
     again = K.fp8_weight_mm(x, d, s, b)  # the launcher's cached path
     assert torch.equal(got, again)
 
@@ -176,4 +181,4 @@ def test_gpu_launcher_cache_respects_alignment():
     odd.copy_(x)
     want = W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu())
     for xv in (x, shifted, odd, x, odd):
-        _close_in_dtype(K.fp8_weight_mm(xv, d, s).cpu(), want)
+        _close_in_dtype(K.fp8_weight_mm(xv, d, s), want, x, d, s)
