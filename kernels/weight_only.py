@@ -17,13 +17,15 @@ activation quantization at all: it is more accurate than the FP8xFP8 GEMM, not l
 Non-finite values propagate: inf/NaN in x or a NaN weight code give non-finite outputs through the dot, and
 a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
 
-The tile table `CONFIGS` was chosen by the sweep in benchmarks/inference.py's kernel stage on the H100
-(see the note there); the grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K,
-so the result does not depend on scheduling (no split-K atomics: deterministic).
+The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K, except on narrow layers,
+whose K is split (`split_k_for`) and whose fp32 partial sums a second kernel adds in a fixed order: the
+result never depends on scheduling (no atomics). The tile table `CONFIGS` is a first choice, not yet tuned:
+benchmarks/weight_only.py sweeps the tiles (see the README's inference section for where it stands).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -47,40 +49,8 @@ CONFIGS = [
 
 
 @triton.jit
-def _fp8_weight_mm_kernel(
-    x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1)
-    w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
-    s_ptr,  # () or (N,) fp32: scale_inv of the weight
-    b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
-    y_ptr,  # (M, N) x dtype, contiguous
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    ROW_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # the (BLOCK_K, BLOCK_N) tile of w.t()
-    m_ok = rm[:, None] < M
-    n_ok = rn[None, :] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = rk < K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+def _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) fp32 -> y: the weight's scale, the bias, one rounding to y's dtype."""
     if ROW_SCALE:
         s = tl.load(s_ptr + rn, mask=rn < N, other=1.0)[None, :]
     else:
@@ -89,10 +59,85 @@ def _fp8_weight_mm_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _fp8_weight_mm_kernel(
+    x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1)
+    w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
+    s_ptr,  # () or (N,) fp32: scale_inv of the weight
+    b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
+    y_ptr,  # (M, N) x dtype, contiguous; with SPLIT_K > 1 (SPLIT_K, M, N) fp32 partial sums instead
+    M,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K: the K range of one split
+    stride_xm,
+    stride_wn,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * k_per_split
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None]  # the (BLOCK_K, BLOCK_N) tile of w.t()
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    k_end = tl.minimum(K, k0 + k_per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        k_ok = rk < k_end - k
+        a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE, HAS_BIAS)
+    else:
+        part = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=m_ok & n_ok)
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    part_ptr,  # (SPLIT_K, M, N) fp32
+    s_ptr,
+    b_ptr,
+    y_ptr,  # (M, N) x dtype
+    M,
+    N,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # The partial sums in split order, always: the result does not depend on which program ran first.
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for i in range(1, SPLIT_K):
+        acc += tl.load(part_ptr + i * M * N + offs, mask=ok, other=0.0)
+    _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE, HAS_BIAS)
 
 
 _launch = FastLauncher(_fp8_weight_mm_kernel)
+_launch_sum = FastLauncher(_split_k_sum_kernel)
+MAX_SPLIT_K = 8
+SUM_BLOCK_N = 128
 
 
 def config_for(m: int):
@@ -103,18 +148,48 @@ def config_for(m: int):
     return CONFIGS[-1][1:]
 
 
-def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None):
-    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
+    """How many K ranges a narrow layer's columns are split into, so that its tiles fill the GPU.
+
+    One program per BLOCK_N columns leaves most SMs idle on a narrow layer (4096x1024, a GQA k/v
+    projection: 32 programs of 32 columns on 132 SMs); splitting K gives each tile up to MAX_SPLIT_K
+    programs, each over at least two BLOCK_K steps. Their fp32 partial sums are added in a fixed order by
+    a second small kernel: deterministic, unlike atomics. Wide layers (tiles >= programs) are not split."""
+    tiles = -(-n // block_n)
+    split = max(1, min(MAX_SPLIT_K, programs // tiles))
+    while split > 1 and k < 2 * block_k * split:
+        split -= 1
+    return split
+
+
+def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
+    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
+    split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     m, k = x.shape
     n = w_data.shape[0]
     block_m, block_n, block_k, warps, stages = config or config_for(m)
+    if split_k is None:
+        split_k = split_k_for(n, k, block_n, block_k, _sm_count(x.device.index)) if x.is_cuda else 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    bias_arg, row_scale = x if bias is None else bias, w_scale_inv.numel() != 1
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _launch(
-        grid, x, w_data, w_scale_inv, x if bias is None else bias, y, m, n, k, x.stride(0), w_data.stride(0),
-        w_scale_inv.numel() != 1, bias is not None, block_m, block_n, block_k,
-        num_warps=warps, num_stages=stages,
+        grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0),
+        row_scale, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if split_k > 1:
+        sum_grid = (triton.cdiv(n, SUM_BLOCK_N), triton.cdiv(m, block_m))
+        _launch_sum(
+            sum_grid, out, w_scale_inv, bias_arg, y, m, n, row_scale, bias is not None, split_k, block_m, SUM_BLOCK_N,
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
     return y
 
 
@@ -140,6 +215,17 @@ def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -
         and w_data.stride(1) == 1
         and (w_scale_inv.numel() == 1 or tuple(w_scale_inv.shape) == (w_data.shape[0], 1))
     )
+
+
+def fp8_weight_mm_prechecked(x, w_data, w_scale_inv, bias=None):
+    """fp8_weight_mm for a caller that has checked its operands (`supports`, K, one device, the bias's dtype):
+    ops.Linear's inference forward. A plain eager call goes straight to the kernel, without a second
+    validation in Python; a traced one (torch.compile, a dispatch mode) goes through the registered op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return fp8_weight_mm(x, w_data, w_scale_inv, bias)
+    if use_triton(x):
+        return fp8_weight_mm_triton(x, w_data, w_scale_inv, bias)
+    return fp8_weight_mm_ref(x, w_data, w_scale_inv, bias)
 
 
 def _check(x, w_data, w_scale_inv, bias):

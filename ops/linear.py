@@ -291,9 +291,12 @@ class Linear(BasicOp):
         w = self.weight
         data, scale_inv = w.fp8_data, w.scale_inv
         x2 = x.reshape(tokens, self.in_features)
-        if not weight_only.supports(x2, data, scale_inv) or (bias is not None and bias.dtype != x.dtype):
+        if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features or data.device != x.device:
             return None
-        return weight_only.fp8_weight_mm(x2, data, scale_inv, bias).reshape(*x.shape[:-1], self.out_features)
+        if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or type(bias) is not torch.nn.Parameter):
+            return None
+        y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     # ---- the weight's FP8 copy ------------------------------------------------------------------------
     def __setattr__(self, name, value):

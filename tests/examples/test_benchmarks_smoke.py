@@ -50,3 +50,32 @@ def test_gaps_tiny_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     # No kernels on the CPU: an empty report per variant, written.
     assert json.loads(out.read_text()) == {"float8 ops eager": {}}
+
+
+def test_inference_tiny_runs_every_cpu_variant(tmp_path):
+    """`python -m benchmarks.inference --tiny` on the CPU: eager variants timed, compiled, CUDA-graph and
+    torchao ones skipped with their reason, generate() timed for bf16 and float8, the report written."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.inference", "--tiny", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    (report,) = tmp_path.glob("inference_cpu_*.json")
+    result = json.loads(report.read_text())
+    rows = result["rows"]
+    assert {(r["model"], r["tokens"]) for r in rows} == {(m, t) for m in ("llama", "hf") for t in (1, 16)}
+    for r in rows:
+        if r["variant"].startswith("torchao"):
+            assert r.get("error") or r.get("skipped"), r
+        elif "skipped" not in r:
+            assert "error" not in r, r
+            assert r["ms"] > 0 and r["vs_bf16_eager"] > 0, r
+    for model in ("llama", "hf"):
+        assert [r["ms"] for r in rows if r["model"] == model and r["variant"] == "float8 eager"], model
+    generate = {(r["variant"], r["batch"]): r for r in result["generate"]}
+    for variant in ("bf16 eager", "float8 eager"):
+        for batch in (1, 16):
+            assert generate[variant, batch]["tokens_per_s"] > 0, generate[variant, batch]
+    assert all(r.get("error") or r.get("skipped") for (v, _), r in generate.items() if v.startswith("torchao"))
+    assert result["floors"]["copy_Bps"] > 0 and result["env"]["command"].startswith("python -m benchmarks.inference")
+    assert (tmp_path / report.name.replace(".json", ".md")).exists()

@@ -92,6 +92,26 @@ def test_interpreter_dot_on_bfloat16_is_still_wrong():
     assert out[0, 0] != 16.0
 
 
+@needs_interpreter
+@pytest.mark.parametrize("split_k,k", [(2, 256), (3, 384), (4, 200), (8, 1024)])
+def test_split_k_sums_in_a_fixed_order(split_k, k):
+    """Narrow layers split K; the partial sums are added by a second kernel in split order: the result is
+    within the summation bound and the same bits on every call."""
+    x, d, s, b = _operands(16, k, 96, dtype=HALF, rowwise=True, bias=True)
+    tile = (16, 32, 64, 4, 2)
+    got = W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k)
+    _close_in_dtype(got, W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
+    assert torch.equal(got, W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k))
+
+
+def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
+    assert W.split_k_for(1024, 4096, 32, 256, 132) == 4  # GQA k/v: 32 tiles -> 128 programs
+    assert W.split_k_for(4096, 4096, 32, 256, 132) == 1  # 128 tiles: one wave already
+    assert W.split_k_for(14336, 4096, 32, 256, 132) == 1
+    assert W.split_k_for(1024, 4096, 64, 128, 132) == 8  # capped at MAX_SPLIT_K
+    assert W.split_k_for(64, 512, 32, 256, 132) == 1  # each split keeps two BLOCK_K steps or more
+
+
 def test_reference_is_the_dequantized_product():
     x, d, s, b = _operands(5, 64, 32, rowwise=True, bias=True)
     want = (x.double() @ (d.double() * s.double()).t() + b.double()).to(x.dtype)
@@ -149,8 +169,9 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
     assert _arg_key(True) != _arg_key(1)
     launcher = FastLauncher(W._fp8_weight_mm_kernel)
-    args = (t, t, t, t, t, 1, 16, 32, 32, 32, True, False, 16, 32, 64)
-    other = args[:12] + (32,) + args[13:]  # a constexpr by value
+    assert launcher.constexpr == frozenset(range(11, 17))  # ROW_SCALE ... SPLIT_K
+    args = (t, t, t, t, t, 1, 16, 32, 32, 32, 32, True, False, 16, 32, 64, 1)
+    other = args[:13] + (32,) + args[14:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
 
@@ -172,13 +193,26 @@ def test_gpu_matches_reference(m, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_gpu_split_k_on_narrow_layers(n):
+    x, d, s, b = _operands(16, 4096, n, device="cuda", bias=True)
+    assert W.split_k_for(n, 4096, 32, 256, W._sm_count(0)) > 1 or n == 4096
+    got = K.fp8_weight_mm(x, d, s, b)
+    _close_in_dtype(got, W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), b.cpu()), x, d, s)
+    assert torch.equal(got, K.fp8_weight_mm(x, d, s, b))
+
+
+@pytest.mark.gpu
 def test_gpu_launcher_cache_respects_alignment():
+    """The launcher's cache keys on 16-byte alignment as Triton does: an x 16 bytes into a buffer and one 2
+    bytes in (separate buffers) each get a kernel compiled for them, in any order of calls."""
     x, d, s, _ = _operands(16, 256, 64, device="cuda")
-    base = torch.zeros(16 * 256 + 8, dtype=x.dtype, device="cuda")
-    shifted = base[8:].view(16, 256)  # 16 bytes into the buffer: aligned; then 2 bytes in: not
-    shifted.copy_(x)
-    odd = base[1 : 1 + 16 * 256].view(16, 256)
-    odd.copy_(x)
+    views = {}
+    for name, offset in (("aligned", 8), ("odd", 1)):
+        base = torch.zeros(16 * 256 + offset, dtype=x.dtype, device="cuda")
+        views[name] = base[offset:].view(16, 256)
+        views[name].copy_(x)
+    assert views["aligned"].data_ptr() % 16 == 0 and views["odd"].data_ptr() % 16 != 0
     want = W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu())
-    for xv in (x, shifted, odd, x, odd):
+    for xv in (x, views["aligned"], views["odd"], x, views["odd"], views["aligned"]):
         _close_in_dtype(K.fp8_weight_mm(xv, d, s), want, x, d, s)
