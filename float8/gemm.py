@@ -220,7 +220,9 @@ def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, 
             mat_b,
             scale_a=sa,
             scale_b=sb,
-            bias=bias if fused_bias else None,
+            # _scaled_mm reads its bias as contiguous whatever its strides (a strided bias came out wrong on
+            # the CPU, found in review 2026-11-25): give it contiguous memory (no copy when it already is).
+            bias=bias.contiguous() if fused_bias else None,
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )

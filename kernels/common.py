@@ -244,8 +244,15 @@ def triton_op(name: str):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def forward_ad_or_functorch_active() -> bool:
+    """Whether forward-mode AD (a dual level) or a functorch transform (jvp, vmap, grad) is active: a direct
+    call would drop its tangents or see wrapped tensors, so such calls go through the registered op, which
+    differentiates or refuses with torch's own error."""
+    return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+
+
 def _plain_eager(args, kwargs) -> bool:
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or forward_ad_or_functorch_active():
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()) if kwargs else args:

@@ -48,13 +48,27 @@ def _constexpr_positions(kernel) -> frozenset:
     return frozenset(i for i, p in enumerate(sig.parameters.values()) if "constexpr" in str(p.annotation))
 
 
+def _runtime_settings() -> tuple:
+    """Triton's runtime settings that change the compiled kernel (its debug mode, instrumentation): part of
+    the key, so that turning one on after a first launch compiles anew, as Triton would."""
+    if _knobs is None:
+        return ()
+    return (
+        _knobs.runtime.debug,
+        getattr(_knobs.compilation, "instrumentation_mode", None),
+        getattr(_knobs.compilation, "fpsan_homomorphic_casts", None),
+    )
+
+
 class FastLauncher:
     """Launches one @triton.jit kernel. Call with every kernel parameter positionally, in the kernel's
     order (constexprs too), then the options: `launcher(grid, *args, num_warps=4, num_stages=3)`."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.interpreted = not hasattr(kernel, "device_caches")  # the interpreter's InterpretedFunction
+        # The interpreter's InterpretedFunction has no compiled kernels. On ROCm, Triton also specializes a
+        # pointer on whether its storage spans under 2 GiB, which this key does not hold: no shortcut there.
+        self.interpreted = not hasattr(kernel, "device_caches") or torch.version.hip is not None
         self.constexpr = _constexpr_positions(kernel)
         self.compiled: dict = {}
 
@@ -72,7 +86,9 @@ class FastLauncher:
         if device != torch._C._cuda_getDevice():
             # Triton launches on the current device; a compiled kernel is loaded per device: no shortcut.
             return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
-        key = (device, self._key(args, (num_warps, num_stages)))
+        if getattr(self.kernel, "pre_run_hooks", None):
+            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        key = (device, self._key(args, (num_warps, num_stages, *_runtime_settings())))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import triton_op, use_triton
+from .common import forward_ad_or_functorch_active, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import FP8_DTYPES
 
@@ -205,7 +205,8 @@ def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
 
 def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> bool:
     """Whether fp8_weight_mm takes these operands: a 2-D bf16/fp16 x with contiguous rows, an (N, K) FP8
-    weight with contiguous rows, and a per-tensor or per-row scale (block scales are not)."""
+    weight with contiguous rows, and a per-tensor or a contiguous per-row scale (block scales are not; the
+    kernels read the row scales, and the bias, at stride 1)."""
     return (
         x.dtype in (torch.bfloat16, torch.float16)
         and x.dim() == 2
@@ -213,7 +214,7 @@ def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -
         and w_data.dim() == 2
         and w_data.dtype in FP8_DTYPES
         and w_data.stride(1) == 1
-        and (w_scale_inv.numel() == 1 or tuple(w_scale_inv.shape) == (w_data.shape[0], 1))
+        and (w_scale_inv.numel() == 1 or (tuple(w_scale_inv.shape) == (w_data.shape[0], 1) and w_scale_inv.stride(0) == 1))
     )
 
 
@@ -221,7 +222,7 @@ def fp8_weight_mm_prechecked(x, w_data, w_scale_inv, bias=None):
     """fp8_weight_mm for a caller that has checked its operands (`supports`, K, one device, the bias's dtype):
     ops.Linear's inference forward. A plain eager call goes straight to the kernel, without a second
     validation in Python; a traced one (torch.compile, a dispatch mode) goes through the registered op."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or forward_ad_or_functorch_active():
         return fp8_weight_mm(x, w_data, w_scale_inv, bias)
     if use_triton(x):
         return fp8_weight_mm_triton(x, w_data, w_scale_inv, bias)
@@ -233,15 +234,19 @@ def _check(x, w_data, w_scale_inv, bias):
     if not supports(x, w_data, w_scale_inv):
         raise ValueError(
             f"{op}: needs x (M, K) bfloat16/float16 and w_data (N, K) FP8, both with contiguous rows, and "
-            f"w_scale_inv () or (N, 1) float32; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, w_data "
-            f"{tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv {tuple(w_scale_inv.shape)}"
+            f"w_scale_inv () or contiguous (N, 1) float32; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, w_data "
+            f"{tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv {tuple(w_scale_inv.shape)} "
+            f"strides {w_scale_inv.stride()}"
         )
     if x.shape[1] != w_data.shape[1]:
         raise ValueError(f"{op}: x has K={x.shape[1]} but w_data has K={w_data.shape[1]}")
     if w_scale_inv.dtype != torch.float32:
         raise TypeError(f"{op}: w_scale_inv must be float32, got {w_scale_inv.dtype}")
-    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"{op}: bias must be ({w_data.shape[0]},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(
+            f"{op}: bias must be a contiguous ({w_data.shape[0]},) {x.dtype} tensor, got {tuple(bias.shape)} "
+            f"{bias.dtype} stride {bias.stride()}"
+        )
     devices = {t.device for t in (x, w_data, w_scale_inv, bias) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"{op}: operands on several devices: {sorted(map(str, devices))}")

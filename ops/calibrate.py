@@ -57,25 +57,26 @@ class CalibrationReport:
     amax: max |input| over all batches of each calibrated Linear (after the reduction over its amax group).
     scales: the static input scale it was given (float32 value, as a float).
     skipped: the selected Linears that keep their recipe's input quantizer, each with the reason.
-    margin: the margin used (each scale is divided by 2**margin). batches: how many batches ran.
+    margin: the margin asked for (None: each Linear's recipe margin). batches: how many batches ran.
     """
 
     amax: Dict[str, float]
     scales: Dict[str, float]
     skipped: Dict[str, str]
-    margin: int
+    margin: Optional[int]
     batches: int
 
 
 def set_input_scale(
     linear: Linear, *, scale: Union[float, torch.Tensor, None] = None, amax: Union[float, torch.Tensor, None] = None,
-    margin: int = 0,
+    margin: Optional[int] = None,
 ) -> StaticScalingState:  # fmt: skip
     """Fix `linear`'s input scale: give it a `StaticScalingState` input quantizer, and return that.
 
     Exactly one of `scale` (the scale itself: fp8_max / amax as you derived it) or `amax` (max |input| you
-    measured: the scale is then the one current scaling derives from it, divided by 2**margin, and rounded
-    down to a power of two if the Linear's recipe asks for power_of_2). A number or a one-element float32
+    measured: the scale is then the one current scaling derives from it, divided by 2**margin (None: the
+    margin of the Linear's recipe for its input), and rounded down to a power of two if the recipe asks for
+    power_of_2). A number or a one-element float32
     tensor; on the CPU an invalid value (a non-finite or negative amax, a scale out of range) raises
     ValueError. The quantizer is on the weight's device, in the recipe's input format, and keeps the amax
     group of the quantizer it replaces (give every rank of that group the same value).
@@ -100,7 +101,7 @@ def calibrate(
     model: torch.nn.Module,
     batches: Iterable[Any],
     *,
-    margin: int = 0,
+    margin: Optional[int] = None,
     filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
     forward: Optional[Callable[[torch.nn.Module, Any], Any]] = None,
 ) -> CalibrationReport:
@@ -110,7 +111,11 @@ def calibrate(
         when `forward` is given; else a tuple is passed as positional arguments (`model(*batch)`), a mapping
         as keyword arguments (`model(**batch)`), anything else, a list included, as the one argument
         (`model(batch)`). Outputs are dropped.
-    margin: each scale is fp8_max / amax / 2**margin (headroom for inputs larger than the calibration's).
+    margin: each scale is fp8_max / amax / 2**margin (headroom for inputs larger than the calibration's);
+        None (the default): each Linear's recipe margin for its input, so the scale is the one current
+        scaling of that recipe would derive from the amax.
+    A torch.compile'd model is calibrated through the module it wraps, run eagerly (dynamo does not see
+    forward hooks added after it compiled); the compiled model then recompiles for the new quantizers.
     filter_fn(module, fqn) -> bool: picks the Linears (default: all), as in `ops.convert`.
 
     The model runs under torch.no_grad and in eval mode; each module's training flag is restored after.
@@ -133,13 +138,14 @@ def calibrate(
             "calibrate takes an iterable of batches, got a tensor (iterating it would feed its rows one by "
             "one): pass [x] for a single batch"
         )
+    model = getattr(model, "_orig_mod", model)  # an OptimizedModule of torch.compile: its module, eagerly
     run = forward if forward is not None else _call
     selected, skipped = _select(model, filter_fn)
     if not selected:
         why = "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "it holds no float8.ops.Linear"
         raise ValueError(f"calibrate: no Linear of the model can be calibrated ({why})")
     for fqn, linear in selected.items():
-        _check_margin(margin, _input_dtype(linear), fqn)
+        _check_margin(_scale_args(linear, margin)[1], _input_dtype(linear), fqn)
 
     running = {fqn: _Running(linear) for fqn, linear in selected.items()}
     handles = [linear.register_forward_pre_hook(running[fqn], with_kwargs=True) for fqn, linear in selected.items()]
@@ -283,8 +289,11 @@ def _input_dtype(linear: Linear) -> torch.dtype:
     return getattr(linear.input_quantizer, "fp8_dtype", None) or linear.recipe.format.forward_dtype
 
 
-def _scale_args(linear: Linear, margin: int):
-    """The arguments of `_scale_for` after the amax: (input FP8 dtype, margin, the recipe's power_of_2)."""
+def _scale_args(linear: Linear, margin: Optional[int]):
+    """The arguments of `_scale_for` after the amax: (input FP8 dtype, margin (None: the recipe's input
+    margin), the recipe's power_of_2)."""
+    if margin is None:
+        margin = int(getattr(linear.recipe.input, "margin", 0))
     return _input_dtype(linear), margin, bool(getattr(linear.recipe.input, "power_of_2", False))
 
 

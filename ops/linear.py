@@ -33,6 +33,7 @@ its weight.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import List, Optional
 
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
 from float8.kernels import weight_only
+from float8.kernels.common import forward_ad_or_functorch_active
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
@@ -198,12 +200,15 @@ class Linear(BasicOp):
         return LinearQuantizers(self.input_quantizer, self.weight_quantizer, self.grad_quantizer)
 
     def expand(self):
-        if self._expansion is None or self._expansion_bias_of(self._expansion) is not self.bias:
-            expansion = _parallel_expansion(self, self._expansion_bias())
+        # Kept as the ops before and after this one, never with the op itself: a list holding `self` would
+        # be a reference cycle, and a deleted model would wait for the garbage collector to free its memory.
+        if self._expansion is None or self._expansion_bias_of(self._expansion[1]) is not self.bias:
+            parts = _parallel_expansion(self, self._expansion_bias())
             if torch.compiler.is_compiling():
-                return expansion  # a module written while dynamo traces breaks its graph: built at __init__
-            self._expansion = expansion
-        return self._expansion
+                return [*parts[0], self, *parts[1]]  # a module written while dynamo traces breaks its graph: built at __init__
+            self._expansion = parts
+        head, tail = self._expansion
+        return [*head, self, *tail]
 
     def _expansion_bias(self):
         if self.bias is None:
@@ -285,6 +290,12 @@ class Linear(BasicOp):
         tokens = x.numel() // self.in_features
         if not 0 < tokens <= weight_only.MAX_TOKENS or self.parallel is not None:
             return None
+        if self.input_quantizer.amax_group is not None:
+            # The general path reduces the input's amax over the group; skipping it on ranks with few tokens
+            # would leave the others waiting in (or pairing with the wrong) collective.
+            return None
+        if forward_ad_or_functorch_active():
+            return None  # a dual or functorch-wrapped input: the general path differentiates or refuses
         bias = self.bias
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)):
             return None
@@ -293,7 +304,9 @@ class Linear(BasicOp):
         x2 = x.reshape(tokens, self.in_features)
         if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features or data.device != x.device:
             return None
-        if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or type(bias) is not torch.nn.Parameter):
+        if bias is not None and (
+            bias.dtype != x.dtype or bias.device != x.device or type(bias) is not torch.nn.Parameter or bias.stride(0) != 1
+        ):
             return None
         y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -314,15 +327,22 @@ class Linear(BasicOp):
         (such writes move no version counter); loads, moves and replacing `.data` are seen by themselves."""
         self._weight_cache.clear()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         self.refresh_fp8_weight()
-        if prefix + STATIC_SCALE_KEY in state_dict and not isinstance(self.input_quantizer, StaticScalingState):
+        key = prefix + STATIC_SCALE_KEY
+        if key in state_dict and not isinstance(self.input_quantizer, StaticScalingState):
             # A checkpoint of a calibrated model (ops.calibrate) into one that is not: a static input
             # quantizer to load the scale into (its load, right after this one, validates the value).
             from float8.ops.calibrate import set_input_scale
 
-            set_input_scale(self, scale=state_dict[prefix + STATIC_SCALE_KEY])
-        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            try:
+                set_input_scale(self, scale=state_dict[key])
+            except (ValueError, TypeError) as e:
+                # Not taken: torch then reports the key as unexpected under strict=True and drops it under
+                # strict=False (it passes strict=True to every module, so the choice is made there); the
+                # warning says why.
+                warnings.warn(f"{key}: a calibrated static input scale, which this Linear cannot take: {e}", stacklevel=2)
+        return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
 
     def _apply(self, fn, *args, **kwargs):
         self.refresh_fp8_weight()
@@ -421,16 +441,16 @@ def _check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: in
     return parallel, tp_group, bool(sequence_parallel)
 
 
-def _parallel_expansion(linear: Linear, bias: Optional[Bias]) -> list:
-    """The basic ops of a Linear: itself and its Bias, with the tensor-parallel collectives around them."""
+def _parallel_expansion(linear: Linear, bias: Optional[Bias]) -> tuple:
+    """The basic ops around a Linear, (before, after): its Bias, and the tensor-parallel collectives."""
     from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
 
     tail = [bias] if bias is not None else []
     g = linear.tp_group
     if linear.parallel is None:
-        return [linear] + tail
+        return [], tail
     if linear.parallel == "column":
         head = AllGather(g) if linear.sequence_parallel else AllReduce(g, in_backward=True)
-        return [head, linear] + tail
+        return [head], tail
     reduce = ReduceScatter(g) if linear.sequence_parallel else AllReduce(g)
-    return [linear, reduce] + tail
+    return [], [reduce] + tail

@@ -172,19 +172,32 @@ class _RunFunction(torch.autograd.Function):
         return (dx, None, *grads)
 
 
-def _check_compilable(ops) -> None:
-    """Delayed scaling cannot run inside torch.compile: its amax history is module state written in place
+def _check_compilable(ops, grad: bool) -> None:
+    """Delayed scaling cannot train inside torch.compile: its amax history is module state written in place
     by the forward and by the backward (the gradient's), which dynamo refuses inside an autograd Function.
-    Nor can an op that says why not (`not_compilable`)."""
+    A forward with no backward (inference) writes it in plain traced code, which compiles: the history and
+    scale buffers are updated in the graph, as eager updates them. Nor can an op that says why not
+    (`not_compilable`)."""
     for op in ops:
         if op.not_compilable is not None:
             raise NotImplementedError(f"ops.{type(op).__name__} cannot run under torch.compile: {op.not_compilable}.")
-        if any(isinstance(q, DelayedScalingState) for q in op.quantizers):
+        if grad and any(isinstance(q, DelayedScalingState) for q in op.quantizers):
             raise NotImplementedError(
-                f"{type(op).__name__} uses delayed scaling, which torch.compile cannot trace (its amax history is "
-                "updated in place inside forward and backward). Compile with current scaling (TensorwiseScaling, "
-                "RowwiseScaling or BlockwiseScaling), or run delayed scaling eagerly."
+                f"{type(op).__name__} uses delayed scaling, which torch.compile cannot trace in training (its amax "
+                "history is updated in place inside forward and backward). Inference forwards (torch.no_grad, "
+                "inference_mode) compile with delayed scaling; to train under compile use current scaling "
+                "(TensorwiseScaling, RowwiseScaling or BlockwiseScaling), or run delayed scaling eagerly."
             )
+
+
+def _refuse_forward_ad(x: torch.Tensor) -> None:
+    """Forward-mode AD has no FP8 form here (quantization passes gradients straight through only in reverse
+    mode): a dual input would come out without its tangent. Refused, loudly."""
+    if torch.autograd.forward_ad._current_level >= 0 and torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
+        raise NotImplementedError(
+            "float8 ops do not support forward-mode AD (a dual tensor reached them: its tangent would be lost). "
+            "Use reverse mode (backward), or run the layer in high precision for jvp."
+        )
 
 
 def _runs_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> bool:
@@ -262,17 +275,18 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True, as_torch: bo
     compiling = torch.compiler.is_compiling()
     if not compiling:
         _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
+        _refuse_forward_ad(x)
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
     if as_torch and _runs_as_torch(ops, x2):
         y = _run_as_torch(ops, x2, lead, fuse)
         return y.reshape(*lead, y.shape[-1])
-    if compiling:
-        if any(isinstance(op, Attention) for op in ops):
-            return _run_split_at_attention(ops, x, fuse)
-        _check_compilable(ops)
+    if compiling and any(isinstance(op, Attention) for op in ops):
+        return _run_split_at_attention(ops, x, fuse)
     params = [p for op in ops for p in op.op_params()]
     grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    if compiling:
+        _check_compilable(ops, grad)
     runner = _Runner(ops, fuse, grad, lead, x.requires_grad)
     if grad:
         y = _RunFunction.apply(x2, runner, *params)

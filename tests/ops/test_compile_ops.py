@@ -154,8 +154,31 @@ def test_delayed_scaling_under_compile_names_the_problem():
     torch._dynamo.reset()
     model = _block(Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling()))
     run = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="delayed scaling, which torch.compile cannot trace"):
+    with pytest.raises(Exception, match="delayed scaling, which torch.compile cannot trace in training"):
         run(torch.randn(2, 16, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_delayed_scaling_compiles_for_inference_with_eagers_bits_and_history(mode):
+    """An inference forward updates the input's amax history and scale in the compiled graph as eager does
+    (the first call casts with current scaling, later ones with the history's scale), step after step. The
+    weight's state gets an entry per compiled call (the graph quantizes the weight on every call; eager
+    caches its copy): the same amax again, so the same scale."""
+    torch._dynamo.reset()
+    recipe = Recipe(input=DelayedScaling(history_len=4), weight=DelayedScaling(), grad=DelayedScaling())
+    eager, compiled_model = _block(recipe), _block(recipe)
+    run = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+
+    def states(m):
+        return [b for n, b in m.named_buffers() if "input_quantizer" in n or n.endswith("weight_quantizer.scale")]
+
+    assert len(states(eager)) == 9  # three Linears: the input's history and scale, the weight's scale
+    for step in range(6):  # past the history's length: the oldest amaxes leave it
+        x = torch.randn(2, 16, 128, dtype=torch.bfloat16) * (1 + step % 3)
+        with getattr(torch, mode)():
+            assert_same_bits(run(x), eager(x))
+        for a, b in zip(states(compiled_model), states(eager), strict=True):
+            assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all())
 
 
 def _attention_block(recipe=None, sequence_first=False):

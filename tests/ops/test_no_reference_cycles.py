@@ -1,0 +1,99 @@
+"""A deleted model, optimizer and loss are freed at once, without the garbage collector.
+
+Reference cycles keep a model's memory (its GPU memory, on a GPU) alive until Python's cycle collector runs.
+Each case runs with the collector off: after a training step (or an inference forward) and `del`, no
+parameter or module of the model may still be alive. A cycle that comes back fails here. (A model under
+torch.compile is not covered: dynamo's own tracer objects keep traced modules in cycles on torch 2.13.)
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import float8.ops as ops
+from float8 import Recipe
+
+BF16 = torch.bfloat16
+RECIPES = {"tensorwise": None, "delayed": Recipe.delayed(), "lean": Recipe(lean_activations=True),
+           "rowwise": Recipe.rowwise(), "blockwise": Recipe.blockwise()}  # fmt: skip
+
+
+def _converted(recipe, fp8_weights=False):
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.SiLU(), torch.nn.Linear(256, 128, bias=False))
+    return ops.convert(model.to(BF16), recipe=recipe, fp8_weights=fp8_weights)
+
+
+def _block(recipe):
+    return ops.Sequential(
+        ops.Residual(), ops.RMSNorm(64), ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
+        ops.Attention(4, 16, num_kv_heads=2), ops.Linear(64, 64, bias=False), ops.AddResidual(),
+        ops.Residual(), ops.LayerNorm(64), ops.Linear(64, 256), ops.SwiGLU(), ops.Linear(128, 64), ops.AddResidual(),
+        recipe=recipe,
+    ).to(BF16)  # fmt: skip
+
+
+def _freed_without_gc(build, step):
+    """Build a model, run `step(model)` (which may return an optimizer to drop too), delete everything and
+    count what is still alive with the cycle collector off."""
+    gc.collect()
+    gc.disable()
+    try:
+        torch.manual_seed(0)
+        model = build()
+        refs = [weakref.ref(t) for t in model.parameters()] + [weakref.ref(m) for m in model.modules()]
+        keep = step(model)
+        del model, keep
+        alive = [r() for r in refs if r() is not None]
+        return [type(a).__name__ for a in alive]
+    finally:
+        gc.enable()
+
+
+def _train_step(model, x_shape=(2, 16, 128)):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    loss = model(torch.randn(x_shape, dtype=BF16)).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=list(RECIPES))
+def test_converted_model_after_a_training_step(recipe):
+    assert _freed_without_gc(lambda: _converted(RECIPES[recipe]), _train_step) == []
+
+
+@pytest.mark.parametrize("tokens", [16, 200], ids=["weight-only", "fp8-gemm"])
+def test_fp8_weights_after_inference(tokens):
+    def infer(model):
+        with torch.inference_mode():
+            model(torch.randn(tokens, 128, dtype=BF16))
+
+    assert _freed_without_gc(lambda: _converted(None, fp8_weights=True), infer) == []
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "lean"])
+def test_sequential_block_with_attention_after_a_training_step(recipe):
+    assert _freed_without_gc(lambda: _block(RECIPES[recipe]), lambda m: _train_step(m, (2, 16, 64))) == []
+
+
+def test_a_forward_whose_output_is_dropped_before_backward():
+    def forward_only(model):
+        model(torch.randn(2, 16, 128, dtype=BF16, requires_grad=True))  # the graph dies with the output
+
+    assert _freed_without_gc(lambda: _converted(None), forward_only) == []
+
+
+def test_linear_cross_entropy_after_a_training_step():
+    def step(model):
+        x = torch.randn(32, 64, dtype=BF16, requires_grad=True)
+        model(x, torch.randint(0, 512, (32,))).backward()
+
+    build = lambda: ops.LinearCrossEntropy(64, 512, recipe=Recipe()).to(BF16)  # noqa: E731
+    assert _freed_without_gc(build, step) == []
+
+
+def test_a_lone_linear():
+    assert _freed_without_gc(lambda: ops.Linear(64, 64), lambda m: None) == []
