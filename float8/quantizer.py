@@ -458,6 +458,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
             n = min(loaded.shape[0], fitted.shape[0])
             fitted[:n] = loaded[:n].to(fitted.device, fitted.dtype)
             state_dict[key] = fitted
+        _check_delayed_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_extra_state(self):
@@ -540,6 +541,37 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
 
     def extra_repr(self) -> str:
         return f"{self.recipe!r}, fp8_dtype={self.fp8_dtype}"
+
+
+def _check_delayed_state(state_dict, prefix: str) -> None:
+    """Refuse a delayed-scaling state that no run could have written: a history entry that is negative or
+    not finite (only finite amaxes are recorded), or a scale that is inf, <= 0, outside the format's range,
+    or NaN once a finite amax was recorded. Such a state would cast every later tensor with a wrong scale and give
+    finite, wrong outputs. A tensor on a GPU is checked on the device instead of read (no sync): an invalid
+    state becomes a NaN scale there, so the outputs come out NaN, never finite and wrong."""
+    history, scale = state_dict.get(prefix + "amax_history"), state_dict.get(prefix + "scale")
+    extra = state_dict.get(prefix + "_extra_state") or {}
+    recorded = bool(extra.get("has_history", False)) if isinstance(extra, dict) else False
+    fp8 = extra.get("fp8_dtype") if isinstance(extra, dict) else None
+    lo = min(min_scale(torch.float8_e4m3fn), min_scale(torch.float8_e5m2))
+    if fp8 is not None:
+        lo = min_scale(getattr(torch, fp8.replace("torch.", "")))
+    if not isinstance(history, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return  # a missing key: load_state_dict reports it
+    h, sc = history.detach().float(), scale.detach().float().reshape(())
+    history_ok = (torch.isfinite(h) & (h >= 0)).all()
+    # NaN is "no scale yet": before any step, or after steps whose amaxes were all non-finite (none recorded).
+    scale_ok = ((sc >= lo) & (sc <= FLOAT32_MAX)) | (torch.isnan(sc) & (not recorded or (h == 0).all()))
+    if h.device.type == "cpu" and sc.device.type == "cpu":
+        if not bool(history_ok):
+            raise ValueError(f"{prefix}amax_history holds a negative or non-finite amax: not a state a run writes")
+        if not bool(scale_ok):
+            raise ValueError(
+                f"{prefix}scale is {float(sc)!r}: a delayed-scaling scale must be in [{lo:.3g}, {FLOAT32_MAX:.3g}] "
+                "(or NaN before the first step is recorded)"
+            )
+        return
+    state_dict[prefix + "scale"] = torch.where(history_ok & scale_ok, sc, torch.full_like(sc, float("nan")))
 
 
 def reduce_deferred(pending: list) -> None:

@@ -219,6 +219,45 @@ def test_delayed_checkpoint_of_another_format_is_refused():
         DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3).load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("scale", float("inf")), ("scale", float("nan")), ("scale", 0.0), ("scale", -2.0), ("scale", 1e-45),
+     ("amax_history", float("inf")), ("amax_history", -1.0), ("amax_history", float("nan"))],
+)  # fmt: skip
+def test_a_tampered_delayed_checkpoint_is_refused(field, value):
+    """A scale of inf, NaN (after a recorded step), <= 0 or out of range, or a history entry no run writes,
+    used to load and make every later output finite and wrong (89% off, issue 23). Refused on load now; on
+    a GPU the scale becomes NaN instead (checked on the device, no host sync)."""
+    a = DelayedScalingState(DelayedScaling(history_len=4), fp8_dtype=E4M3)
+    Float8Tensor.quantize(torch.randn(16, 16) * 3, scaling=a)
+    state = a.state_dict()
+    state[field] = state[field].clone()
+    state[field].view(-1)[0] = value
+    b = DelayedScalingState(DelayedScaling(history_len=4), fp8_dtype=E4M3)
+    with pytest.raises(ValueError, match=field):
+        b.load_state_dict(state)
+
+
+def test_a_poisoned_delayed_state_on_the_device_path_makes_outputs_nan():
+    """Tensors not on the CPU are checked on the device (the meta device stands in here for a GPU): the scale
+    is replaced by NaN, never loaded as it is."""
+    from float8.quantizer import _check_delayed_state
+
+    state = {"s.amax_history": torch.tensor([3.0, 0.0], device="meta"), "s.scale": torch.tensor(-2.0, device="meta")}
+    _check_delayed_state(state, "s.")
+    assert state["s.scale"].device.type == "meta"  # rebuilt with torch.where, not read on the host
+
+
+def test_a_delayed_state_with_no_finite_amax_yet_still_loads():
+    a = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
+    x = torch.randn(16, 16)
+    x[0, 0] = float("inf")
+    Float8Tensor.quantize(x, scaling=a)  # recorded a step, no finite amax: scale NaN, "no scale yet"
+    b = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
+    b.load_state_dict(a.state_dict())
+    assert b.scale.isnan() and b.has_history
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_delayed_state_is_never_rounded_by_a_model_cast(dtype):
     state = DelayedScalingState(DelayedScaling(), fp8_dtype=E4M3)
