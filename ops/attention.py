@@ -29,7 +29,12 @@ class Attention(BasicOp):
         self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
     ):  # fmt: skip
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
+            if value is None and name == "num_kv_heads":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Attention: {name} must be a positive int, got {value!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.num_kv_heads, self.causal = num_heads, head_dim, num_kv_heads, causal

@@ -73,7 +73,9 @@ def convert(
 
     recipe: the converted layers' Recipe (default Recipe()). filter_fn(module, fqn) -> bool picks the
     layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). When model
-    is itself an nn.Linear, the returned op stands in for it.
+    is itself an nn.Linear, the returned op stands in for it. Converting again with a recipe gives the
+    picked ops.Linear layers that recipe (new quantizers: delayed histories and calibrated input scales
+    start over); without one, they keep theirs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")
@@ -86,7 +88,10 @@ def convert(
     skipped, swaps, fp8_only = [], [], []
     for fqn, module in model.named_modules():
         if isinstance(module, Linear):
-            if fp8_weights and not isinstance(module.weight, Float8Tensor) and (filter_fn is None or filter_fn(module, fqn)):
+            picked = filter_fn is None or filter_fn(module, fqn)
+            if picked and recipe is not None and module._recipe != recipe:
+                module.set_recipe(recipe, overwrite=True)  # converted before, with another recipe: this one now
+            if fp8_weights and not isinstance(module.weight, Float8Tensor) and picked:
                 fp8_only.append((fqn, module))  # converted before: its weight becomes FP8-only now
             continue
         if not isinstance(module, torch.nn.Linear):

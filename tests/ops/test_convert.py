@@ -188,3 +188,16 @@ def test_hugging_face_model_from_a_config():
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, "-c", _HF_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_a_second_convert_with_a_recipe_applies_it_and_without_one_keeps_the_first():
+    """It used to keep the first recipe silently (issue 23 item 8)."""
+    model = ops.convert(_mlp(torch.bfloat16))
+    ops.convert(model, recipe=Recipe.rowwise())
+    linears = [m for m in model.modules() if isinstance(m, ops.Linear)]
+    assert linears and all(m.recipe == Recipe.rowwise() for m in linears)
+    assert all(type(m.input_quantizer).__name__ == "RowwiseQuantizer" for m in linears)
+    ops.convert(model)  # no recipe: nothing changes
+    assert all(m.recipe == Recipe.rowwise() for m in linears)
+    ops.convert(model, recipe=Recipe(), filter_fn=lambda m, fqn: fqn == "0")
+    assert linears[0].recipe == Recipe() and linears[1].recipe == Recipe.rowwise()  # fqn "2" kept its own

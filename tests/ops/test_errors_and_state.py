@@ -148,3 +148,18 @@ def test_writing_into_a_saved_input_before_backward_is_refused():
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(num_heads=0, head_dim=8), "num_heads"), (dict(num_heads=-4, head_dim=8), "num_heads"),
+     (dict(num_heads=4, head_dim=0), "head_dim"), (dict(num_heads=4, head_dim=8, num_kv_heads=0), "num_kv_heads"),
+     (dict(num_heads=4, head_dim=8, num_kv_heads=-2), "num_kv_heads"), (dict(num_heads=4.0, head_dim=8), "num_heads"),
+     (dict(num_heads=4, head_dim=8, num_kv_heads=3), "multiple")],
+)  # fmt: skip
+def test_attention_arguments_are_checked(kwargs, match):
+    """Attention(0, 8) raised ZeroDivisionError, num_kv_heads=0 silently meant the default and negative head
+    counts passed (issue 23 item 12): each is a ValueError naming the argument."""
+    heads, dim = kwargs.pop("num_heads"), kwargs.pop("head_dim")
+    with pytest.raises(ValueError, match=match):
+        ops.Attention(heads, dim, **kwargs)
