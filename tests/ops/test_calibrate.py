@@ -207,7 +207,7 @@ def test_filter_fn_and_margin():
 def test_rowwise_layers_and_layers_inside_an_ops_sequential_are_skipped_and_reported():
     model = _mlp()
     ops.convert(model, filter_fn=lambda m, fqn: fqn != "2")
-    ops.convert(model, recipe=Recipe.rowwise())  # layer 2: per-row input scaling
+    ops.convert(model, recipe=Recipe.rowwise(), filter_fn=lambda m, fqn: fqn == "2")  # layer 2: per-row inputs
     report = ops.calibrate(model, _batches())
     assert list(report.amax) == ["0", "4"]
     assert "per row (RowwiseQuantizer)" in report.skipped["2"]
