@@ -186,9 +186,18 @@ def take(holder, *names: str):
     return values[0] if len(names) == 1 else values
 
 
+def second_backward_error(what: str) -> RuntimeError:
+    """The error of a second backward through one graph (`loss.backward(retain_graph=True)` twice)."""
+    return RuntimeError(
+        f"{what}: a second backward through the same graph. float8 ops let go of what they saved for the "
+        "backward (FP8 activations, weight copies) as soon as the first backward has read it, so that no FP8 "
+        "copy outlives its use; retain_graph=True cannot bring it back. Run the forward again for each backward."
+    )
+
+
 def plain(x: torch.Tensor) -> torch.Tensor:
     """High-precision view of an op's input: FP8 tensors are dequantized (an op that wanted FP8 asked for it)."""
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "sequence_parallel", "take"]
+__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "second_backward_error", "sequence_parallel", "take"]

@@ -29,6 +29,7 @@ import torch
 from float8 import DelayedScaling, Float8Tensor, Recipe
 from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
 from float8.kernels.cross_entropy import ce_rows
+from float8.ops.base import second_backward_error
 
 __all__ = ["LinearCrossEntropy", "check_cross_entropy_args", "default_chunk_tokens", "linear_cross_entropy"]
 
@@ -209,6 +210,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             weight = weight if ctx.fp8_weight is None else ctx.fp8_weight
             _, _, dx, dw, db = _pass(x2, weight, bias, target, g.float().contiguous(), plan, write_grad=True)
         else:
+            if ctx.grads is None:
+                raise second_backward_error("linear_cross_entropy")
             (dx, dw, db), ctx.grads = ctx.grads, None
             g32 = g.float()
             dx = None if dx is None else dx.mul_(g32.to(dx.dtype))

@@ -20,7 +20,7 @@ from float8 import DelayedScaling, Float8Tensor, Recipe
 from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
 from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout, TensorwiseQuantizer
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
-from float8.ops.base import DEFAULT_RECIPE, BasicOp, plain, take
+from float8.ops.base import DEFAULT_RECIPE, BasicOp, plain, second_backward_error, take
 from float8.ops.bias import bias_backward
 from float8.ops.cross_entropy import linear_cross_entropy
 from float8.ops.norms import LayerNorm, RMSNorm
@@ -274,6 +274,8 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         saved, q = take(ctx, "saved"), ctx.quantizers
+        if saved is None:
+            raise second_backward_error("float8.ops.functional.linear")
         dy2 = plain(dy).reshape(-1, dy.shape[-1])
         dbias = None
         if ctx.need_dbias:

@@ -269,6 +269,12 @@ class Linear(BasicOp):
         # Alone and below the policy's size: exactly nn.Linear (native autograd, the same kernels), with as
         # little Python before it as nn.Linear has: at M = 1024 a bf16 Linear's fwd+bwd is about as long on
         # the GPU (0.15 ms) as on the H100 machine's host, so each microsecond here shows in the ratio.
+        if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+            # As nn.Linear under autocast: the product runs in (and returns) the autocast dtype. Our GEMMs are
+            # not ops autocast knows, so the input is cast here (its gradient flows back in its own dtype).
+            dtype = torch.get_autocast_dtype(x.device.type)
+            if x.dtype != dtype:
+                x = x.to(dtype)
         if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
             if type(self.weight) is not torch.nn.Parameter and isinstance(self.weight, Float8Tensor):
                 y = self._weight_only_forward(x)

@@ -15,7 +15,7 @@ import torch
 from float8 import DelayedScalingState, Float8Tensor, Recipe
 from float8.quantizer import check_amax_group, reduce_deferred
 from float8.ops.attention import Attention
-from float8.ops.base import BasicOp, OpContext, RunState, take
+from float8.ops.base import BasicOp, OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.saved import pack_contexts, unpack_contexts
 from float8.ops.bias import Bias
@@ -160,6 +160,8 @@ class _RunFunction(torch.autograd.Function):
     def backward(ctx, dy):
         saved = ctx.saved_tensors  # raises if the input was modified in place since the forward
         runner = take(ctx, "runner")
+        if runner is None:
+            raise second_backward_error("ops.Sequential / ops op")
         ctxs = unpack_contexts(ctx.skeleton, saved[1:]) if torch.compiler.is_compiling() else None
         dx, grads = runner.backward(dy, ctxs)
         if isinstance(dx, Float8Tensor):

@@ -201,3 +201,19 @@ def test_a_second_convert_with_a_recipe_applies_it_and_without_one_keeps_the_fir
     assert all(m.recipe == Recipe.rowwise() for m in linears)
     ops.convert(model, recipe=Recipe(), filter_fn=lambda m, fqn: fqn == "0")
     assert linears[0].recipe == Recipe() and linears[1].recipe == Recipe.rowwise()  # fqn "2" kept its own
+
+
+def test_a_converted_linear_respects_autocast_like_nn_linear():
+    """Under torch.autocast(dtype=bfloat16) nn.Linear returns bfloat16 from float32 inputs and weights; a
+    converted one returned float32 (issue 23 item 5)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 32)
+    conv = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)))[0]
+    conv.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = ref(x), conv(x)
+    assert want.dtype == got.dtype == torch.bfloat16
+    assert sqnr_db(want.double(), got.double()) >= SQNR_DB["linear"]
+    got.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and conv.weight.grad.dtype == torch.float32

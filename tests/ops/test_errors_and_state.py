@@ -163,3 +163,31 @@ def test_attention_arguments_are_checked(kwargs, match):
     heads, dim = kwargs.pop("num_heads"), kwargs.pop("head_dim")
     with pytest.raises(ValueError, match=match):
         ops.Attention(heads, dim, **kwargs)
+
+
+def _second_backward_cases():
+    from float8.ops.functional import linear
+
+    torch.manual_seed(0)
+    x = lambda: torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    lin = ops.Linear(64, 64).to(torch.bfloat16)
+    seq = ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU()).to(torch.bfloat16)
+    w = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    lce = ops.LinearCrossEntropy(64, 128, recipe=Recipe()).to(torch.bfloat16)
+    target = torch.randint(0, 128, (32,))
+    return {
+        "Linear": lambda: lin(x()).float().sum(),
+        "Sequential": lambda: seq(x()).float().sum(),
+        "functional.linear": lambda: linear(x(), w).float().sum(),
+        "linear_cross_entropy": lambda: lce(x(), target),
+    }
+
+
+@pytest.mark.parametrize("case", ["Linear", "Sequential", "functional.linear", "linear_cross_entropy"])
+def test_a_second_backward_through_one_graph_names_the_problem(case):
+    """loss.backward(retain_graph=True) twice failed with a NoneType error (issue 23 item 6); the saved FP8
+    tensors are let go after the first backward on purpose, so the second one says so."""
+    loss = _second_backward_cases()[case]()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+        loss.backward()
