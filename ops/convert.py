@@ -139,9 +139,29 @@ def _float8_linear(linear: torch.nn.Linear, recipe: Optional[Recipe], fp8_weight
     op.bias = linear.bias
     op._recipe_changed()  # quantizers (delayed-scaling history) on the weight's device
     op.train(linear.training)
+    _take_hooks(op, linear)
     if fp8_weights:
         op.weight = torch.nn.Parameter(_quantize_frozen(w, op), requires_grad=False)
     return op
+
+
+# The hook tables of nn.Module (forward, pre-forward, backward, state-dict hooks), by attribute name.
+_HOOK_TABLES = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+
+
+def _take_hooks(op: Linear, linear: torch.nn.Linear) -> None:
+    """The replaced layer's hooks become the op's: the same tables, so the handles a user holds still
+    remove them. (They were dropped silently before.)"""
+    for name in _HOOK_TABLES:
+        table = getattr(linear, name, None)
+        if table is not None:
+            object.__setattr__(op, name, table)
+    if getattr(linear, "_is_full_backward_hook", None) is not None:
+        object.__setattr__(op, "_is_full_backward_hook", linear._is_full_backward_hook)
 
 
 def _quantize_frozen(w: torch.Tensor, op: Linear) -> Float8Tensor:

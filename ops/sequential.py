@@ -333,10 +333,20 @@ class Sequential(torch.nn.Module):
         return iter(self.ops)
 
     def _segments(self):
-        """Runs of basic ops (expanded: Linear with bias is Linear + Bias) between plain modules."""
-        segment = []
-        for op in self.ops:
-            if isinstance(op, BasicOp):
+        """Runs of basic ops (expanded: Linear with bias is Linear + Bias) between plain modules. An op with
+        forward or backward hooks runs alone, through its own call, so that its hooks fire (a fusion
+        boundary, like a plain module)."""
+        segment, depth = [], 0
+        for i, op in enumerate(self.ops):
+            hooked = isinstance(op, BasicOp) and _has_hooks(op)
+            if hooked and (depth or _residual_step(op)):
+                raise ValueError(
+                    f"item {i} ({type(op).__name__}) has hooks, and it is or sits inside a Residual/AddResidual pair: an op "
+                    "with hooks runs alone so that they fire, and a residual cannot cross that boundary. Move the "
+                    "hook to the Sequential, or out of the pair."
+                )
+            depth += _residual_step(op)
+            if isinstance(op, BasicOp) and not hooked:
                 segment.extend(op.expand())
             else:
                 if segment:
@@ -362,6 +372,16 @@ class Sequential(torch.nn.Module):
             else:
                 x = seg(x)
         return self.ops[-1](x, target) if ends_in_loss else x
+
+
+def _has_hooks(op: torch.nn.Module) -> bool:
+    return bool(op._forward_hooks or op._forward_pre_hooks or op._backward_hooks or op._backward_pre_hooks)
+
+
+def _residual_step(op) -> int:
+    from float8.ops.misc import AddResidual, Residual
+
+    return isinstance(op, Residual) - isinstance(op, AddResidual)
 
 
 def _check_residual_pairs(ops) -> None:
