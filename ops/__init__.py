@@ -20,6 +20,7 @@ from float8.ops.calibrate import CalibrationReport, calibrate, load_input_scales
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
+from float8.ops.precision import high_precision
 from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
 from float8.ops.requantize import requantize_weights
 from float8.ops.sequential import Float8PrecisionWarning, Sequential
@@ -55,6 +56,7 @@ __all__ = [
     "convert",
     "functional",
     "load_input_scales",
+    "high_precision",
     "requantize_weights",
     "set_input_scale",
 ]

@@ -179,6 +179,8 @@ def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad:
     """The same in x2's dtype (the small-layer policy: GEMMs too small for FP8 to win)."""
     # The weight itself where no cast is needed: saved as the autograd Function's input, not as an alias
     # of it (which torch.compile refuses to carry to the backward).
+    if isinstance(weight, Float8Tensor):
+        weight = weight.dequantize(x2.dtype)  # an FP8-only weight under ops.high_precision
     w = weight if weight.dtype == x2.dtype else weight.to(x2.dtype)
     saved = LinearSaved(None, x2 if need_wgrad else None, w if need_dgrad else None, x2.dtype, need_wgrad, need_dgrad)
     return F.linear(x2, w, bias), saved

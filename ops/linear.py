@@ -239,10 +239,16 @@ class Linear(BasicOp):
         )
 
     # ---- the small-layer policy ------------------------------------------------------------------
-    def runs_in_fp8(self, tokens: int, device: torch.device) -> bool:
-        """FP8 unless, on CUDA, the GEMMs are too small for FP8 to win (Recipe.min_fp8_gemm_flops).
+    # Set on an instance for a while by ops.high_precision(model): GEMMs in the activation dtype.
+    high_precision = False
 
-        An FP8-only weight always runs in FP8; the CPU path always does (it exists to be exact)."""
+    def runs_in_fp8(self, tokens: int, device: torch.device) -> bool:
+        """FP8 unless, on CUDA, the GEMMs are too small for FP8 to win (Recipe.min_fp8_gemm_flops), or
+        inside ops.high_precision(model).
+
+        An FP8-only weight otherwise always runs in FP8; the CPU path always does (it exists to be exact)."""
+        if self.high_precision:
+            return False
         if isinstance(self.weight, Float8Tensor):
             return True
         return fp8_pays_off(self.recipe, tokens, self.local_in_features, self.local_out_features, device)
@@ -259,6 +265,8 @@ class Linear(BasicOp):
         w = self.weight
         if self._weight_cache.w8 is not None and w.requires_grad and torch.is_grad_enabled():
             self._weight_cache.clear()  # a copy from ops.requantize_weights that this step does not read
+        if isinstance(w, Float8Tensor):
+            w = w.dequantize(x.dtype)  # an FP8-only weight under ops.high_precision
         if w.dtype != x.dtype:
             w = w.to(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
@@ -276,11 +284,11 @@ class Linear(BasicOp):
             if x.dtype != dtype:
                 x = x.to(dtype)
         if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
-            if type(self.weight) is not torch.nn.Parameter and isinstance(self.weight, Float8Tensor):
+            if type(self.weight) is not torch.nn.Parameter and isinstance(self.weight, Float8Tensor) and not self.high_precision:
                 y = self._weight_only_forward(x)
                 if y is not None:
                     return y
-            elif self.runs_as_torch(x.numel() // self.in_features, x.device):
+            if self.runs_as_torch(x.numel() // self.in_features, x.device):
                 return self.torch_forward(x, bias=self.bias)
         return super().forward(x)
 
