@@ -174,22 +174,36 @@ class _RunFunction(torch.autograd.Function):
         return (dx, None, *grads)
 
 
+def _delayed_training(ops, grad: bool) -> bool:
+    return grad and any(isinstance(q, DelayedScalingState) for op in ops for q in op.quantizers)
+
+
+_DELAYED_UNDER_COMPILE = (
+    "delayed scaling, which torch.compile cannot trace in training (its amax history is updated in place "
+    "inside forward and backward). Inference forwards (torch.no_grad, inference_mode) compile with delayed "
+    "scaling; to train under compile use current scaling (TensorwiseScaling, RowwiseScaling or "
+    "BlockwiseScaling), or run delayed scaling eagerly. Without fullgraph=True the run falls back to eager"
+)
+
+
+def _run_eagerly(ops, x, fuse):
+    return run_ops(ops, x, fuse)
+
+
+# Called while dynamo traces a training run under delayed scaling: dynamo runs it eagerly (a graph break, with
+# the reason under fullgraph=True), so a compiled model without fullgraph trains correctly around it.
+_run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly, reason=_DELAYED_UNDER_COMPILE)
+
+
 def _check_compilable(ops, grad: bool) -> None:
-    """Delayed scaling cannot train inside torch.compile: its amax history is module state written in place
-    by the forward and by the backward (the gradient's), which dynamo refuses inside an autograd Function.
-    A forward with no backward (inference) writes it in plain traced code, which compiles: the history and
-    scale buffers are updated in the graph, as eager updates them. Nor can an op that says why not
-    (`not_compilable`)."""
+    """An op that says why it cannot run under torch.compile (`not_compilable`) raises. (Delayed scaling in
+    training is not traced either: its amax history is module state written in place by the forward and by
+    the backward, which dynamo refuses inside an autograd Function; run_ops hands such a run back to eager,
+    `_run_delayed_training_eagerly`. An inference forward writes the history in plain traced code, which
+    compiles: the buffers are updated in the graph as eager updates them.)"""
     for op in ops:
         if op.not_compilable is not None:
             raise NotImplementedError(f"ops.{type(op).__name__} cannot run under torch.compile: {op.not_compilable}.")
-        if grad and any(isinstance(q, DelayedScalingState) for q in op.quantizers):
-            raise NotImplementedError(
-                f"{type(op).__name__} uses delayed scaling, which torch.compile cannot trace in training (its amax "
-                "history is updated in place inside forward and backward). Inference forwards (torch.no_grad, "
-                "inference_mode) compile with delayed scaling; to train under compile use current scaling "
-                "(TensorwiseScaling, RowwiseScaling or BlockwiseScaling), or run delayed scaling eagerly."
-            )
 
 
 def _refuse_forward_ad(x: torch.Tensor) -> None:
@@ -289,6 +303,8 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True, as_torch: bo
     grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     if compiling:
         _check_compilable(ops, grad)
+        if _delayed_training(ops, grad):
+            return _run_delayed_training_eagerly(ops, x, fuse)
     runner = _Runner(ops, fuse, grad, lead, x.requires_grad)
     if grad:
         y = _RunFunction.apply(x2, runner, *params)

@@ -158,6 +158,25 @@ def test_delayed_scaling_under_compile_names_the_problem():
         run(torch.randn(2, 16, 128, dtype=torch.bfloat16))
 
 
+def test_delayed_scaling_trains_under_compile_without_fullgraph_as_eager_does():
+    """Without fullgraph the delayed-scaling run falls back to eager (a graph break) and trains like eager,
+    histories included; it failed in backward with "'OpContext' object has no attribute 'saved'" (issue 23)."""
+    torch._dynamo.reset()
+    recipe = Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling())
+    eager, model = _block(recipe), _block(recipe)
+    run = torch.compile(model, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(2, 16, 128, dtype=torch.bfloat16) * (1 + step)
+        got, want = run(x), eager(x)
+        assert_same_bits(got, want)
+        got.float().sum().backward()
+        want.float().sum().backward()
+    for (name, a), b in zip(model.named_buffers(), eager.buffers(), strict=True):
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), name
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        assert_same_bits(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_delayed_scaling_compiles_for_inference_with_eagers_bits_and_history(mode):
     """An inference forward updates the input's amax history and scale in the compiled graph as eager does
