@@ -74,14 +74,27 @@ def fallback(func, args, kwargs, is_float8: Callable, requantize_into: Callable)
     mutated = _mutated_float8_args(func, args, kwargs, is_float8)
     if not mutated:
         return out
+    trained = [t for _, _, t in mutated if t.requires_grad]
+    if trained:
+        raise RuntimeError(
+            f"{func}: an in-place update of an FP8 tensor that requires grad (an optimizer step on an FP8-only "
+            "parameter?). FP8 has no room for such updates: small ones round away, optimizer moments kept in "
+            "FP8 round to zero, and the weights diverge. Train a high-precision master weight (ops.Linear or "
+            "ops.convert without fp8_weights quantizes it in each forward) and keep FP8-only weights frozen "
+            "(requires_grad=False)."
+        )
     # In-place: the op wrote into the dequantized copy of each mutated argument; write it back as FP8.
-    for i, t in mutated:
-        requantize_into(t, plain_args[i] if isinstance(i, int) else plain_kwargs[i])
-    first = mutated[0][1]
-    return first if func._schema.returns and len(func._schema.returns) == 1 else out
+    for key, j, t in mutated:
+        written = plain_args[key] if isinstance(key, int) else plain_kwargs[key]
+        requantize_into(t, written if j is None else written[j])
+    first = mutated[0][2]
+    return first if func._schema.returns and len(func._schema.returns) == 1 and mutated[0][1] is None else out
 
 
 def _mutated_float8_args(func, args, kwargs, is_float8):
+    """(argument key, index in a tensor list or None, Float8Tensor) for each Float8Tensor the op writes into:
+    a mutated tensor argument, or an element of a mutated tensor list (the _foreach_*_ ops an optimizer
+    runs, whose writes were lost before)."""
     mutated = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
@@ -93,5 +106,7 @@ def _mutated_float8_args(func, args, kwargs, is_float8):
         else:
             continue
         if is_float8(value):
-            mutated.append((key, value))
+            mutated.append((key, None, value))
+        elif isinstance(value, (list, tuple)):
+            mutated.extend((key, j, t) for j, t in enumerate(value) if is_float8(t))
     return mutated

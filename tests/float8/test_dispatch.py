@@ -287,3 +287,24 @@ def test_zero_padding_and_new_zeros_stay_fp8():
     with pytest.raises(ValueError, match="cut a scale block"):
         F.pad(r, (0, 3))  # a column pad would stretch the row scales over new columns
     assert type(t.new_zeros((2, 2), dtype=torch.bfloat16)) is torch.Tensor
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_in_place_updates_of_an_fp8_parameter_that_requires_grad_are_refused(foreach):
+    """AdamW on an FP8-only parameter: with foreach the weight never changed (the _foreach_*_ writes were
+    lost), without it the FP8 moments rounded to zero and the weights grew to 1e3 (issue 23 item 9). An
+    in-place update of an FP8 tensor that requires grad is refused, saying what to do."""
+    p = torch.nn.Parameter(Float8Tensor.quantize(torch.randn(32, 32) * 0.05), requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-2, foreach=foreach)
+    (torch.randn(16, 32) @ p.dequantize().t()).sum().backward()
+    with pytest.warns(Float8FallbackWarning), pytest.raises(RuntimeError, match="Train a high-precision master"):
+        opt.step()
+
+
+def test_foreach_in_place_ops_write_back_into_fp8_tensors():
+    """A _foreach_*_ op on a list holding Float8Tensors ran on dequantized copies and dropped the result."""
+    a, b = Float8Tensor.quantize(torch.ones(4, 4)), torch.ones(4, 4)
+    with pytest.warns(Float8FallbackWarning):
+        torch._foreach_mul_([a, b], 2.0)
+    assert isinstance(a, Float8Tensor) and torch.equal(a.dequantize(), torch.full((4, 4), 2.0))
+    assert torch.equal(b, torch.full((4, 4), 2.0))
