@@ -33,10 +33,10 @@ def build():
 
 
 def peak_forward_mib(model):
-    if not cuda:
+    if not cuda:  # the CPU has no peak-memory counter: the column says so instead of printing nan
         with torch.no_grad():
             model(tokens)
-        return float("nan")
+        return None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -74,7 +74,8 @@ params = sum(p.numel() for p in model.parameters())
 print(f"LlamaForCausalLM from a config: {params / 1e6:.1f}M parameters, {tokens.shape[1]} tokens, {device}")
 print(f"{'variant':26s} {'real MiB':>9s} {'HF MiB':>8s} {'fwd peak MiB':>13s} {'transposes':>11s} {'logits rel. err':>16s}")
 for name, real, hf, peak, nt, err in rows:
-    print(f"{name:26s} {real / 2**20:9.1f} {hf / 2**20:8.1f} {peak:13.1f} {nt:11d} {err:16.4f}")
+    peak_text = "n/a on CPU" if peak is None else f"{peak:.1f}"
+    print(f"{name:26s} {real / 2**20:9.1f} {hf / 2**20:8.1f} {peak_text:>13s} {nt:11d} {err:16.4f}")
 print("real: float8.memory_footprint (FP8 bits, scales, transposes, cached FP8 copies); HF: get_memory_footprint()")
 print(f"FP8-only weights hold {rows[2][1] / rows[0][1]:.2f}x the bytes of bf16 (the embedding, norms and every "
       "Linear's 4-byte scale stay)")
