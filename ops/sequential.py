@@ -192,7 +192,10 @@ def _run_eagerly(ops, x, fuse):
 
 # Called while dynamo traces a training run under delayed scaling: dynamo runs it eagerly (a graph break, with
 # the reason under fullgraph=True), so a compiled model without fullgraph trains correctly around it.
-_run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly, reason=_DELAYED_UNDER_COMPILE)
+try:
+    _run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly, reason=_DELAYED_UNDER_COMPILE)
+except TypeError:  # a torch whose disable() takes no reason: the same graph break, dynamo's own message
+    _run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly)
 
 
 def _check_compilable(ops, grad: bool) -> None:
