@@ -127,11 +127,36 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def write_report(name: str, out: str, env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None) -> pathlib.Path:
-    """<out>/<name>_<device>_<date>.json (everything) and .md (the table of `columns`); returns the .md."""
+def latest_stem(name: str, env: dict) -> str:
+    """`<name>_<device>`: the file stem of a benchmark's latest record (older ones go to history/)."""
+    return f"{name}_{env['device'].lower().replace(' ', '-')}"
+
+
+def archive_latest(name: str, out: str, env: dict) -> None:
+    """Move the latest record of `name` on this device (every file of its stem) into <out>/history/, named with
+    the date its env records, before a new run writes its own."""
+    folder = pathlib.Path(out)
+    stem = latest_stem(name, env)
+    old = folder / f"{stem}.json"
+    if not old.exists():
+        return
+    date = json.loads(old.read_text()).get("env", {}).get("date", "undated")
+    (folder / "history").mkdir(parents=True, exist_ok=True)
+    for f in folder.glob(f"{stem}.*"):
+        f.rename(folder / "history" / f"{stem}_{date}{f.suffix}")
+    for f in folder.glob(f"{stem}_*.txt"):
+        f.rename(folder / "history" / f"{stem}_{date}{f.name[len(stem):]}")
+
+
+def write_report(
+    name: str, out: str, env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None,
+    latest: bool = False,
+) -> pathlib.Path:  # fmt: skip
+    """<out>/<name>_<device>_<date>.json (everything) and .md (the table of `columns`); returns the .md.
+    latest: <out>/<name>_<device>.* instead, the latest record (call `archive_latest` once before a run)."""
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    stem = f"{name}_{env['device'].lower().replace(' ', '-')}_{env['date']}"
+    stem = latest_stem(name, env) if latest else f"{latest_stem(name, env)}_{env['date']}"
     (folder / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, **(extra or {})}, indent=1))
     lines = [f"# {name}", "", ", ".join(f"{k} {v}" for k, v in env.items()), ""]
     lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]

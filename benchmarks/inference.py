@@ -22,7 +22,8 @@ Stages (the report is rewritten as it goes; past --budget-s the rest is recorded
 Compile time: a whole-model compile took 30-110 s per shape on the H100 here (2026-11-25), so the full matrix
 does not fit the default budget. Eager work comes first; each compiling stage gets a share of the budget and
 compiles the decode sizes first (COMPILE_PRIORITY); what does not fit is recorded as skipped.
-Outputs in --out: inference_<device>_<date>.json, .md (and _profile.txt). --tiny (the default on a CPU): tiny
+Outputs in --out: inference_<device>.json, .md (and _profile.txt), the latest record; the one before it moves
+to --out/history/ with its date. --tiny (the default on a CPU): tiny
 sizes; compiled, CUDA-graph and torchao variants are skipped on a CPU, with the reason.
 """
 
@@ -44,7 +45,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import float8.ops as ops
-from benchmarks.harness import environment, free_memory, step_peak_bytes, time_steps, write_report
+from benchmarks.harness import archive_latest, environment, free_memory, step_peak_bytes, time_steps, write_report
 from benchmarks.llama import TINY, Block, LlamaShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ class Run:
     def save(self) -> pathlib.Path:
         """Rewrite the JSON and markdown report with everything measured so far; returns the .md path."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
-        md = write_report("inference", self.args.out, self.env, self.rows, COLUMNS, self.report)
+        md = write_report("inference", self.args.out, self.env, self.rows, COLUMNS, self.report, latest=True)
         with md.open("a") as fh:
             fh.write(markdown_sections(self.report))
         return md
@@ -518,6 +519,7 @@ def main(argv=None) -> dict:
     except importlib.metadata.PackageNotFoundError:
         env["transformers"] = None
     env["command"] = " ".join(["python -m benchmarks.inference"] + argv)
+    archive_latest("inference", args.out, env)
     run = Run(args, device, TINY if args.tiny else LlamaShape(), env)
     compiling = len(args.models) + ("hf" in args.models)  # stages that compile: forward per model, generate
     # Every compiled variant of a stage shares one code object (Module.__call__): one entry per variant

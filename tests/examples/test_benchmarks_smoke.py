@@ -60,7 +60,7 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    (report,) = tmp_path.glob("inference_cpu_*.json")
+    (report,) = tmp_path.glob("inference_cpu.json")  # the latest record: no date in its name
     result = json.loads(report.read_text())
     rows = result["rows"]
     assert {(r["model"], r["tokens"]) for r in rows} == {(m, t) for m in ("llama", "hf") for t in (1, 16)}
@@ -79,3 +79,16 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
     assert all(r.get("error") or r.get("skipped") for (v, _), r in generate.items() if v.startswith("torchao"))
     assert result["floors"]["copy_Bps"] > 0 and result["env"]["command"].startswith("python -m benchmarks.inference")
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
+
+
+def test_a_new_report_moves_the_latest_into_history(tmp_path):
+    from benchmarks.harness import archive_latest, write_report
+
+    env = {"device": "Some GPU", "date": "2026-01-02"}
+    write_report("x", str(tmp_path), env, [{"a": 1}], ["a"], latest=True)
+    (tmp_path / "x_some-gpu_profile.txt").write_text("profile")
+    archive_latest("x", str(tmp_path), {**env, "date": "2026-02-03"})
+    write_report("x", str(tmp_path), {**env, "date": "2026-02-03"}, [{"a": 2}], ["a"], latest=True)
+    assert sorted(p.name for p in (tmp_path / "history").iterdir()) == [
+        "x_some-gpu_2026-01-02.json", "x_some-gpu_2026-01-02.md", "x_some-gpu_2026-01-02_profile.txt"]
+    assert json.loads((tmp_path / "x_some-gpu.json").read_text())["rows"] == [{"a": 2}]

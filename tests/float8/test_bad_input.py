@@ -1,4 +1,4 @@
-"""Bad input gets a clear error that names the problem (docs/design.md §3; the README's "Bad input" table lists every case)."""
+"""Bad input gets a clear error that names the problem (docs/design.md §3; docs/bad_input.md lists every case)."""
 
 import pytest
 import torch
