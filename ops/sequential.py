@@ -404,8 +404,6 @@ def _residual_step(op) -> int:
 
 
 def _check_residual_pairs(ops) -> None:
-    from float8.ops.misc import AddResidual, Residual
-
     depth = 0
     for i, op in enumerate(ops):
         if not isinstance(op, BasicOp) and depth:
@@ -413,7 +411,7 @@ def _check_residual_pairs(ops) -> None:
                 f"item {i} ({type(op).__name__}) is a plain module inside a Residual/AddResidual pair; "
                 "a residual cannot cross a fusion boundary: wrap the module's work in ops, or move the pair"
             )
-        depth += isinstance(op, Residual) - isinstance(op, AddResidual)
+        depth += _residual_step(op)
         if depth < 0:
             raise ValueError(f"AddResidual at item {i} has no Residual before it")
     if depth:
