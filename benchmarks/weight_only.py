@@ -3,11 +3,13 @@
     python -m benchmarks.weight_only --out DIR           # on a CUDA machine: tile sweep, table, JSON
     python -m benchmarks.weight_only --tiny --out DIR    # plumbing only (CPU, reference path)
 
-For the Linears of a Llama-style model (d 4096, GQA 32/8 of 128, SwiGLU 14336, vocab 32768) at 1-128 tokens,
-GPU time (do_bench_cudagraph median: host time left out) of: bf16 F.linear; the FP8 x FP8 path (the activation quantized, then
-torch._scaled_mm through `x8 @ w8.t()`); and fp8_weight_mm with every tile of a small sweep, each output
-checked against fp8_weight_mm_ref before it is timed. The weight-read floor is the FP8 weight's bytes over
-the measured copy bandwidth. The best tile per token bucket is what kernels/weight_only.py CONFIGS holds.
+For the Linears of the benchmark models (benchmarks/llama.py and Hugging Face's Llama: d 4096, GQA 32/8 of
+128, SwiGLU 14336, vocab 32768) at 1-128 tokens, GPU time (do_bench_cudagraph median: host time left out)
+of: bf16 F.linear; the FP8 x FP8 path (the activation quantized, then torch._scaled_mm through
+`x8 @ w8.t()`); and fp8_weight_mm with every tile of a sweep in both orientations, each output checked
+against fp8_weight_mm_ref before it is timed. The weight-read floor is the FP8 weight's bytes over the
+measured copy bandwidth. The tile with the least time summed over the layers, per token count
+(`best_per_bucket`), is what kernels/weight_only.py CONFIGS holds.
 Also host time per call at 16 tokens: nn.Linear (bf16) against a converted Linear with an FP8-only weight.
 """
 
@@ -21,24 +23,32 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
+from triton.runtime.errors import OutOfResources
+
 import float8.ops as ops
 from float8 import Float8Tensor
 from float8.kernels import weight_only
 from benchmarks.harness import environment, host_us, make_timer
 
-SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 4096->1024": (4096, 1024), "gate/up 4096->14336": (4096, 14336),
+# (K, N) of the Linears of the benchmark models: benchmarks/llama.py (fused QKV and gate/up) and Hugging Face's
+# LlamaForCausalLM (separate q, k, v, gate, up).
+SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 4096->1024": (4096, 1024), "qkv 4096->6144": (4096, 6144),
+          "gate/up 4096->14336": (4096, 14336), "gate+up 4096->28672": (4096, 28672),
           "down 14336->4096": (14336, 4096), "head 4096->32768": (4096, 32768)}  # fmt: skip
 TOKENS = (1, 16, 32, 64, 128)
+L2_FLUSH_BYTES = 256 * 2**20
 
 
 def candidate_tiles(m: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to sweep for m tokens."""
+    """(SWAP, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to sweep for m tokens: both tile orientations."""
     block_m = max(16, 1 << (m - 1).bit_length())
     if block_m <= 32:
-        grid = itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 6))
+        plain = itertools.product((False,), (32, 64), (128, 256, 512), (4,), (3, 5))
+        swap = itertools.product((True,), (64, 128), (128, 256), (4, 8), (3, 5))
     else:
-        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
-    return [(block_m, n, k, w, s) for n, k, w, s in grid]
+        plain = itertools.product((False,), (64, 128), (64, 128), (4, 8), (3, 4))
+        swap = itertools.product((True,), (64, 128), (64, 128), (4, 8), (3, 4))
+    return [(sw, block_m, n, k, w, s) for sw, n, k, w, s in [*plain, *swap]]
 
 
 def copy_bandwidth(timer, device) -> float:
@@ -48,45 +58,76 @@ def copy_bandwidth(timer, device) -> float:
     return 2 * src.numel() / timer(lambda: dst.copy_(src))
 
 
-def sweep(timer, device, tokens, shapes, tiles_for, bandwidth):
+def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
+    """One row per (layer, tokens): bf16, FP8 x FP8 and every tile's time (each tile's output checked against
+    the reference first), the table's tile and its time. Rows go to `log` (JSON lines) as they come."""
     rows = []
     for (name, (k, n)), m in itertools.product(shapes.items(), tokens):
         torch.manual_seed(0)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w8 = Float8Tensor.quantize(w)
-        data, scale_inv = w8.fp8_data, w8.scale_inv
+        # Enough copies of the weight that together they overflow the L2 cache (50 MiB on the H100): in a
+        # model's forward every layer's weight comes from memory, so a weight read from L2 call after call
+        # would time a case no model has (a 4096x4096 bf16 weight read at 3.8 TB/s, above the copy rate).
+        copies = max(1, min(16, -(-L2_FLUSH_BYTES // (n * k))))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        w8s = [Float8Tensor.quantize(w) for w in ws]
+        data, scale_inv = w8s[0].fp8_data, w8s[0].scale_inv
         want = weight_only.fp8_weight_mm_ref(x, data, scale_inv).double()
         # What summing K float32 products in another order may change, plus one bf16 ulp (the rounding).
         allowed = 2 * k * 2.0**-24 * (x.double().abs() @ data.double().abs().t()) * scale_inv.double()
         allowed += 2.0**-8 * want.abs()
-        row = {"layer": name, "tokens": m, "bf16_ms": timer(lambda: F.linear(x, w)),
-               "fp8xfp8_ms": timer(lambda: Float8Tensor.quantize(x) @ w8.t()),
-               "floor_ms": n * k / bandwidth}  # fmt: skip
-        def run(tile):
-            if tile is None:  # CPU: the op, i.e. its reference
-                return weight_only.fp8_weight_mm(x, data, scale_inv)
-            return weight_only.fp8_weight_mm_triton(x, data, scale_inv, config=tile)
 
-        best = None
+        def per_call(fn):  # ms of one call, each call on the next weight copy
+            return timer(lambda: [fn(i) for i in range(copies)]) / copies
+
+        row = {"layer": name, "K": k, "N": n, "tokens": m, "weight_copies": copies,
+               "bf16_ms": per_call(lambda i: F.linear(x, ws[i])),
+               "fp8xfp8_ms": per_call(lambda i: Float8Tensor.quantize(x) @ w8s[i].t()),
+               "floor_ms": n * k / bandwidth, "tiles": {}}  # fmt: skip
+
+        def run(tile, i=0):
+            w8 = w8s[i]
+            if tile is None:  # CPU: the op, i.e. its reference
+                return weight_only.fp8_weight_mm(x, w8.fp8_data, w8.scale_inv)
+            return weight_only.fp8_weight_mm_triton(x, w8.fp8_data, w8.scale_inv, config=tile)
+
         for tile in tiles_for(m):
-            got = run(tile)
+            try:
+                got = run(tile)
+            except OutOfResources:  # too many stages of too large a tile for shared memory: not a candidate
+                continue
             bad = int(((got.double() - want).abs() > allowed).sum())
             if bad:
                 raise AssertionError(f"tile {tile} at {name}, {m} tokens: {bad} outputs off")
-            ms = timer(lambda: run(tile))
-            if best is None or ms < best[0]:
-                best = (ms, tile)
-        row.update(weight_only_ms=best[0], tile=best[1], table_tile=list(weight_only.config_for(m)),
-                   table_ms=timer(lambda: weight_only.fp8_weight_mm(x, data, scale_inv)))  # fmt: skip
+            row["tiles"][str(tile)] = per_call(lambda i: run(tile, i))
+        best_tile = min(row["tiles"], key=row["tiles"].get)
+        row.update(best_ms=row["tiles"][best_tile], best_tile=best_tile, table_tile=str(weight_only.config_for(m)),
+                   table_ms=per_call(lambda i: weight_only.fp8_weight_mm(x, w8s[i].fp8_data, w8s[i].scale_inv)))  # fmt: skip
         row["of_floor"] = row["floor_ms"] / row["table_ms"]
         row["vs_bf16"] = row["bf16_ms"] / row["table_ms"]
         row["vs_fp8xfp8"] = row["fp8xfp8_ms"] / row["table_ms"]
         rows.append(row)
+        if log is not None:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
         print(f"{name:22s} M={m:4d} bf16 {row['bf16_ms']*1e3:7.1f} us  fp8xfp8 {row['fp8xfp8_ms']*1e3:7.1f}  "
-              f"weight-only {row['table_ms']*1e3:7.1f} (best {best[0]*1e3:7.1f} {best[1]})  "
-              f"floor {row['floor_ms']*1e3:6.1f}  {row['of_floor']:.0%} of floor", flush=True)  # fmt: skip
+              f"table {row['table_ms']*1e3:7.1f}  best {row['best_ms']*1e3:7.1f} {best_tile}  "
+              f"floor {row['floor_ms']*1e3:6.1f}  best at {row['floor_ms'] / row['best_ms']:.0%} of floor", flush=True)  # fmt: skip
     return rows
+
+
+def best_per_bucket(rows):
+    """For each token count, the tile with the least time summed over the layers (the heavy layers weigh
+    most, as in a model's forward), and that sum against the per-layer best tiles' sum."""
+    out = {}
+    for m in sorted({r["tokens"] for r in rows}):
+        at = [r for r in rows if r["tokens"] == m]
+        common = set.intersection(*(set(r["tiles"]) for r in at))
+        total = {t: sum(r["tiles"][t] for r in at) for t in common}
+        tile = min(total, key=total.get)
+        out[m] = {"tile": tile, "sum_ms": total[tile], "per_layer_best_sum_ms": sum(r["best_ms"] for r in at),
+                  "floor_sum_ms": sum(r["floor_ms"] for r in at), "bf16_sum_ms": sum(r["bf16_ms"] for r in at)}  # fmt: skip
+    return out
 
 
 def host_rows(device, k=4096, n=4096, m=16):
@@ -116,14 +157,20 @@ def main(argv=None):
         bandwidth = copy_bandwidth(timer, device)
     else:  # the reference path; the tile argument is not read on the CPU
         shapes, tokens, tiles_for, bandwidth = {"tiny 64->32": (64, 32)}, (1, 16), lambda m: [None], 1e6
-    rows = sweep(timer, device, tokens, shapes, tiles_for, bandwidth)
-    host = host_rows(device) if cuda else host_rows(device, 64, 32)
-    print(host, flush=True)
     env = environment(device)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"weight_only_{env['device'].lower().replace(' ', '-')}.json"
-    path.write_text(json.dumps({"env": env, "copy_GBps": bandwidth / 1e6, "rows": rows, "host": host}, indent=1))
+    stem = f"weight_only_{env['device'].lower().replace(' ', '-')}"
+    with open(out / f"{stem}.rows.jsonl", "w") as log:
+        rows = sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log)
+    buckets = best_per_bucket(rows)
+    for m, b in buckets.items():
+        print(f"M={m}: {b}", flush=True)
+    host = host_rows(device) if cuda else host_rows(device, 64, 32)
+    print(host, flush=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps({"env": env, "copy_GBps": bandwidth / 1e6, "rows": rows, "best_per_bucket": buckets,
+                                "host": host}, indent=1))  # fmt: skip
     print(f"wrote {path}")
 
 

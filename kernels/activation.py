@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    cdiv,
     abs_bits,
     atomic_amax,
     check_flag,
@@ -475,9 +476,9 @@ def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool, config=None):
         block_n = min(ROW_BLOCK_N, max(16, next_pow2(N)))
         block_s = min(max(1, ROW_ELEMS // block_n), max(16, next_pow2(S)))
         warps, t_mode = NUM_WARPS, 0
-    iters = min(MAX_ITERS, next_pow2(triton.cdiv(S, block_s))) if iterate else 1
-    tiles_s = max(1, triton.cdiv(S, block_s * iters))
-    tiles_n = max(1, triton.cdiv(N, block_n))
+    iters = min(MAX_ITERS, next_pow2(cdiv(S, block_s))) if iterate else 1
+    tiles_s = max(1, cdiv(S, block_s * iters))
+    tiles_n = max(1, cdiv(N, block_n))
     grid = (max(1, B * tiles_s * tiles_n),)  # >= 1 program: program 0 writes scale_inv
     meta = dict(BLOCK_S=block_s, BLOCK_N=block_n, ITERS=iters, T_MODE=t_mode, num_warps=warps)
     return meta, tiles_s, tiles_n, grid

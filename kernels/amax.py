@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import custom_op, abs_bits, atomic_amax, check_hp_input, use_triton
+from .common import cdiv, custom_op, abs_bits, atomic_amax, check_hp_input, use_triton
+from .launch import FastLauncher
 from .reference import amax_ref as _amax_ref
 
 BLOCK = 8192  # elements per program: 16 B accesses, few atomics (one per program)
@@ -30,11 +31,14 @@ def _amax_kernel(
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
+_launch_amax = FastLauncher(_amax_kernel)
+
+
 def launch_amax(x: torch.Tensor, out: torch.Tensor) -> None:
     """Fold max|x| into `out` (() fp32, zeroed by the caller). x: contiguous."""
     n = x.numel()
     if n:
-        _amax_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _launch_amax((cdiv(n, BLOCK),), x, out, n, BLOCK, num_warps=NUM_WARPS)
 
 
 def amax_triton(x: torch.Tensor) -> torch.Tensor:

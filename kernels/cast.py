@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, clamp_keep_nan, fp8_constants, margin_div, scale_from_amax
+from .common import cdiv, abs_bits, atomic_amax, clamp_keep_nan, fp8_constants, margin_div, scale_from_amax
+from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
 
 BLOCK = 4096  # elements per program; 8 warps -> 16 per thread: 2x16 B loads (bf16), one 16 B store
@@ -53,6 +54,9 @@ def _cast_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=pid == 0)
 
 
+_launch_cast = FastLauncher(_cast_kernel)
+
+
 def launch_cast(
     x: torch.Tensor,
     scale_or_amax: torch.Tensor,
@@ -68,21 +72,13 @@ def launch_cast(
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     n = x.numel()
     amax_arg = scale_or_amax if current else amax_out
-    _cast_kernel[(max(1, triton.cdiv(n, BLOCK)),)](  # >= 1 program: program 0 writes scale_inv
-        x,
-        scale_or_amax,
-        amax_arg if amax_arg is not None else scale_inv,  # unused when neither
-        data,
-        scale_inv,
-        n,
-        margin_div(margin),
-        **fp8_constants(fp8_dtype),
-        CURRENT=current,
-        POWER_OF_2=power_of_2,
-        WITH_AMAX=(not current) and amax_out is not None,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    c = fp8_constants(fp8_dtype)
+    _launch_cast(
+        (max(1, cdiv(n, BLOCK)),),  # >= 1 program: program 0 writes scale_inv
+        x, scale_or_amax, amax_arg if amax_arg is not None else scale_inv,  # unused when neither
+        data, scale_inv, n, margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], current, power_of_2,
+        (not current) and amax_out is not None, BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return data, scale_inv
 
 

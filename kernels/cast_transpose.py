@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .amax import launch_amax
 from .common import (
+    cdiv,
     SMALL_DIM,
     SMALL_NUMEL,
     abs_bits,
@@ -190,8 +191,8 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty((*batch, K, M), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    tiles_m = max(1, triton.cdiv(M, cfg["BLOCK_M"]))
-    tiles_k = max(1, triton.cdiv(K, cfg["BLOCK_K"]))
+    tiles_m = max(1, cdiv(M, cfg["BLOCK_M"]))
+    tiles_k = max(1, cdiv(K, cfg["BLOCK_K"]))
     amax_arg = scale_or_amax if current else amax_out
     _cast_transpose_kernel[(max(1, B * tiles_m * tiles_k),)](  # >= 1 program: program 0 writes scale_inv
         x3,

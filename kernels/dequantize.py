@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import custom_op, next_pow2, use_triton
+from .common import cdiv, custom_op, next_pow2, use_triton
 from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, dequantize_ref as _dequantize_ref
 
 TILE = 4096  # elements per program
@@ -86,7 +86,7 @@ def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     SK = 1 if per_tensor else scale_inv.shape[-1]
     block_k = min(next_pow2(K), TILE)
     rows = max(1, TILE // block_k)
-    _dequantize_kernel[(triton.cdiv(R, rows), triton.cdiv(K, block_k))](
+    _dequantize_kernel[(cdiv(R, rows), cdiv(K, block_k))](
         data,
         scale_inv.contiguous(),
         out,

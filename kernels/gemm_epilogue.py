@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .activation import KINDS, _act, act_ref_fp32
-from .common import abs_bits, atomic_amax, use_triton
+from .common import cdiv, abs_bits, atomic_amax, use_triton
 from .reference import dequantize_ref
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages). The first is the default; the bench times all.
@@ -102,7 +102,7 @@ def gemm_epilogue_triton(a, sa, b, sb, bias, kind, config=None):
     bm, bn, bk, group, warps, stages = config or CONFIGS[0]
     y = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
-    grid = (max(1, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
     _gemm_epilogue_kernel[grid](
         a, b, y, bias if bias is not None else y, sa, sb, amax, m, n, k,
         KIND=kind, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,

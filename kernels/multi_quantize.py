@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    cdiv,
     abs_bits,
     atomic_amax,
     check_flag,
@@ -156,8 +157,8 @@ def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, marg
     amax_starts, cast_starts, shapes = [0], [0], []
     for x in xs:
         M, K = x.shape
-        amax_starts.append(amax_starts[-1] + triton.cdiv(x.numel(), AMAX_BLOCK))
-        cast_starts.append(cast_starts[-1] + (triton.cdiv(M, BLOCK_M) * triton.cdiv(K, BLOCK_K) if x.numel() else 1))
+        amax_starts.append(amax_starts[-1] + cdiv(x.numel(), AMAX_BLOCK))
+        cast_starts.append(cast_starts[-1] + (cdiv(M, BLOCK_M) * cdiv(K, BLOCK_K) if x.numel() else 1))
         shapes += [M, K]
     datas = [torch.empty(x.shape, dtype=fp8_dtype, device=dev) for x in xs]
     if with_transpose:

@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    cdiv,
     abs_bits,
     atomic_amax,
     check_flag,
@@ -570,7 +571,7 @@ def _launch_rows(x2, weight, bias, eps, is_rms, y, amax, config):
     if amax is None:
         amax = rstd  # fp32, fresh: the same specialization as a zeroed amax
     cfg = _rows_config(N, config)
-    _norm_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+    _norm_rows_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
         x2,
         weight,
         bias if bias is not None else weight,
@@ -631,8 +632,8 @@ def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margi
         return scale.reshape(()).reciprocal()
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     cfg = _tiles_config(N, with_t, config)
-    tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
-    _norm_fp8_tiles_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * tiles_n,)](
+    tiles_n = cdiv(N, cfg["BLOCK_N"])
+    _norm_fp8_tiles_kernel[(cdiv(M, cfg["BLOCK_M"]) * tiles_n,)](
         x2,
         w,
         b if b is not None else w,
@@ -699,7 +700,7 @@ def norm_bwd_triton(dy, x, weight, mean, rstd, config=None, dres=None):
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cfg = _bwd_config(N, config)
-    row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    row_blocks = cdiv(M, cfg["BLOCK_M"])
     if "GRID" in cfg:
         grid = cfg["GRID"]
     elif x.device.type == "cuda":

@@ -34,6 +34,7 @@ from .amax import launch_amax
 # The cast-transpose tiles: a (64, 128) tile is one head of 128 values for 64 tokens.
 from .cast_transpose import CONFIGS
 from .common import (
+    cdiv,
     abs_bits,
     atomic_amax,
     check_flag,
@@ -178,7 +179,7 @@ def pack_heads_fp8_triton(parts, sequence_first, fp8_dtype, scale=None, margin=0
     col0 = 0
     for v in views:
         hd = v.shape[2] * D
-        tiles_m, tiles_k = max(1, triton.cdiv(T, cfg["BLOCK_M"])), max(1, triton.cdiv(hd, cfg["BLOCK_K"]))
+        tiles_m, tiles_k = max(1, cdiv(T, cfg["BLOCK_M"])), max(1, cdiv(hd, cfg["BLOCK_K"]))
         _pack_heads_kernel[(tiles_m * tiles_k,)](  # >= 1 program: program 0 writes scale_inv
             v, amax if current else scale, amax, data, data_t, scale_inv,
             T, N, col0, I, max(D, 1), hd, *v.stride(),

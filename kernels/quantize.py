@@ -52,6 +52,7 @@ from .common import (
     transposed_shape,
     use_triton,
 )
+from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
 
 SMALL_MIN_BLOCK = 128  # fewer specializations (one per power of two from here to SMALL_NUMEL)
@@ -83,24 +84,20 @@ def _quantize_small_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
+_launch_small = FastLauncher(_quantize_small_kernel)
+
+
 def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool):
     """One launch for x.numel() <= SMALL_NUMEL. x: contiguous."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     block = max(SMALL_MIN_BLOCK, next_pow2(x.numel()))
-    _quantize_small_kernel[(1,)](
-        x,
-        data,
-        scale_inv,
-        amax,
-        x.numel(),
-        margin_div(margin),
-        **fp8_constants(fp8_dtype),
-        POWER_OF_2=power_of_2,
-        BLOCK=block,
-        num_warps=small_num_warps(block),
-    )
+    c = fp8_constants(fp8_dtype)
+    _launch_small(
+        (1,), x, data, scale_inv, amax, x.numel(), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2,
+        block, num_warps=small_num_warps(block),
+    )  # fmt: skip
     return data, scale_inv, amax
 
 

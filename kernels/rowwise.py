@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    cdiv,
     custom_op,
     abs_bits,
     check_hp_input,
@@ -91,7 +92,7 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
     single = K <= max_single_k
     block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
     rows = max(1, TILE // block_k) if single else 1
-    _rowwise_kernel[(triton.cdiv(R, rows),)](
+    _rowwise_kernel[(cdiv(R, rows),)](
         x2,
         data,
         scale_inv,

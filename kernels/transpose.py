@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import custom_op
+from .common import cdiv, custom_op
 from .reference import FP8_DTYPES
 
 TILE_M, TILE_N, NUM_WARPS = 64, 128, 4
@@ -37,7 +37,7 @@ def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     y = torch.empty((n, m), dtype=x.dtype, device=x.device)
     if x.numel():
-        grid = (triton.cdiv(m, TILE_M), triton.cdiv(n, TILE_N))
+        grid = (cdiv(m, TILE_M), cdiv(n, TILE_N))
         _transpose_kernel[grid](x.view(torch.uint8), y.view(torch.uint8), m, n, TILE_M=TILE_M, TILE_N=TILE_N, num_warps=NUM_WARPS)
     return y
 

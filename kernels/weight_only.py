@@ -19,8 +19,8 @@ a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
 
 The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K, except on narrow layers,
 whose K is split (`split_k_for`) and whose fp32 partial sums a second kernel adds in a fixed order: the
-result never depends on scheduling (no atomics). The tile table `CONFIGS` is a first choice, not yet tuned:
-benchmarks/weight_only.py sweeps the tiles (see the README's inference section for where it stands).
+result never depends on scheduling (no atomics). The tile table `CONFIGS` is a first choice, swept by
+benchmarks/weight_only.py.
 """
 
 from __future__ import annotations
@@ -32,19 +32,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import forward_ad_or_functorch_active, triton_op, use_triton
+from .common import cdiv, forward_ad_or_functorch_active, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import FP8_DTYPES
 
-# Largest token count the weight-only path serves (ops.Linear's inference forward takes it at or below).
+# Largest token count ops.Linear's inference forward sends here. On GPU time alone the activation's
+# quantization + cuBLASLt's FP8 GEMM wins above 16 tokens (benchmarks/weight_only.py on the H100, 2026-11-25,
+# the Llama-style layers summed: 0.20 ms here against 0.21 at 16 tokens, 0.25 against 0.20 at 32, 0.39
+# against 0.22 at 128; bf16 0.31-0.34), but that path is three launches and a Float8Tensor: 264-293 us of
+# host time per call at 17-128 tokens on the H100 machine against 38-75 us for this one. Eager forwards at
+# these sizes wait for the host (the Llama-style model at 128 tokens ran at 0.27x bf16 eager with the
+# FP8 x FP8 path above 16 tokens, 0.63x with this kernel up to 128), so this kernel serves up to 128.
 MAX_TOKENS = 128
 
-# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row whose max M >= M.
+# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row whose max M >= M. The tile with
+# the least time summed over the Llama-style layers (benchmarks/weight_only.py, H100, 2026-11-25; weights
+# read from memory): at 1 and 16 tokens 0.39 ms summed over both, within 1% of the second best and 5% of
+# each layer's own best. A second orientation (the widened weight as the MMA's A operand, tokens as its
+# narrow side) was swept too and lost at every size the op serves (e.g. 28.7 against 26.0 us, 4096->14336).
 CONFIGS = [
-    (16, 16, 32, 256, 4, 4),
-    (32, 32, 32, 256, 4, 4),
-    (64, 64, 64, 128, 4, 4),
-    (MAX_TOKENS, 128, 64, 128, 8, 3),
+    (16, 16, 32, 512, 4, 3),
+    (32, 32, 64, 256, 4, 3),
+    (64, 64, 128, 128, 8, 3),
+    (128, 128, 128, 64, 8, 3),
 ]
 
 
@@ -177,15 +187,15 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
         split_k = split_k_for(n, k, block_n, block_k, _sm_count(x.device.index)) if x.is_cuda else 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     bias_arg, row_scale = x if bias is None else bias, w_scale_inv.numel() != 1
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+    grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
     _launch(
         grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0),
         row_scale, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split_k > 1:
-        sum_grid = (triton.cdiv(n, SUM_BLOCK_N), triton.cdiv(m, block_m))
+        sum_grid = (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
         _launch_sum(
             sum_grid, out, w_scale_inv, bias_arg, y, m, n, row_scale, bias is not None, split_k, block_m, SUM_BLOCK_N,
             num_warps=4, num_stages=1,

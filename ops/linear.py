@@ -285,28 +285,31 @@ class Linear(BasicOp):
                 x = x.to(dtype)
         if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
             if type(self.weight) is not torch.nn.Parameter and isinstance(self.weight, Float8Tensor) and not self.high_precision:
-                y = self._weight_only_forward(x)
+                y = self._inference_forward(x)
                 if y is not None:
                     return y
             if self.runs_as_torch(x.numel() // self.in_features, x.device):
                 return self.torch_forward(x, bias=self.bias)
         return super().forward(x)
 
-    def _weight_only_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """An FP8-only weight's inference forward at few tokens (<= weight_only.MAX_TOKENS): one kernel reads
-        the weight's FP8 bytes and multiplies them with x as it is (kernels/weight_only.py), instead of
-        quantizing x and calling cuBLASLt through a one-op Sequential. None where it does not apply (then
-        the general path runs): a backward to record, a tensor-parallel layer, operands it does not take.
+    def _inference_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """An FP8-only weight's inference forward (no backward to record) without the op runner: the layer's
+        GEMM called directly. None where it does not apply (then the general path runs): a backward to
+        record, a tensor-parallel layer, an amax group, operands the kernels do not take.
 
-        On the H100 machine's host the general path cost 191 us per call at 16 tokens against 27 us for a
-        bf16 nn.Linear (2026-11-25, .scratch micro-benchmark); this path is one launch. Its numerics are the
-        product with the dequantized weight in float32, rounded once: no activation quantization error."""
+        - At <= weight_only.MAX_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
+          with x as it is (kernels/weight_only.py): no activation quantization, one launch. Its numerics are
+          the product with the dequantized weight in float32, rounded once.
+        - Above: `linear_fwd`, the general path's own forward (the same bits): x quantized by the input
+          quantizer (one cast with a calibrated scale), then the FP8 GEMM.
+
+        Where the line is drawn, and why: kernels/weight_only.py MAX_TOKENS. Above it the runner's host time
+        is what this path saves (at 16 tokens it cost 191 us per call on the H100 machine's host against 27 us
+        for a bf16 nn.Linear, .scratch micro-benchmark, 2026-11-25)."""
         tokens = x.numel() // self.in_features
-        if not 0 < tokens <= weight_only.MAX_TOKENS or self.parallel is not None:
-            return None
-        if self.input_quantizer.amax_group is not None:
-            # The general path reduces the input's amax over the group; skipping it on ranks with few tokens
-            # would leave the others waiting in (or pairing with the wrong) collective.
+        if tokens == 0 or self.parallel is not None or self.input_quantizer.amax_group is not None:
+            # An amax group: the general path reduces the input's amax over the group; skipping it on ranks
+            # with few tokens would leave the others waiting in (or pairing with the wrong) collective.
             return None
         if forward_ad_or_functorch_active():
             return None  # a dual or functorch-wrapped input: the general path differentiates or refuses
@@ -314,15 +317,24 @@ class Linear(BasicOp):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)):
             return None
         w = self.weight
-        data, scale_inv = w.fp8_data, w.scale_inv
+        if w.device != x.device or (bias is not None and (bias.device != x.device or type(bias) is not torch.nn.Parameter)):
+            return None
         x2 = x.reshape(tokens, self.in_features)
-        if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features or data.device != x.device:
-            return None
-        if bias is not None and (
-            bias.dtype != x.dtype or bias.device != x.device or type(bias) is not torch.nn.Parameter or bias.stride(0) != 1
-        ):
-            return None
-        y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
+        if tokens <= weight_only.MAX_TOKENS:
+            data, scale_inv = w.fp8_data, w.scale_inv
+            if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features:
+                return None
+            if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
+                return None
+            y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
+        else:
+            if self.input_quantizer.layout is ScaleLayout.BLOCK or x.dtype not in (torch.bfloat16, torch.float16):
+                return None
+            # The bias joins the GEMM's epilogue in x's dtype, as the runner's Linear + Bias fusion adds it.
+            y, _ = linear_fwd(
+                x2, w, None, None if bias is None else bias.to(x.dtype), self.quantizers, need_wgrad=False,
+                need_dgrad=False, fast_accum=self.recipe.fprop_fast_accum,
+            )  # fmt: skip
         return y.reshape(*x.shape[:-1], self.out_features)
 
     # ---- the weight's FP8 copy ------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from float8.kernels.launch import FastLauncher
+
 from .helpers import FP8, HP, CountedLaunches as _Counted, assert_bits, assert_outputs, fp8_grid, make_x, needs_interpreter
 
 common_m, quant_m, ct_m = (
@@ -30,14 +32,30 @@ KERNELS = [("quantize", "_quantize_small_kernel"), ("cast_transpose", "_quantize
            ("amax", "_amax_kernel"), ("cast", "_cast_kernel"), ("cast_transpose", "_cast_transpose_kernel")]
 
 
+class _CountedCalls:
+    """Stands in for a FastLauncher: counts its calls (launches) and forwards them."""
+
+    def __init__(self, launcher):
+        self.launcher, self.n = launcher, 0
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self.launcher(*args, **kwargs)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """Counts launches per kernel name, and torch.zeros calls (under "zeros")."""
     counted = {}
     for mod, name in KERNELS:
         m = importlib.import_module(f"float8.kernels.{mod}")
-        counted[name] = _Counted(getattr(m, name))
+        kernel = getattr(m, name)
+        counted[name] = _Counted(kernel)
         monkeypatch.setattr(m, name, counted[name])
+        for attr, launcher in list(vars(m).items()):  # a FastLauncher of this kernel (kernels/launch.py)
+            if isinstance(launcher, FastLauncher) and launcher.kernel is kernel:
+                counted[name] = _CountedCalls(launcher)
+                monkeypatch.setattr(m, attr, counted[name])
     zeros = torch.zeros
     n_zeros = [0]
 

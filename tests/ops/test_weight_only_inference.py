@@ -1,8 +1,10 @@
-"""ops.Linear's inference forward with an FP8-only weight at few tokens: one fp8_weight_mm (kernels/weight_only.py).
+"""ops.Linear's inference forward with an FP8-only weight, without the op runner (`Linear._inference_forward`).
 
-Which calls take it (no backward to record, <= weight_only.MAX_TOKENS tokens, a per-tensor or per-row FP8
-weight, a bf16/fp16 input), that it gives the kernel's reference bits (on the CPU the op is its reference),
-that every other call takes the general path with its old bits, and that it compiles without a graph break.
+At <= weight_only.MAX_TOKENS (128) tokens one fp8_weight_mm (kernels/weight_only.py); above, the general path's own
+`linear_fwd` called directly (the same bits as the one-op Sequential). Which calls take it (no backward to
+record, a per-tensor or per-row FP8 weight, a bf16/fp16 input), that it gives the kernel's reference bits
+(on the CPU the op is its reference) or the general path's, that every other call takes the general path,
+and that it compiles without a graph break.
 """
 
 import pytest
@@ -52,15 +54,61 @@ def test_grad_mode_without_anything_requiring_grad_takes_it_too():
     assert torch.equal(lin(x), _weight_only(lin, x))
 
 
+def _no_runner(monkeypatch):
+    """Make the op runner raise: a call that gets through did not use it."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the op runner ran")
+
+    monkeypatch.setattr(BasicOp, "forward", refuse)
+
+
+@pytest.mark.parametrize("recipe", [None, Recipe.rowwise(), Recipe.delayed()], ids=["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
+def test_more_tokens_call_linear_fwd_without_the_runner(recipe, bias, monkeypatch):
+    """More than MAX_TOKENS: the activation quantized by the input quantizer and the FP8 GEMM, as the one-op Sequential
+    does (the same bits, a delayed history advanced the same way), without the runner's host time."""
+    lin = _linear(bias=bias is not None, recipe=recipe)
+    twin = _linear(bias=bias is not None, recipe=recipe)
+    if bias == "float32":
+        lin.bias.data, twin.bias.data = lin.bias.data.float(), twin.bias.data.float()
+    x = torch.randn(3, 50, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = [_general(twin, x) for _ in range(2)]
+        with monkeypatch.context() as m:
+            _no_runner(m)
+            got = [lin(x) for _ in range(2)]
+    for g, w in zip(got, want):
+        assert g.shape == (3, 50, 48) and torch.equal(g, w)
+    mine = lin.state_dict()
+    for key, value in twin.state_dict().items():  # the delayed recipe's amax history included
+        if isinstance(value, torch.Tensor):
+            a, b = (getattr(t, "fp8_data", t).float() for t in (mine[key], value))
+            assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), key  # an unused state's scale is NaN
+
+
+def test_calibrated_scale_is_one_cast_without_the_runner(monkeypatch):
+    lin, twin = _linear(), _linear()
+    x = torch.randn(weight_only.MAX_TOKENS + 1, 64, dtype=torch.bfloat16)
+    for op in (lin, twin):
+        ops.set_input_scale(op, scale=448.0 / 4.0)
+    with torch.inference_mode():
+        want = _general(twin, x)
+        with monkeypatch.context() as m:
+            _no_runner(m)
+            got = lin(x)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "case",
-    ["129 tokens", "input requires grad", "float32 input", "block-scaled weight", "bias in float32"],
+    ["input requires grad", "float32 input", "block-scaled weight", "bias in float32"],
 )
 def test_other_calls_keep_the_general_path(case):
     block = case == "block-scaled weight"
     lin = _linear(k=256 if block else 64, n=256 if block else 48, recipe=Recipe.blockwise() if block else None,
                   bias=case == "bias in float32")  # fmt: skip
-    x = torch.randn(129 if case == "129 tokens" else 8, lin.in_features, dtype=torch.bfloat16)
+    x = torch.randn(8, lin.in_features, dtype=torch.bfloat16)
     if case == "float32 input":
         x = x.float()
     if case == "bias in float32":
@@ -128,7 +176,7 @@ def test_gpu_inductor_and_cuda_graphs_give_eagers_bits(mode):
     CUDA graphs (compile's reduce-overhead) too, replay after replay."""
     model = _gpu_mlp()
     compiled = torch.compile(model, mode=mode)
-    for tokens in (1, 16, 128, 16, 1):
+    for tokens in (1, 16, 128, 200, 16, 1):  # the weight-only kernel, then quantize + FP8 GEMM
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             want = model(x)
