@@ -62,7 +62,8 @@ def _runtime_settings() -> tuple:
 
 class FastLauncher:
     """Launches one @triton.jit kernel. Call with every kernel parameter positionally, in the kernel's
-    order (constexprs too), then the options: `launcher(grid, *args, num_warps=4, num_stages=3)`."""
+    order (constexprs too), then the options: `launcher(grid, *args, num_warps=4, num_stages=3)`. The first
+    argument is a tensor; the shortcut is taken only when it is on a CUDA device."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -82,7 +83,11 @@ class FastLauncher:
             return torch.library.wrap_triton(self.kernel)[grid](*args, num_warps=num_warps, num_stages=num_stages)
         if self.interpreted:
             return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
-        device = args[0].device.index
+        first = args[0]
+        if not (isinstance(first, torch.Tensor) and first.is_cuda):
+            # Not a CUDA launch (a CPU build tracing launches, tests/kernels/sm90_lowering.py): Triton's own path.
+            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        device = first.device.index
         if device != torch._C._cuda_getDevice():
             # Triton launches on the current device; a compiled kernel is loaded per device: no shortcut.
             return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)

@@ -296,3 +296,18 @@ def test_e5m2_largest_margin_keeps_values():
     x = torch.randn(16, 16)
     t = TensorwiseQuantizer(E5M2, margin=31, power_of_2=True).quantize(x)
     assert t.fp8_data.float().abs().max() > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_static_scale_poisons_a_non_finite_tensor_and_keeps_a_finite_ones_scale(device, bad):
+    """A given scale saturates inf to fp8_max in the cast: scale_inv must then be NaN (the tensor contract),
+    and for a finite tensor exactly 1 / scale, bit for bit."""
+    x = torch.randn(32, 16, device=device)
+    if bad is not None:
+        x[3, 5] = bad
+    t = StaticQuantizer(torch.tensor(4.0, device=device)).quantize(x)
+    if bad is None:
+        assert t.scale_inv.item() == 0.25 and torch.isfinite(t.dequantize()).all()
+    else:
+        assert t.scale_inv.isnan().item() and t.dequantize().isnan().all()
