@@ -165,6 +165,10 @@ class Float8Tensor(torch.Tensor):
 
     # ---- torch.compile / FSDP / serialization -------------------------------------------------
     def __tensor_flatten__(self):
+        # Called twice per Float8Tensor parameter on every call of a compiled graph (guards, then the
+        # unwrapping of its inputs): no cache, the common case, answers without the staleness check.
+        if self._transpose_raw is None:
+            return ["_data", "_scale_inv"], (self.dtype,)
         inner = ["_data", "_scale_inv"]
         if self._transpose is not None:
             inner.append("_transpose")

@@ -177,25 +177,34 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> in
     return split
 
 
+@functools.lru_cache(maxsize=512)
+def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, split_k=None):
+    """What a call of this shape launches: (config, split_k, k_per_split, grid, sum_grid), worked out once
+    per shape (a bounded cache: the shapes of a model's Linears at each token count it serves). device_index
+    None: not a CUDA device (the interpreter), which never splits K."""
+    block_m, block_n, block_k = (config or config_for(m))[:3]
+    if split_k is None:
+        split_k = split_k_for(n, k, block_n, block_k, _sm_count(device_index)) if device_index is not None else 1
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
+    return config or config_for(m), split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
+
+
 def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
     """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
     split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     m, k = x.shape
     n = w_data.shape[0]
-    block_m, block_n, block_k, warps, stages = config or config_for(m)
-    if split_k is None:
-        split_k = split_k_for(n, k, block_n, block_k, _sm_count(x.device.index)) if x.is_cuda else 1
+    config, split_k, k_per_split, grid, sum_grid = _plan(m, n, k, x.device.index if x.is_cuda else None, config, split_k)
+    block_m, block_n, block_k, warps, stages = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     bias_arg, row_scale = x if bias is None else bias, w_scale_inv.numel() != 1
-    grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
     _launch(
         grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0),
         row_scale, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split_k > 1:
-        sum_grid = (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
         _launch_sum(
             sum_grid, out, w_scale_inv, bias_arg, y, m, n, row_scale, bias is not None, split_k, block_m, SUM_BLOCK_N,
             num_warps=4, num_stages=1,
