@@ -1,6 +1,6 @@
 """What is alive at the peak of one training step, and where each tensor was allocated.
 
-    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train] [--out peak.txt]
+    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train|converted] [--out peak.txt]
 
 Runs the activation cases of `benchmarks.memory` (bf16, float8.ops with the default and the lean-activation
 recipe; AdamW, bf16 weights, loss out.sum()), records the
@@ -9,6 +9,8 @@ moment of the highest allocation, and lists the blocks alive then, grouped by th
 project or of the model's file that allocated them (the same frame twice: one line with a count). The
 weights, gradients and optimizer states that were allocated before the recording are one line ("before").
 --case train: the 8 Llama blocks of the memory bench's train case (float8.ops, default and lean recipes).
+--case converted: the same 8 blocks written in plain torch.nn, in bf16 and through `ops.convert` (default and
+lean recipes): the path users take with their own models. The other cases list the converted model too.
 CUDA only (the allocator's history); on a CPU it says so and stops.
 """
 
@@ -86,7 +88,7 @@ def profile_step(model, x) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train"])
+    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train", "converted"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -98,8 +100,9 @@ def main(argv=None):
     layer_cfg = (64, 256, 4, 2, 16) if args.tiny else (4096, 16384, 32, 8, 128)
     mlp_cfg = (64, 96) if args.tiny else (4096, 14336)
     block_cfg = (64, 4, 2, 16, 128) if args.tiny else (4096, 32, 8, 128, 14336)
-    from benchmarks.distributed import ops_block
+    from benchmarks.distributed import Block, ops_block
     from float8 import Recipe
+    import float8.ops as ops
 
     cases = {
         "seed1119": ((2, 32) if args.tiny else (32, 1024), layer_cfg[0],
@@ -107,13 +110,21 @@ def main(argv=None):
         "mlp": ((2, 32) if args.tiny else (8, 2048), mlp_cfg[0], lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, r)),
         "train": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], None, lambda r: torch.nn.Sequential(
             *[ops_block(*block_cfg, recipe=r) for _ in range(2 if args.tiny else 8)])),
+        "converted": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], lambda: torch.nn.Sequential(
+            *[Block(*block_cfg) for _ in range(2 if args.tiny else 8)]), None),
     }
     report = []
     for case in (["seed1119", "mlp"] if args.case == "both" else [args.case]):
         (b, s), d, make_bf16, make_ours = cases[case]
+        def converted(recipe, make_bf16=make_bf16):
+            return ops.convert(make_bf16().to(torch.bfloat16), recipe=recipe)
+
         variants = (("bf16", make_bf16), ("float8", lambda: make_ours(None)),
-                    ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))))  # fmt: skip
-        variants = [(n, m) for n, m in variants if n != "bf16" or make_bf16 is not None]
+                    ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))),
+                    ("ops.convert", lambda: converted(None)),
+                    ("ops.convert lean", lambda: converted(Recipe(lean_activations=True))))  # fmt: skip
+        variants = [(n, m) for n, m in variants if (make_ours is not None or not n.startswith("float8"))
+                    and (make_bf16 is not None or n.startswith("float8"))]  # fmt: skip
         for name, make in variants:
             gc.collect()
             torch.cuda.empty_cache()

@@ -17,6 +17,7 @@ from typing import List
 
 import torch
 
+from float8 import Float8Tensor
 from float8.ops.base import OpContext, RunState
 from float8.ops.functional import LinearSaved
 
@@ -59,6 +60,31 @@ def _pack(value, tensors: List[torch.Tensor], inputs):
         return _Slot(len(tensors) - 1)
 
     return _map(value, slot)
+
+
+def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
+    """Whether any context (any attribute, and the run's residual stacks) holds a tensor over x's memory:
+    then an in-place write into x would change what a backward reads. Eager only (it reads every attribute
+    of each context, which dynamo cannot iterate); FP8 copies are the op's own memory and are skipped."""
+    ptr, device = x.untyped_storage().data_ptr(), x.device
+    found = []
+
+    def leaf(t):
+        if isinstance(t, torch.Tensor) and type(t) is not Float8Tensor and t.device == device:
+            if t.untyped_storage().data_ptr() == ptr:
+                found.append(t)
+        return t
+
+    runs = {}
+    for ctx in ctxs:
+        for value in vars(ctx).values():
+            if isinstance(value, RunState):
+                runs[id(value)] = value
+            else:
+                _map(value, leaf)
+    for run in runs.values():
+        _map(run.residuals, leaf)
+    return bool(found)
 
 
 # What ops keep on their contexts (ops/*.py). Named here rather than read from the context's __dict__,

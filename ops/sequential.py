@@ -17,7 +17,7 @@ from float8.quantizer import check_amax_group, reduce_deferred
 from float8.ops.attention import Attention
 from float8.ops.base import BasicOp, OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
-from float8.ops.saved import pack_contexts, unpack_contexts
+from float8.ops.saved import holds_memory_of, pack_contexts, unpack_contexts
 from float8.ops.bias import Bias
 from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.linear import Linear
@@ -139,11 +139,17 @@ class _RunFunction(torch.autograd.Function):
         ctx.runner = runner
         ctx.x_dtype = x.dtype
         # Ops keep what their backward reads on their contexts; the input is the one of those a caller can
-        # still write into. Saved here too, so that autograd's version check refuses a backward after an
-        # in-place write into it (as torch's own ops do) instead of computing gradients from changed values.
+        # still write into. Where a context holds x's memory, x is saved here too, so that autograd's
+        # version check refuses a backward after an in-place write into it (as torch's own ops do) instead
+        # of computing gradients from changed values. Where none does (a Linear keeps only its FP8 copy), a
+        # write into x changes nothing the backward reads, and saving x would hold its memory from the
+        # forward to the backward for nothing: 6.5 GiB of the converted 8-block Llama's 26.6 GiB of
+        # activations on the H100 (benchmarks.peak --case converted, 2026-11-25).
         if not torch.compiler.is_compiling():
-            ctx.save_for_backward(x)
-            return runner.forward(x)
+            y = runner.forward(x)
+            if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x):
+                ctx.save_for_backward(x)
+            return y
         # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py). The contexts
         # are made here, inside the Function: what the ops keep on them (a parameter itself, when `.to()`
         # had nothing to convert) must not be a write into objects from outside it, which dynamo refuses

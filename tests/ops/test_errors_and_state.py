@@ -191,3 +191,31 @@ def test_a_second_backward_through_one_graph_names_the_problem(case):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward through the same graph"):
         loss.backward()
+
+
+def test_a_linear_does_not_hold_its_high_precision_input_until_backward():
+    """A Linear keeps only the FP8 copy of its input for backward; the input's own memory is free once the
+    forward is done (nothing the backward reads can change by a write into it)."""
+    import weakref
+
+    lin = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)))[0]
+    x = torch.randn(8, 64, requires_grad=True)
+    h = x * 2  # an activation: only the Linear refers to it after this line
+    alive = weakref.ref(h)
+    y = lin(h)
+    del h
+    assert alive() is None
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_writing_into_an_input_a_high_precision_linear_keeps_is_refused():
+    # ops.high_precision: the Linear keeps its input itself for the weight gradient, so the write is caught.
+    model = ops.convert(torch.nn.Sequential(torch.nn.Linear(32, 16)))
+    x = torch.randn(4, 32, requires_grad=True)
+    h = x * 1
+    with ops.high_precision(model):
+        y = model(h)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
