@@ -158,8 +158,11 @@ class _RunFunction(torch.autograd.Function):
         y = runner.forward(x, ctxs)
         if ctxs and ctxs[0].run.lead != runner.run.lead:
             runner.run.lead = ctxs[0].run.lead  # a Reshape op changed the token dims of the output
+        # The input itself is not saved for a version check here: a context holding x has it among `tensors`
+        # (packed as it is, so autograd checks its version), and any other tensor over x's memory was
+        # copied by pack_contexts, which a later write into x cannot change.
         tensors, ctx.skeleton = pack_contexts(ctxs, (x, *params))
-        ctx.save_for_backward(x, *tensors)
+        ctx.save_for_backward(*tensors)
         return y
 
     @staticmethod
@@ -168,7 +171,7 @@ class _RunFunction(torch.autograd.Function):
         runner = take(ctx, "runner")
         if runner is None:
             raise second_backward_error("ops.Sequential / ops op")
-        ctxs = unpack_contexts(ctx.skeleton, saved[1:]) if torch.compiler.is_compiling() else None
+        ctxs = unpack_contexts(ctx.skeleton, saved) if torch.compiler.is_compiling() else None
         dx, grads = runner.backward(dy, ctxs)
         if isinstance(dx, Float8Tensor):
             dx = dx.dequantize()
