@@ -60,10 +60,20 @@ class ScaleLayout(enum.Enum):
     BLOCK = "block"
 
 
+def check_dense(x: torch.Tensor, what: str) -> None:
+    """TypeError naming the problem for a sparse or nested tensor (which would otherwise fail deep inside
+    torch, e.g. "NestedTensorImpl doesn't support sizes"): FP8 kernels and GEMMs read dense strided memory."""
+    if x.is_nested:
+        raise TypeError(f"{what} takes a dense tensor, got a nested tensor: pad it (torch.nested.to_padded_tensor) first")
+    if x.layout is not torch.strided:
+        raise TypeError(f"{what} takes a dense tensor, got layout {x.layout}: call .to_dense() first")
+
+
 def check_quantize_input(x) -> None:
-    """TypeError unless x is a plain float32/bfloat16/float16 tensor."""
+    """TypeError unless x is a plain, dense float32/bfloat16/float16 tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize needs a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, "quantize")
     if isinstance(x, Float8Tensor):
         raise TypeError(
             "quantize got a Float8Tensor; it is already FP8. Use .dequantize() first to re-quantize with "

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from float8 import DelayedScalingState, Float8Tensor
 from float8.kernels import weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
-from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group
+from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group, check_dense
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
 from float8.ops.functional import (
@@ -274,6 +274,8 @@ class Linear(BasicOp):
         return F.linear(x, w, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and (x.is_nested or x.layout is not torch.strided):
+            check_dense(x, "Linear")  # raises, naming the layout
         # Alone and below the policy's size: exactly nn.Linear (native autograd, the same kernels), with as
         # little Python before it as nn.Linear has: at M = 1024 a bf16 Linear's fwd+bwd is about as long on
         # the GPU (0.15 ms) as on the H100 machine's host, so each microsecond here shows in the ratio.

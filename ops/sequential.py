@@ -13,7 +13,7 @@ from typing import List, Optional
 import torch
 
 from float8 import DelayedScalingState, Float8Tensor, Recipe
-from float8.quantizer import check_amax_group, reduce_deferred
+from float8.quantizer import check_amax_group, check_dense, reduce_deferred
 from float8.ops.attention import Attention
 from float8.ops.base import BasicOp, OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
@@ -298,6 +298,7 @@ def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True, as_torch: bo
     policy keeps every Linear of the run in high precision, torch's own functions (`as_torch`: allowed)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ops take a tensor, got {type(x).__name__}")
+    check_dense(x, "an op")
     if x.dim() == 0:
         raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
     compiling = torch.compiler.is_compiling()
