@@ -63,6 +63,13 @@ class Float8TrainingWeight(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Float8TrainingWeight({self.fp8_dtype}, master={self.master!r})"
 
+    def __reduce_ex__(self, protocol):
+        # Saved as its master, a plain tensor: a checkpoint of an FSDP2 model with the FP8 all-gather loads
+        # with `torch.load(..., weights_only=True)` and with torch.distributed.checkpoint, which refuse
+        # unknown classes ("Unsupported global: float8.fsdp.Float8TrainingWeight"), and into any model:
+        # load_state_dict copies the values into the master of a wrapped weight.
+        return self.master.detach().__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["master"], (self.fp8_dtype,)
 

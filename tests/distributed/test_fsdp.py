@@ -185,3 +185,50 @@ def test_ddp_trains_like_one_process():
     for name, p in single.named_parameters():
         assert torch.equal(ddp[0][name], ddp[1][name]), name  # DDP's all-reduce keeps the replicas equal
         assert sqnr_db(p.detach(), ddp[0][name]) >= SQNR_DB["grad"], name
+
+
+def _fsdp_fp8_resume(rank, world, directory):
+    """Train an FSDP2 model with the FP8 all-gather, save it with torch.save and with DCP, load both into a
+    freshly built model: `torch.load(weights_only=True)` and `dcp.load` accept the state (they refused
+    "Unsupported global: float8.fsdp.Float8TrainingWeight"), and the resumed model gives the same outputs."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
+
+    def build():
+        model = _fp8_model()
+        f8fsdp.enable_fp8_all_gather(model)
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    model = build()
+    _train(model, _batches(), rank, world)
+    x = torch.linspace(-1, 1, 8 * 64).reshape(8, 64)
+    with torch.no_grad():
+        want = model(x)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    resumed = build()
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    dcp.save(model.state_dict(), checkpoint_id=directory)
+    from_dcp = build()
+    state = from_dcp.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    from_dcp.load_state_dict(state)
+    wrapped = [p.to_local() for p in from_dcp.parameters() if isinstance(p.to_local(), f8fsdp.Float8TrainingWeight)]
+    with torch.no_grad():
+        assert not torch.equal(build()(x), want)  # a fresh model differs: the loads below carry the training
+        assert torch.equal(resumed(x), want)
+        assert torch.equal(from_dcp(x), want)
+    assert len(wrapped) == 4  # still gathered as FP8 after the load
+    return True
+
+
+def test_fsdp2_fp8_all_gather_resumes_from_torch_save_and_dcp(tmp_path):
+    assert run_ranks(_fsdp_fp8_resume, timeout=TIMEOUT_S, args=(str(tmp_path / "dcp"),)) == [True, True]
