@@ -50,11 +50,6 @@ def lookup(func):
     return handler
 
 
-def registered_ops() -> list:
-    """The aten ops (overloads or packets) that Float8Tensor handles natively."""
-    return list(_TABLE)
-
-
 def fallback(func, args, kwargs, is_float8: Callable, requantize_into: Callable):
     """Run `func` on dequantized copies; re-quantize into the mutated Float8Tensor for in-place ops."""
     warnings.warn(

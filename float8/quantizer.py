@@ -15,7 +15,7 @@ one too. A quantizer alone answers four questions (docs/design.md, "Quantizers")
 Per-tensor quantizers take an optional `amax_group` (a process group, or None): the amax is then reduced
 with MAX over the group before the scale is derived from it, so every rank quantizes with one scale.
 
-The non-finite contract (stated in code in float8/kernels/reference.py): a tensor holding a NaN or an
+The non-finite contract (stated in code in kernels/reference.py): a tensor holding a NaN or an
 inf never comes out finite. Current scaling derives a NaN scale from a non-finite amax (every value
 and the scale-inverse become NaN); with a given scale (static or delayed) the cast saturates, and
 `finish` then marks the scale-inverse NaN, so dequantizing, and every GEMM that reads the tensor,

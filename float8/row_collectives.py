@@ -1,6 +1,6 @@
 """Collectives along the rows (tokens) of a 2-D activation, for tensor and sequence parallelism.
 
-The ops of float8/ops/parallel.py call these. Rows are dim 0; each rank holds an equal block of them, in
+The ops of ops/parallel.py call these. Rows are dim 0; each rank holds an equal block of them, in
 rank order. Unlike the c10d handlers (float8/collectives.py), which first agree with one small all-gather
 on what every rank passes, these run on the hot path of every layer: the ops guarantee the shapes (and
 check them where a mismatch could go unnoticed), and the scale check of an FP8 gather costs no host sync.

@@ -7,7 +7,7 @@ For every x in xs (2-D, contiguous, all of one dtype on one device) the same out
 quantize_tensorwise(x, fp8_dtype, None, margin, power_of_2, with_transpose) (kernels/quantize.py), bit
 for bit: data (M, K), data_t (K, M) contiguous or an empty (0,) tensor, scale_inv and amax as () float32
 views into one (T,) tensor each. This is the re-quantize of every FP8 weight after an optimizer step
-(float8/ops/requantize.py): a model of 56 Linears takes 2 launches instead of about 170.
+(ops/requantize.py): a model of 56 Linears takes 2 launches instead of about 170.
 
 The two kernels find their tensor through a table of data pointers (int64) and the first program of each
 tensor (a binary search over the prefix sums), then do what the single-tensor kernels do:

@@ -130,7 +130,7 @@ class Linear(BasicOp):
       writes that FP8), and a row-parallel one reduce-scatters its output (in high precision). Norms and
       biases in the sharded region then see only local tokens: give them `sequence_parallel_group`.
     in_features/out_features are the whole layer's; `weight` is this rank's shard (`local_in_features`,
-    `local_out_features`), initialised as the whole layer's would be. The ops of float8/ops/parallel.py
+    `local_out_features`), initialised as the whole layer's would be. The ops of ops/parallel.py
     that do the communication are part of this op's `expand()`.
     """
 
