@@ -19,7 +19,7 @@ a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
 
 The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K, except on narrow layers,
 whose K is split (`split_k_for`) and whose fp32 partial sums a second kernel adds in a fixed order: the
-result never depends on scheduling (no atomics). The tile table `CONFIGS` is a first choice, swept by
+result never depends on scheduling (no atomics). The tile table `CONFIGS` comes from the sweep of
 benchmarks/weight_only.py.
 """
 
@@ -182,12 +182,13 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     """What a call of this shape launches: (config, split_k, k_per_split, grid, sum_grid), worked out once
     per shape (a bounded cache: the shapes of a model's Linears at each token count it serves). device_index
     None: not a CUDA device (the interpreter), which never splits K."""
-    block_m, block_n, block_k = (config or config_for(m))[:3]
+    config = config or config_for(m)
+    block_m, block_n, block_k = config[:3]
     if split_k is None:
         split_k = split_k_for(n, k, block_n, block_k, _sm_count(device_index)) if device_index is not None else 1
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
-    return config or config_for(m), split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
+    return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
 
 
 def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):

@@ -70,9 +70,8 @@ def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
     found = []
 
     def leaf(t):
-        if isinstance(t, torch.Tensor) and type(t) is not Float8Tensor and t.device == device:
-            if t.untyped_storage().data_ptr() == ptr:
-                found.append(t)
+        if type(t) is not Float8Tensor and t.device == device and t.untyped_storage().data_ptr() == ptr:
+            found.append(t)
         return t
 
     runs = {}
