@@ -125,8 +125,14 @@ class Float8TrainingWeight(torch.Tensor):
             # caching allocator it is read on this stream too: else its block can go to the next weight's
             # prefetch (on the copy-in stream) before this stream has read it.
             scale_inv.record_stream(torch.cuda.current_stream())
-        if out is not None:  # FSDP reuses the unsharded parameter: same storage, new scale
-            out._scale_inv.copy_(scale_inv)
+        if out is not None:
+            # FSDP reuses the unsharded parameter: it wrote the new bits into the same storage. The new scale
+            # is put in place of the old one, not copied into it: a compiled forward saved the old scale for
+            # its backward, and an in-place write bumps its version, so backward's re-gather (reshard after
+            # forward) failed the version check ("modified by an inplace operation", float32 []). A saved
+            # scale and the new one hold the same value within a step: no optimizer write comes between.
+            out._scale_inv = scale_inv
+            out._transpose_raw = out._t_stamp = None  # the bits were rewritten: no transpose of the old ones
             return
         weight = Float8Tensor(bits.view(self.fp8_dtype), scale_inv.clone(), param_dtype)
         weight._gathered_master = True

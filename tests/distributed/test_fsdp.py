@@ -232,3 +232,76 @@ def _fsdp_fp8_resume(rank, world, directory):
 
 def test_fsdp2_fp8_all_gather_resumes_from_torch_save_and_dcp(tmp_path):
     assert run_ranks(_fsdp_fp8_resume, timeout=TIMEOUT_S, args=(str(tmp_path / "dcp"),)) == [True, True]
+
+
+# ---- the user path: a plain torch.nn model, converted, FP8-gathered, compiled per block -----------------------
+
+
+class _PlainBlock(torch.nn.Module):
+    """A pre-norm SwiGLU block written in plain torch.nn, as users write them (ops.convert swaps its Linears)."""
+
+    def __init__(self, d=64, ffn=96):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=1e-6)
+        self.up = torch.nn.Linear(d, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        g, u = self.up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(g) * u)
+
+
+def _converted_model():
+    import float8.ops as ops
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_PlainBlock(), _PlainBlock())
+    ops.convert(model)
+    return model
+
+
+def _fsdp_converted(rank, world, compiled):
+    import float8.fsdp as f8fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    model = _converted_model()
+    assert len(f8fsdp.enable_fp8_all_gather(model)) == 4
+    for block in model:
+        fully_shard(block)  # reshard after forward: backward all-gathers the FP8 weights again
+    fully_shard(model)
+    if compiled:
+        for i, block in enumerate(model):
+            model[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in _batches():
+        opt.zero_grad()
+        loss = model(batch.chunk(world)[rank]).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        f8fsdp.precompute_scales(model)
+        losses.append(float(loss))
+    return losses, {n.replace("_orig_mod.", ""): p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
+    """The README's FSDP2 recipe on a converted plain-torch.nn model, each block compiled: its backward
+    re-gathers the FP8 weights into the same parameter. The scale used to be written in place there, which
+    failed the compiled backward's version check ("modified by an inplace operation")."""
+    from tests.tolerances import SQNR_DB, sqnr_db
+
+    eager = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(False,))
+    compiled = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(True,))
+    for rank in range(2):
+        assert compiled[rank][0] == eager[rank][0], (compiled[rank][0], eager[rank][0])
+    single = _converted_model()
+    opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
+    for batch in _batches():
+        opt.zero_grad()
+        single(batch).float().pow(2).mean().backward()
+        opt.step()
+    for name, p in single.named_parameters():
+        got = compiled[0][1][name]
+        got = getattr(got, "master", got)
+        assert torch.equal(got, getattr(eager[0][1][name], "master", eager[0][1][name])), name
+        assert sqnr_db(p.detach(), got) >= SQNR_DB["grad"], name
