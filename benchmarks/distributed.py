@@ -4,10 +4,13 @@ transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed --out results.json [--tiny]
 
 fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x2048 tokens per GPU, fp32
-    master parameters, MixedPrecisionPolicy(bf16, fp32), AdamW; FSDP2 per block and at the root. Variants:
-    bf16 eager; float8.ops with FP8 all-gather (eager); torchao tensorwise + FP8 all-gather + compiled
-    blocks (if torchao imports). Whole steps (zero_grad, forward, backward, optimizer step, scale
-    precompute) timed with CUDA events; peak memory; all-gather bytes per step of the weights.
+    master parameters, MixedPrecisionPolicy(bf16, fp32), AdamW; FSDP2 per block and at the root. The model
+    is written in plain torch.nn; the variants (FSDP_VARIANTS): bf16 eager and compiled per block; the user
+    path of float8 (ops.convert, float8.fsdp.enable_fp8_all_gather, precompute_scales after each step),
+    eager and compiled per block; torchao tensorwise + FP8 all-gather, compiled per block (if torchao
+    imports). Whole steps (zero_grad, forward, backward, optimizer step, scale precompute), CUDA events, in
+    interleaved rounds with every model alive; step peak above what is held, what each model holds;
+    all-gather bytes per step. --profile: NCCL time per step and the part not hidden behind compute.
 tp: one transformer layer, TP=2 with sequence parallelism, 8192 tokens: float8.ops (Linear(parallel=...,
     sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style collectives.
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
@@ -20,6 +23,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 import time
 
 import torch
@@ -79,7 +83,157 @@ def ops_block(d, heads, kv_heads, head_dim, ffn, recipe=None, **tp):
     )
 
 
-def _timed_steps(step, n_warm, n_timed):
+# ---- FSDP2 ---------------------------------------------------------------------------------------------------
+
+
+class Stack(torch.nn.Module):
+    """The blocks in order. `use` (a plain list, not submodules) swaps in compiled wrappers of the same
+    blocks: one model and one optimizer serve its eager and its compiled variant."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.__dict__["use"] = None
+
+    def forward(self, x):
+        for blk in self.use or self.blocks:
+            x = blk(x)
+        return x
+
+
+# (model, how it runs): variants of one model share its parameters, optimizer and FSDP state.
+FSDP_VARIANTS = {
+    "bf16 eager": ("bf16", False),
+    "bf16 compiled": ("bf16", True),
+    # The user path: the plain torch.nn model, ops.convert, float8.fsdp.enable_fp8_all_gather, fully_shard.
+    "float8 converted + FP8 all-gather, eager": ("converted", False),
+    "float8 converted + FP8 all-gather, compiled": ("converted", True),
+    "torchao tensorwise + FP8 all-gather, compiled": ("torchao", True),
+}
+
+
+def _fsdp_model(kind, cfg, dev):
+    """An FSDP2-sharded Stack of blocks with AdamW, and what runs after each optimizer step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    d, heads, kv, hd, ffn, blocks = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks"))
+    torch.manual_seed(0)
+    after_step = lambda: None  # noqa: E731
+    with torch.device(dev):  # built whole on the GPU (7 GiB of fp32 for 8 blocks), then sharded
+        model = Stack([Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
+    if kind == "converted":
+        import float8.fsdp as f8fsdp
+        import float8.ops as ops
+
+        ops.convert(model)
+        f8fsdp.enable_fp8_all_gather(model)
+        after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
+    elif kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, opt, after_step
+
+
+def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
+    """Every variant in FSDP_VARIANTS (or `only`), in interleaved rounds (the order reversed every other
+    round), `steps` timed whole steps each per round after a first untimed round of 3 (compiles, warms).
+    Reported: the median step of each variant and the medians over rounds of its same-round ratios to bf16
+    eager; the step peak above what is allocated before the step (the models of the other variants are
+    alive too) and what the variant's model holds between steps (parameters, optimizer state, caches)."""
+    names = [n for n in FSDP_VARIANTS if only is None or n in only]
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        names = [n for n in names if not n.startswith("torchao")]
+    g = torch.Generator(device=dev).manual_seed(100 + rank)
+    x = torch.randn(cfg["b"], cfg["s"], cfg["d"], device=dev, dtype=torch.bfloat16, generator=g)
+    target = torch.randn(cfg["b"], cfg["s"], cfg["d"], device=dev, dtype=torch.bfloat16, generator=g)
+    models, results = {}, {}
+    gib = 2**30
+
+    def step_fn(name):
+        kind, compiled = FSDP_VARIANTS[name]
+        model, opt, after_step = models[kind]
+        model.__dict__["use"] = [torch.compile(b) for b in model.blocks] if compiled else None
+        res = results[name]
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            held = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = F.mse_loss(model(x).float(), target.float())
+            loss.backward()
+            opt.step()
+            after_step()
+            res["peak_above_held_gib"] = max(res.get("peak_above_held_gib", 0.0), (torch.cuda.max_memory_allocated() - held) / gib)
+            res["losses"].append(round(float(loss), 5))
+
+        return step
+
+    # Each model is built and warmed (3 untimed steps of each of its variants: compiles, optimizer state)
+    # before the next: what it holds between steps is the memory it added.
+    for name in names:
+        kind = FSDP_VARIANTS[name][0]
+        if kind in models:
+            continue
+        variants = [n for n in names if FSDP_VARIANTS[n][0] == kind]
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        try:
+            models[kind] = _fsdp_model(kind, cfg, dev)
+        except Exception as e:  # noqa: BLE001 - reported in the results, the other variants still run
+            results.update({v: {"error": f"{type(e).__name__}: {e}"[:500]} for v in variants})
+            continue
+        for variant in variants:
+            results[variant] = {"losses": [], "rounds_ms": []}
+            try:
+                _step_times(step_fn(variant), 3, 0)
+            except Exception as e:  # noqa: BLE001
+                results[variant] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        gc.collect()
+        for variant in variants:
+            results[variant]["held_gib"] = (torch.cuda.memory_allocated() - before) / gib
+    live = [n for n in names if "error" not in results[n]]
+    for rnd in range(rounds):
+        order = live if rnd % 2 == 0 else live[::-1]
+        for name in order:
+            if "error" in results[name]:
+                continue
+            try:
+                # Compiled wrappers are made afresh each round: dynamo's cache (keyed on the block's code)
+                # keeps the compiled graphs, so only the warm-up compiles.
+                results[name]["rounds_ms"].append(_step_times(step_fn(name), 1, steps))
+            except Exception as e:  # noqa: BLE001
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        dist.barrier()
+    base = results.get("bf16 eager", {}).get("rounds_ms")
+    for name in live:
+        r = results[name]
+        if "error" in r or not r["rounds_ms"]:
+            continue
+        r["ms_per_step"] = _median([t for rnd in r["rounds_ms"] for t in rnd])
+        if base and len(base) == len(r["rounds_ms"]):
+            r["vs_bf16_eager"] = _median([_median(b) / _median(t) for b, t in zip(base, r["rounds_ms"])])
+        r["all_gather_bytes_per_step"] = _all_gather_bytes(models[FSDP_VARIANTS[name][0]][0], world)
+        r["peak_gib"] = r["held_gib"] + r["peak_above_held_gib"]
+        if profile_dir and "compiled" in name:  # on every rank (the collectives need both); rank 0 writes
+            r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name))
+    return results
+
+
+def _median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _step_times(step, n_warm, n_timed):
     for _ in range(n_warm):
         step()
     torch.cuda.synchronize()
@@ -92,81 +246,7 @@ def _timed_steps(step, n_warm, n_timed):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-# ---- FSDP2 ---------------------------------------------------------------------------------------------------
-
-
-def _fsdp_variant(name, cfg, rank, world, dev, steps, warm):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    d, heads, kv, hd, ffn, blocks, b, s = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks", "b", "s"))
-    torch.manual_seed(0)
-    after_step = lambda: None  # noqa: E731
-    with torch.device(dev):  # built whole on the GPU (7 GiB of fp32 for 8 blocks), then sharded
-        if name.startswith("float8"):
-            model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn) for _ in range(blocks)])
-        else:
-            model = torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
-    if name.startswith("float8, FP8 all-gather"):
-        import float8.fsdp as f8fsdp
-
-        f8fsdp.enable_fp8_all_gather(model)
-        after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
-    if name.startswith("torchao"):
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for blk in model:
-        fully_shard(blk, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if "compile" in name:
-        for i, blk in enumerate(model):
-            model[i] = torch.compile(blk)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    g = torch.Generator(device=dev).manual_seed(100 + rank)
-    x = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16, generator=g)
-    target = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16, generator=g)
-    losses, allocated, fwd_peak = [], [], []
-
-    checkpoints = {1, 10, 25, 49}  # steps after which garbage is collected and memory read (not timed: the median ignores them)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        if len(losses) == warm + steps - 1:
-            gc.collect()  # the last step's peak, from a collected heap
-        torch.cuda.reset_peak_memory_stats()
-        out = model(x)
-        fwd_peak.append(torch.cuda.max_memory_allocated())
-        loss = F.mse_loss(out.float(), target.float())
-        del out
-        loss.backward()
-        opt.step()
-        after_step()
-        losses.append(loss.detach())
-        if len(losses) in checkpoints:
-            gc.collect()
-            allocated.append((len(losses), torch.cuda.memory_allocated()))
-
-    gib = 2**30
-    gc.collect()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ms = _timed_steps(step, warm, steps)
-    peak = torch.cuda.max_memory_allocated()  # of the last step (each step resets it)
-    result = {
-        "ms_per_step": ms, "peak_gib": peak / gib, "losses": [float(v) for v in losses],
-        "params_gib": before / gib, "end_of_forward_peak_gib": max(fwd_peak) / gib,
-        # (step, allocated after it): flat from the first step on when nothing outlives its use.
-        "allocated_after_step_gib": [(n, a / gib) for n, a in allocated],
-        "all_gather_bytes_per_step": _all_gather_bytes(model, world),
-    }  # fmt: skip
-    del opt, model
-    return result
+    return times
 
 
 def _all_gather_bytes(model, world):
@@ -239,7 +319,7 @@ class TPBlockBf16(torch.nn.Module):
         return x + _ScatterSeq.apply(self.down(F.silu(g) * u), self.group)
 
 
-def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
+def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
     from float8 import Recipe
 
     group = dist.new_group(list(range(world)))
@@ -257,12 +337,26 @@ def _tp(cfg, rank, world, dev, steps, warm, profile_dir=None):
             d, heads, kv, hd, ffn, recipe=Recipe(min_fp8_gemm_flops=0), group=group, sp=True
         ).to(dev, torch.bfloat16),
     }
+    steps_of = {}
     for name, layer in layers.items():
-        def fwd_bwd():
+        def fwd_bwd(layer=layer):
             layer(x).sum().backward()
 
-        torch.cuda.reset_peak_memory_stats()
-        results[name] = {"ms_fwd_bwd": _timed_steps(fwd_bwd, warm, steps), "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        steps_of[name] = fwd_bwd
+        results[name] = {"rounds_ms": []}
+    for rnd in range(rounds + 1):  # interleaved; the first round warms up, untimed
+        for name in (list(layers) if rnd % 2 == 0 else list(layers)[::-1]):
+            torch.cuda.reset_peak_memory_stats()
+            times = _step_times(steps_of[name], warm if rnd == 0 else 1, steps if rnd else 0)
+            if rnd:
+                results[name]["rounds_ms"].append(times)
+                results[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    base = results["bf16 TP+SP"]["rounds_ms"]
+    for name, r in results.items():
+        r["ms_fwd_bwd"] = _median([t for rnd in r["rounds_ms"] for t in rnd])
+        r["vs_bf16_tp"] = _median([_median(b) / _median(t) for b, t in zip(base, r["rounds_ms"])])
+    for name, layer in layers.items():
+        fwd_bwd = steps_of[name]
         if profile_dir:  # on every rank (the layer's collectives need all of them); rank 0 writes
             from torch.profiler import ProfilerActivity, profile
 
@@ -282,12 +376,58 @@ def _write(out, path) -> None:
         json.dump(out, f, indent=1)
 
 
+def _exposed_comm(model_step, trace_dir, name, steps=2):
+    """Profile `steps` steps; NCCL kernel time, and the part of it during which no other kernel runs (what
+    the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The trace goes
+    to trace_dir (gzipped Chrome trace) when given."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model_step()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end))
+    compute.sort()
+    merged = []
+    for a, b in compute:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    import bisect
+
+    starts = [a for a, _ in merged]
+    exposed = 0.0
+    for a, b in comm:
+        covered, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(merged) and merged[i][0] < b:
+            covered += max(0, min(b, merged[i][1]) - max(a, merged[i][0]))
+            i += 1
+        exposed += (b - a) - covered
+    if trace_dir:
+        import gzip
+
+        path = os.path.join(trace_dir, "trace_fsdp_" + name.split()[0] + ".json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            g.write(f.read())
+        os.remove(path)
+    return {"nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps, "exposed_nccl_ms_per_step": exposed / 1e3 / steps}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--steps", type=int, default=47, help="timed steps after 3 warm-up ones (50 in all)")
+    p.add_argument("--steps", type=int, default=8, help="timed whole steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
     p.add_argument("--only", choices=["fsdp", "tp"], default=None)
+    p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
+    p.add_argument("--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -296,29 +436,23 @@ def main() -> None:
     cfg = dict(d=4096, heads=32, kv=8, hd=128, ffn=14336, blocks=8, b=4, s=2048, tp_tokens=8192)
     if args.tiny:
         cfg = dict(d=256, heads=4, kv=2, hd=64, ffn=512, blocks=2, b=2, s=128, tp_tokens=512)
-    out = {"config": cfg, "world": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "fsdp": {}, "tp": {}}  # fmt: skip
-    if args.only in (None, "fsdp"):
-        variants = ["bf16 eager", "float8, FP8 all-gather"]
+    versions = {"torch": torch.__version__}
+    for mod in ("triton", "torchao"):
         try:
-            import torchao  # noqa: F401
-
-            variants.append("torchao tensorwise + FP8 all-gather + compile")
+            versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-        for name in variants:
-            try:
-                out["fsdp"][name] = _fsdp_variant(name, cfg, rank, world, dev, args.steps, 3)
-            except Exception as e:  # noqa: BLE001 - reported in the results, the other variants still run
-                out["fsdp"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            gc.collect()  # FSDP modules hold reference cycles: free the variant's memory before the next one
-            torch.cuda.empty_cache()
-            if rank == 0:
-                brief = {k: v for k, v in out["fsdp"][name].items() if k not in ("losses", "allocated_after_step_gib")}
-                print(name, brief, flush=True)
-                _write(out, args.out)
+    out = {"config": cfg, "world": world, "device": torch.cuda.get_device_name(), "versions": versions,
+           "date": time.strftime("%Y-%m-%d"), "command": "torchrun --nproc_per_node 2 -m benchmarks.distributed " + " ".join(sys.argv[1:]), "fsdp": {}, "tp": {}}  # fmt: skip
+    if args.only in (None, "fsdp"):
+        out["fsdp"] = _fsdp(cfg, rank, world, dev, args.steps, args.rounds, args.variants,
+                            os.path.dirname(os.path.abspath(args.out)) if args.profile else None)
+        if rank == 0:
+            for name, r in out["fsdp"].items():
+                print(name, {k: v for k, v in r.items() if k not in ("losses", "rounds_ms")}, flush=True)
+            _write(out, args.out)
     if args.only in (None, "tp"):
-        out["tp"] = _tp(cfg, rank, world, dev, 20, 5, os.path.dirname(os.path.abspath(args.out)))
+        out["tp"] = _tp(cfg, rank, world, dev, 10, args.rounds, os.path.dirname(os.path.abspath(args.out)) if args.profile else None)
         if rank == 0:
             print(out["tp"], flush=True)
     if rank == 0:
