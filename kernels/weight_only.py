@@ -191,12 +191,21 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
 
 
+def plan(m, n, k, device_index: Optional[int], config=None, split_k=None):
+    """_plan, cached for int sizes. A size traced as a symbol (torch.compile with dynamic shapes, after a
+    second token count) cannot key the cache (a SymInt is unhashable: 'unhashable type: non-nested SymInt'
+    failed the compiled model on its second shape): worked out afresh, into the traced graph."""
+    if type(m) is int and type(n) is int and type(k) is int:
+        return _plan(m, n, k, device_index, config, split_k)
+    return _plan.__wrapped__(m, n, k, device_index, config, split_k)
+
+
 def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
     """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
     split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     m, k = x.shape
     n = w_data.shape[0]
-    config, split_k, k_per_split, grid, sum_grid = _plan(m, n, k, x.device.index if x.is_cuda else None, config, split_k)
+    config, split_k, k_per_split, grid, sum_grid = plan(m, n, k, x.device.index if x.is_cuda else None, config, split_k)
     block_m, block_n, block_k, warps, stages = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)

@@ -112,6 +112,22 @@ def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
     assert W.split_k_for(64, 512, 32, 256, 132) == 1  # each split keeps two BLOCK_K steps or more
 
 
+def test_plan_takes_a_symbolic_token_count():
+    """Under torch.compile with dynamic shapes the token count is a SymInt, which cannot key the plan's
+    cache (the GPU tier's compiled model failed on its second shape: 'unhashable type: non-nested SymInt').
+    The plan is then worked out afresh, with the same values as the cached one at a concrete count."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    m = env.create_symintnode(env.create_symbol(16, torch._dynamo.source.ConstantSource("m")), hint=16)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(m)
+    symbolic = W.plan(m, 512, 256, None)
+    concrete = W.plan(16, 512, 256, None)
+    assert symbolic[:3] == concrete[:3]
+    assert [int(v) for v in symbolic[3]] == list(concrete[3]) and [int(v) for v in symbolic[4]] == list(concrete[4])
+
+
 def test_reference_is_the_dequantized_product():
     x, d, s, b = _operands(5, 64, 32, rowwise=True, bias=True)
     want = (x.double() @ (d.double() * s.double()).t() + b.double()).to(x.dtype)
