@@ -223,7 +223,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
             r["vs_bf16_eager"] = _median([_median(b) / _median(t) for b, t in zip(base, r["rounds_ms"])])
         r["all_gather_bytes_per_step"] = _all_gather_bytes(models[FSDP_VARIANTS[name][0]][0], world)
         r["peak_gib"] = r["held_gib"] + r["peak_above_held_gib"]
-        if profile_dir and "compiled" in name:  # on every rank (the collectives need both); rank 0 writes
+        if profile_dir:  # on every rank (the collectives need both); rank 0 writes
             r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name))
     return results
 
@@ -366,8 +366,8 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
             if rank == 0:
-              with open(os.path.join(profile_dir, f"profile_tp_{name.split()[0]}{'_all_fp8' if 'every' in name else ''}.txt"), "w") as f:
-                  f.write(table)
+                with open(os.path.join(profile_dir, "profile_tp.txt"), "a") as f:
+                    f.write(f"## {name}: 3 forward+backward\n{table}\n")
     return results
 
 
@@ -379,7 +379,7 @@ def _write(out, path) -> None:
 def _exposed_comm(model_step, trace_dir, name, steps=2):
     """Profile `steps` steps; NCCL kernel time, and the part of it during which no other kernel runs (what
     the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The trace goes
-    to trace_dir (gzipped Chrome trace) when given."""
+    kernels' table goes to trace_dir/profile_fsdp.txt when given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -408,14 +408,10 @@ def _exposed_comm(model_step, trace_dir, name, steps=2):
             covered += max(0, min(b, merged[i][1]) - max(a, merged[i][0]))
             i += 1
         exposed += (b - a) - covered
-    if trace_dir:
-        import gzip
-
-        path = os.path.join(trace_dir, "trace_fsdp_" + name.split()[0] + ".json")
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-            g.write(f.read())
-        os.remove(path)
+    if trace_dir:  # the kernels by CUDA time, one table per variant (a whole trace is tens of MB)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        with open(os.path.join(trace_dir, "profile_fsdp.txt"), "a") as f:
+            f.write(f"## {name}: {steps} steps\n{table}\n")
     return {"nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps, "exposed_nccl_ms_per_step": exposed / 1e3 / steps}
 
 
