@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism in the ops API on 2 gloo ranks: column- and row-parallel Linears and a
+"""Tensor and sequence parallelism in the ops API on 2 gloo ranks (4 for TP x FSDP2 on a 2-D mesh): column- and row-parallel Linears and a
 Megatron-style MLP block as one Sequential, against the unsharded layer."""
 
 import pytest
@@ -350,3 +350,51 @@ def _compile_tp(rank, world):
 def test_tensor_parallel_under_compile_names_the_problem():
     for message in run_ranks(_compile_tp, timeout=TIMEOUT_S):
         assert "cannot run under torch.compile" in message and "Tensor-parallel layers run eagerly" in message, message[:500]
+
+
+def _tp_fsdp_run(rank, world, fp8_all_gather):
+    """TP x FSDP2 on a 2-D mesh (dp=2, tp=2): the sequence-parallel block's TP shards, each sharded again
+    by fully_shard over the data-parallel dim; each dp rank trains on its half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    full, block = _unsharded("current"), _tp_block(mesh["tp"].get_group(), True, "current")
+    _shard_from(full, block, tp_rank, 2)
+    if fp8_all_gather:
+        assert len(f8fsdp.enable_fp8_all_gather(block)) == 2
+    fully_shard(block, mesh=mesh["dp"])
+    opt = torch.optim.SGD(block.parameters(), lr=0.5)
+    for x in _inputs():  # (S, B, D): this dp rank's batch column, this tp rank's block of the sequence
+        x = x[:, dp_rank : dp_rank + 1].chunk(2)[tp_rank]
+        # FSDP averages gradients over dp: x2 makes the step the whole batch's, as the unsharded run takes.
+        (block(x).float().pow(2).sum() * 2 / (S * B * D)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {}
+    for name, p in block.named_parameters():
+        whole = p.full_tensor()
+        params[name] = getattr(whole, "master", whole).detach().clone()
+    return {"tp_rank": tp_rank, "params": params}
+
+
+@pytest.mark.parametrize("fp8_all_gather", [False, True])
+def test_tensor_parallel_with_fsdp2_on_a_2d_mesh_matches_unsharded(fp8_all_gather):
+    results = run_ranks(_tp_fsdp_run, world=4, timeout=TIMEOUT_S, args=(fp8_all_gather,))
+    full, _, _ = _reference("current")
+    n = FFN // 2
+    for r in results:
+        p, rank = r["params"], r["tp_rank"]
+        _close(full[1].weight, p["ops.1.weight"], "norm weight")
+        _close(full[2].weight[_gate_up_rows(rank, 2)], p["ops.2.weight"], "column weight")
+        _close(full[4].weight[:, rank * n : (rank + 1) * n], p["ops.4.weight"], "row weight")
+        _close(full[4].bias, p["ops.4.bias"], "row bias")
+    # Ranks of one TP position (the two dp replicas) end with the same parameters.
+    for a in results:
+        for b in results:
+            if a["tp_rank"] == b["tp_rank"]:
+                for name in a["params"]:
+                    assert torch.equal(a["params"][name], b["params"][name]), name
