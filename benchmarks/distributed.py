@@ -190,6 +190,8 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
             models[kind] = _fsdp_model(kind, cfg, dev)
         except Exception as e:  # noqa: BLE001 - reported in the results, the other variants still run
             results.update({v: {"error": f"{type(e).__name__}: {e}"[:500]} for v in variants})
+        _agree_on_errors(results, variants, dev)
+        if kind not in models or "error" in results[variants[0]]:
             continue
         for variant in variants:
             results[variant] = {"losses": [], "rounds_ms": []}
@@ -197,9 +199,11 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
                 _step_times(step_fn(variant), 3, 0)
             except Exception as e:  # noqa: BLE001
                 results[variant] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            _agree_on_errors(results, [variant], dev)
         gc.collect()
         for variant in variants:
-            results[variant]["held_gib"] = (torch.cuda.memory_allocated() - before) / gib
+            if "error" not in results[variant]:
+                results[variant]["held_gib"] = (torch.cuda.memory_allocated() - before) / gib
     live = [n for n in names if "error" not in results[n]]
     for rnd in range(rounds):
         order = live if rnd % 2 == 0 else live[::-1]
@@ -212,7 +216,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
                 results[name]["rounds_ms"].append(_step_times(step_fn(name), 1, steps))
             except Exception as e:  # noqa: BLE001
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        dist.barrier()
+            _agree_on_errors(results, [name], dev)
     base = results.get("bf16 eager", {}).get("rounds_ms")
     for name in live:
         r = results[name]
@@ -226,6 +230,16 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
         if profile_dir:  # on every rank (the collectives need both); rank 0 writes
             r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name))
     return results
+
+
+def _agree_on_errors(results, names, dev) -> None:
+    """A variant that failed on any rank is dropped on every rank: a rank that carried on alone would pair
+    its collectives with the other ranks' next ones (mixed-up data, or a wait until the group's timeout)."""
+    failed = torch.tensor([float("error" in results.get(n, {})) for n in names], device=dev)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    for n, bad in zip(names, failed.tolist()):
+        if bad and "error" not in results.get(n, {}):
+            results[n] = {"error": "failed on another rank"}
 
 
 def _median(v):

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import torch
+
 ROOT = pathlib.Path(__file__).parents[2]
 
 
@@ -92,3 +94,23 @@ def test_a_new_report_moves_the_latest_into_history(tmp_path):
     assert sorted(p.name for p in (tmp_path / "history").iterdir()) == [
         "x_some-gpu_2026-01-02.json", "x_some-gpu_2026-01-02.md", "x_some-gpu_2026-01-02_profile.txt"]
     assert json.loads((tmp_path / "x_some-gpu.json").read_text())["rows"] == [{"a": 2}]
+
+
+def _agree(rank, world):
+    from benchmarks.distributed import _agree_on_errors
+
+    results = {"a": {"rounds_ms": []}, "b": {"rounds_ms": []}}
+    if rank == 1:
+        results["b"] = {"error": "RuntimeError: only here"}
+    _agree_on_errors(results, ["a", "b"], torch.device("cpu"))
+    return results
+
+
+def test_distributed_benchmark_drops_a_variant_that_failed_on_any_rank():
+    """A variant that raised on one rank is dropped on every rank (one carrying on alone would pair its
+    collectives with the other ranks' next ones)."""
+    from tests.distributed.harness import run_ranks
+
+    r0, r1 = run_ranks(_agree, timeout=60)
+    assert r0["b"] == {"error": "failed on another rank"} and r1["b"]["error"] == "RuntimeError: only here"
+    assert "error" not in r0["a"] and "error" not in r1["a"]
