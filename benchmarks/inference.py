@@ -6,7 +6,8 @@ Models, random weights, bf16: 8 blocks, d=4096, 32 query / 8 KV heads of 128, Sw
 parameters). "llama": plain torch (embedding, benchmarks/llama.py's block without rotary, RMSNorm, LM head);
 "hf": transformers.LlamaForCausalLM of the same sizes, SDPA. Variants, each a fresh build of the same
 weights: bf16 and float8 (ops.convert(model, fp8_weights=True)), eager, compiled (torch.compile) and
-cudagraphs (mode="reduce-overhead"); torchao rowwise (Float8DynamicActivationFloat8WeightConfig(PerRow()))
+cudagraphs (mode="reduce-overhead"); float8 blockwise eager (128x128 block-scaled FP8 weights, as a hub FP8
+checkpoint loads: ops.convert(model, fp8_weights=True, recipe=Recipe.blockwise())); torchao rowwise (Float8DynamicActivationFloat8WeightConfig(PerRow()))
 eager and compiled. float8 compiles with fullgraph=True; on the HF model it falls back to False and says so.
 
 Stages (the report is rewritten as it goes; past --budget-s the rest is recorded as skipped):
@@ -53,6 +54,8 @@ VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
     "bf16 eager": ("bf16", None), "bf16 compiled": ("bf16", "default"), "bf16 cudagraphs": ("bf16", "reduce-overhead"),
     "float8 eager": ("float8", None), "float8 compiled": ("float8", "default"),
     "float8 cudagraphs": ("float8", "reduce-overhead"),
+    # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
+    "float8 blockwise eager": ("float8-block", None),
     "torchao rowwise eager": ("torchao", None), "torchao rowwise compiled": ("torchao", "default"),
 }  # fmt: skip
 GENERATE_VARIANTS = ["bf16 eager", "bf16 compiled", "float8 eager", "float8 compiled", "torchao rowwise eager",
@@ -149,6 +152,13 @@ def quantize_weights(model: torch.nn.Module, weights: str, device: torch.device)
     """The variant's weights, in place: bf16 as built, float8 FP8-only weights, or torchao's rowwise FP8."""
     if weights == "float8":
         ops.convert(model, fp8_weights=True)
+    elif weights == "float8-block":
+        from float8 import Recipe
+
+        dims = {d for m in model.modules() if isinstance(m, torch.nn.Linear) for d in m.weight.shape}
+        if any(d % 128 for d in dims):
+            raise Skip(f"128x128 weight blocks need Linear dims that are multiples of 128 (here {sorted(dims)})")
+        ops.convert(model, fp8_weights=True, recipe=Recipe.blockwise())
     elif weights == "torchao":
         if device.type != "cuda":
             raise Skip("torchao's Float8DynamicActivationFloat8WeightConfig needs a CUDA GPU (compute capability >= 8.9)")

@@ -25,6 +25,7 @@ from float8.quantizer import (
 from float8.recipe import BlockwiseScaling, DelayedScaling, Format, Recipe, RowwiseScaling, TensorwiseScaling
 from float8.tensor import Float8Tensor
 from float8.memory import memory_footprint
+from float8.checkpoint import load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,6 @@ __all__ = [
     "RowwiseQuantizer",
     "BlockwiseQuantizer",
     "memory_footprint",
+    "save_checkpoint",
+    "load_checkpoint",
 ]

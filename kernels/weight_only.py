@@ -2,7 +2,9 @@
 
 fp8_weight_mm(x, w_data, w_scale_inv, bias=None) -> y
     x (M, K) bfloat16/float16; w_data (N, K) FP8 (E4M3 or E5M2), rows contiguous; w_scale_inv () float32
-    (one scale) or (N, 1) (one per row); bias (N,) in x's dtype or None. y (M, N) in x's dtype.
+    (one scale), (N, 1) (one per row) or (N / r, K / c) (one per r x c block, c a multiple of 16: the
+    128x128 blocks of hub FP8 checkpoints, float8/checkpoint.py); bias (N,) in x's dtype or None. y (M, N)
+    in x's dtype.
 
 Why: at decode and small-batch sizes an inference Linear is bound by host time and by reading its weight,
 not by arithmetic. The FP8xFP8 path quantizes the activation first (a kernel of ours) and then calls
@@ -10,7 +12,8 @@ cuBLASLt: two launches and their Python. Here one kernel reads the weight's FP8 
 widens each tile to x's dtype in registers and multiplies with the activation as it is. The widening is
 exact (every E4M3 and E5M2 value is a bfloat16 and a float16 value), the products are exact in the float32
 accumulator, and the weight's scale is applied to the accumulated row once: the result is the
-high-precision product with the dequantized weight, rounded once to x's dtype. Only the order of the
+high-precision product with the dequantized weight, rounded once to x's dtype. Block scales are applied to
+each K step's fp32 partial product (a step lies in one block column) before it joins the sum. Only the order of the
 float32 sums differs from `fp8_weight_mm_ref`, so tests compare with a tolerance, not bits. There is no
 activation quantization at all: it is more accurate than the FP8xFP8 GEMM, not less.
 
@@ -59,13 +62,13 @@ CONFIGS = [
 
 
 @triton.jit
-def _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) fp32 -> y: the weight's scale, the bias, one rounding to y's dtype."""
-    if ROW_SCALE:
-        s = tl.load(s_ptr + rn, mask=rn < N, other=1.0)[None, :]
-    else:
-        s = tl.load(s_ptr)
-    acc = acc * s
+def _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) fp32 -> y: the weight's scale (block scales were applied per K step), the
+    bias, one rounding to y's dtype."""
+    if SCALE_MODE == 1:
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=1.0)[None, :]
+    elif SCALE_MODE == 0:
+        acc = acc * tl.load(s_ptr)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -76,7 +79,7 @@ def _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE: tl.constexpr, H
 def _fp8_weight_mm_kernel(
     x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1)
     w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
-    s_ptr,  # () or (N,) fp32: scale_inv of the weight
+    s_ptr,  # () or (N,) or (N / s_rows, K / s_cols) fp32: scale_inv of the weight
     b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
     y_ptr,  # (M, N) x dtype, contiguous; with SPLIT_K > 1 (SPLIT_K, M, N) fp32 partial sums instead
     M,
@@ -85,7 +88,10 @@ def _fp8_weight_mm_kernel(
     k_per_split,  # a multiple of BLOCK_K: the K range of one split
     stride_xm,
     stride_wn,
-    ROW_SCALE: tl.constexpr,
+    stride_s,  # SCALE_MODE 2: the scale's row stride
+    s_rows,  # SCALE_MODE 2: rows of the weight per scale block
+    s_cols,  # SCALE_MODE 2: columns per scale block, a multiple of BLOCK_K
+    SCALE_MODE: tl.constexpr,  # 0: one scale, 1: one per row, 2: one per (s_rows, s_cols) block
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -109,11 +115,15 @@ def _fp8_weight_mm_kernel(
         k_ok = rk < k_end - k
         a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
+        if SCALE_MODE == 2:  # this K step lies in one block column: each output column has one scale
+            s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
+            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+        else:
+            acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE, HAS_BIAS)
+        _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS)
     else:
         part = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part, acc, mask=m_ok & n_ok)
@@ -127,7 +137,7 @@ def _split_k_sum_kernel(
     y_ptr,  # (M, N) x dtype
     M,
     N,
-    ROW_SCALE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -141,7 +151,7 @@ def _split_k_sum_kernel(
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for i in range(1, SPLIT_K):
         acc += tl.load(part_ptr + i * M * N + offs, mask=ok, other=0.0)
-    _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, ROW_SCALE, HAS_BIAS)
+    _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS)
 
 
 _launch = FastLauncher(_fp8_weight_mm_kernel)
@@ -178,11 +188,15 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> in
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, split_k=None):
+def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, split_k=None, s_cols=None):
     """What a call of this shape launches: (config, split_k, k_per_split, grid, sum_grid), worked out once
     per shape (a bounded cache: the shapes of a model's Linears at each token count it serves). device_index
-    None: not a CUDA device (the interpreter), which never splits K."""
+    None: not a CUDA device (the interpreter), which never splits K. s_cols: the columns of a block scale,
+    which BLOCK_K must divide (a K step then lies in one block): BLOCK_K is cut to the largest power of
+    two dividing it."""
     config = config or config_for(m)
+    if s_cols is not None:
+        config = (*config[:2], min(config[2], s_cols & -s_cols), *config[3:])
     block_m, block_n, block_k = config[:3]
     if split_k is None:
         split_k = split_k_for(n, k, block_n, block_k, _sm_count(device_index)) if device_index is not None else 1
@@ -191,13 +205,25 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
 
 
-def plan(m, n, k, device_index: Optional[int], config=None, split_k=None):
+def plan(m, n, k, device_index: Optional[int], config=None, split_k=None, s_cols=None):
     """_plan, cached for int sizes. A size traced as a symbol (torch.compile with dynamic shapes, after a
     second token count) cannot key the cache (a SymInt is unhashable: 'unhashable type: non-nested SymInt'
     failed the compiled model on its second shape): worked out afresh, into the traced graph."""
     if type(m) is int and type(n) is int and type(k) is int:
-        return _plan(m, n, k, device_index, config, split_k)
-    return _plan.__wrapped__(m, n, k, device_index, config, split_k)
+        return _plan(m, n, k, device_index, config, split_k, s_cols)
+    return _plan.__wrapped__(m, n, k, device_index, config, split_k, s_cols)
+
+
+def scale_mode(w_data, w_scale_inv) -> tuple:
+    """(SCALE_MODE, stride_s, s_rows, s_cols) of the kernel for this weight's scale: 0 one scale, 1 one per
+    row ((N, 1)), 2 one per block ((N / s_rows, K / s_cols), e.g. 128x128 blocks of a hub checkpoint)."""
+    if w_scale_inv.numel() == 1:
+        return 0, 0, 1, 1
+    n, k = w_data.shape
+    rows, cols = w_scale_inv.shape
+    if (rows, cols) == (n, 1):
+        return 1, 0, 1, 1
+    return 2, w_scale_inv.stride(0), n // rows, k // cols
 
 
 def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
@@ -205,28 +231,36 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
     split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     m, k = x.shape
     n = w_data.shape[0]
-    config, split_k, k_per_split, grid, sum_grid = plan(m, n, k, x.device.index if x.is_cuda else None, config, split_k)
+    mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
+    config, split_k, k_per_split, grid, sum_grid = plan(
+        m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None
+    )
     block_m, block_n, block_k, warps, stages = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    bias_arg, row_scale = x if bias is None else bias, w_scale_inv.numel() != 1
+    bias_arg = x if bias is None else bias
     _launch(
-        grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0),
-        row_scale, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
+        grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0), stride_s,
+        s_rows, s_cols, mode, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split_k > 1:
         _launch_sum(
-            sum_grid, out, w_scale_inv, bias_arg, y, m, n, row_scale, bias is not None, split_k, block_m, SUM_BLOCK_N,
+            sum_grid, out, w_scale_inv, bias_arg, y, m, n, mode, bias is not None, split_k, block_m, SUM_BLOCK_N,
             num_warps=4, num_stages=1,
         )  # fmt: skip
     return y
 
 
 def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
-    """The semantics: the float32 product of x with the widened FP8 weight, scaled per row or per tensor,
+    """The semantics: the float32 product of x with the widened FP8 weight, scaled per tensor, row or block,
     plus the bias, rounded once to x's dtype."""
-    acc = x.float() @ w_data.float().t()
-    acc = acc * (w_scale_inv.reshape(1, -1) if w_scale_inv.numel() != 1 else w_scale_inv.reshape(()))
+    mode, _, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
+    if mode == 2:
+        w = w_data.float() * w_scale_inv.repeat_interleave(s_rows, 0).repeat_interleave(s_cols, 1)
+        acc = x.float() @ w.t()
+    else:
+        acc = x.float() @ w_data.float().t()
+        acc = acc * (w_scale_inv.reshape(1, -1) if mode == 1 else w_scale_inv.reshape(()))
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(x.dtype)
@@ -234,17 +268,25 @@ def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
 
 def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> bool:
     """Whether fp8_weight_mm takes these operands: a 2-D bf16/fp16 x with contiguous rows, an (N, K) FP8
-    weight with contiguous rows, and a per-tensor or a contiguous per-row scale (block scales are not; the
-    kernels read the row scales, and the bias, at stride 1)."""
-    return (
+    weight with contiguous rows, and its scale: one, a contiguous (N, 1) per row, or (N / r, K / c) blocks
+    with contiguous rows and c a multiple of 16 (the smallest K step of a dot)."""
+    if not (
         x.dtype in (torch.bfloat16, torch.float16)
         and x.dim() == 2
         and x.stride(1) == 1
         and w_data.dim() == 2
         and w_data.dtype in FP8_DTYPES
         and w_data.stride(1) == 1
-        and (w_scale_inv.numel() == 1 or (tuple(w_scale_inv.shape) == (w_data.shape[0], 1) and w_scale_inv.stride(0) == 1))
-    )
+    ):
+        return False
+    if w_scale_inv.numel() == 1:
+        return True
+    if w_scale_inv.dim() != 2 or (w_scale_inv.stride(1) != 1 and w_scale_inv.shape[1] != 1):
+        return False
+    (n, k), (rows, cols) = w_data.shape, w_scale_inv.shape
+    if (rows, cols) == (n, 1):
+        return w_scale_inv.stride(0) == 1
+    return rows > 0 and cols > 0 and n % rows == 0 and k % cols == 0 and (k // cols) % 16 == 0
 
 
 def fp8_weight_mm_prechecked(x, w_data, w_scale_inv, bias=None):
@@ -263,7 +305,7 @@ def _check(x, w_data, w_scale_inv, bias):
     if not supports(x, w_data, w_scale_inv):
         raise ValueError(
             f"{op}: needs x (M, K) bfloat16/float16 and w_data (N, K) FP8, both with contiguous rows, and "
-            f"w_scale_inv () or contiguous (N, 1) float32; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, w_data "
+            f"w_scale_inv () or contiguous (N, 1) or (N / r, K / c) blocks (c a multiple of 16) float32; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, w_data "
             f"{tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv {tuple(w_scale_inv.shape)} "
             f"strides {w_scale_inv.stride()}"
         )

@@ -19,7 +19,10 @@ The new op takes the same Parameter objects (an optimizer built before conversio
 weights stay tied), the same training flag, and the forward hooks of the old module are not carried over.
 fp8_weights=True replaces each converted weight by an FP8-only Float8Tensor parameter (1 byte per element
 plus a 4-byte scale, no transpose, requires_grad=False): for inference and for frozen, LoRA-style bases. The
-high-precision weight is freed once nothing else refers to it.
+high-precision weight is freed once nothing else refers to it. On a Hugging Face model, fp8_weights=True
+also makes `model.save_pretrained(directory)` write the hub's FP8 layout (float8/checkpoint.py
+enable_save_pretrained: it sets `model.hf_quantizer` and `config.quantization_config`, as transformers'
+own quantized models have them), which `float8.load_checkpoint` and transformers read.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
+from float8.checkpoint import enable_save_pretrained
 from float8.quantizer import quantizer_for
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
@@ -122,6 +126,8 @@ def convert(
             return op
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, op)
+    if fp8_weights and any(isinstance(p, Float8Tensor) for p in model.parameters()):
+        enable_save_pretrained(model)  # a Hugging Face model's save_pretrained writes the hub FP8 layout
     return model
 
 

@@ -37,8 +37,13 @@ def _close_in_dtype(got, want, x, d, s):
     another order may change, and nothing more."""
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.double().cpu(), want.double().cpu()
-    scale = s.double().cpu().reshape(1, -1) if s.numel() != 1 else s.double().cpu().reshape(())
-    mag = (x.double().cpu().abs() @ d.cpu().double().abs().t()) * scale
+    mode, _, s_rows, s_cols = W.scale_mode(d, s)
+    if mode == 2:  # block scales: the magnitude of each product, scale included
+        wd = d.cpu().double().abs() * s.double().cpu().repeat_interleave(s_rows, 0).repeat_interleave(s_cols, 1)
+        mag = x.double().cpu().abs() @ wd.t()
+    else:
+        scale = s.double().cpu().reshape(1, -1) if s.numel() != 1 else s.double().cpu().reshape(())
+        mag = (x.double().cpu().abs() @ d.cpu().double().abs().t()) * scale
     k = x.shape[1]
     allowed = 2 * k * 2.0**-24 * mag + torch.finfo(got.dtype).eps * w.abs()
     both_nan = g.isnan() & w.isnan()
@@ -102,6 +107,42 @@ def test_split_k_sums_in_a_fixed_order(split_k, k):
     got = W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k)
     _close_in_dtype(got, W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
     assert torch.equal(got, W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k))
+
+
+def _block_operands(m, k, n, s_rows, s_cols, dtype=HALF, bias=False, device="cpu", seed=0):
+    """x, FP8 weight bytes and one scale-inverse per (s_rows, s_cols) block, as a hub checkpoint holds them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    d = (torch.randn(n, k, generator=g) * 100).to(E4M3)
+    s = torch.rand(n // s_rows, k // s_cols, generator=g) * 1e-3 + 1e-4
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(x), move(d), move(s), move(b)
+
+
+# 128x128 blocks; a hub checkpoint's ragged dims refined to blocks of gcd(dim, 128) (272 rows: 16, 576
+# columns: 64); blocks narrower than the config's BLOCK_K (which the plan cuts to the block's width).
+BLOCK_SHAPES = [(5, 256, 256, 128, 128), (3, 576, 272, 16, 64), (16, 128, 96, 32, 32), (17, 384, 64, 64, 128)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m,k,n,s_rows,s_cols", BLOCK_SHAPES)
+def test_block_scaled_weight_matches_reference_on_the_interpreter(m, k, n, s_rows, s_cols):
+    x, d, s, b = _block_operands(m, k, n, s_rows, s_cols, bias=True)
+    assert W.supports(x, d, s) and W.scale_mode(d, s)[0] == 2
+    _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
+    tile = (16, 32, 64, 4, 2)  # split K as a narrow layer would, block scales applied before the fixed-order sum
+    if k >= 256:
+        _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=2), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
+
+
+def test_block_scale_reference_is_the_blockwise_dequantized_product():
+    x, d, s, _ = _block_operands(4, 576, 272, 16, 64, dtype=torch.float32)
+    rows, cols = torch.arange(272) // 16, torch.arange(576) // 64
+    w = d.double() * s.double()[rows][:, cols]
+    assert torch.allclose(W.fp8_weight_mm_ref(x, d, s).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-6)
+    assert not W.supports(x.half(), d, torch.ones(17, 8))  # 576 / 8 = 72 columns a block: not a multiple of 16
+    assert not W.supports(x.half(), d, torch.ones(272, 5))  # 5 does not divide 576
 
 
 def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
@@ -185,9 +226,9 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
     assert _arg_key(True) != _arg_key(1)
     launcher = FastLauncher(W._fp8_weight_mm_kernel)
-    assert launcher.constexpr == frozenset(range(11, 17))  # ROW_SCALE ... SPLIT_K
-    args = (t, t, t, t, t, 1, 16, 32, 32, 32, 32, True, False, 16, 32, 64, 1)
-    other = args[:13] + (32,) + args[14:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
+    assert launcher.constexpr == frozenset(range(14, 20))  # SCALE_MODE ... SPLIT_K
+    args = (t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1)
+    other = args[:16] + (32,) + args[17:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
 
@@ -206,6 +247,16 @@ def test_gpu_matches_reference(m, variant):
     _close_in_dtype(got, want, x, d, s)
     again = K.fp8_weight_mm(x, d, s, b)  # the launcher's cached path
     assert torch.equal(got, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,s_rows,s_cols", BLOCK_SHAPES + [(16, 4096, 1024, 128, 128), (1, 4096, 14336, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_block_scaled_weight_matches_reference(m, k, n, s_rows, s_cols, dtype):
+    x, d, s, b = _block_operands(m, k, n, s_rows, s_cols, dtype=dtype, bias=True, device="cuda")
+    got = K.fp8_weight_mm(x, d, s, b)
+    _close_in_dtype(got, W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), b.cpu()), x, d, s)
+    assert torch.equal(got, K.fp8_weight_mm(x, d, s, b))
 
 
 @pytest.mark.gpu

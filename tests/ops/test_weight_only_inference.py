@@ -100,14 +100,21 @@ def test_calibrated_scale_is_one_cast_without_the_runner(monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["input requires grad", "float32 input", "block-scaled weight", "bias in float32"],
-)
+def test_block_scaled_weights_take_the_weight_only_kernel():
+    """128x128 block-scaled FP8 weights (Recipe.blockwise(), or a hub checkpoint) read as FP8 by the kernel,
+    each block's scale applied to its part of the sum; above the token limit, the general path."""
+    lin = _linear(k=256, n=384, recipe=Recipe.blockwise(), bias=True)
+    assert tuple(lin.weight.scale_inv.shape) == (3, 2)
+    x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), _weight_only(lin, x))
+        big = torch.randn(weight_only.MAX_TOKENS + 1, 256, dtype=torch.bfloat16)
+        assert torch.equal(lin(big), _general(lin, big))
+
+
+@pytest.mark.parametrize("case", ["input requires grad", "float32 input", "bias in float32"])
 def test_other_calls_keep_the_general_path(case):
-    block = case == "block-scaled weight"
-    lin = _linear(k=256 if block else 64, n=256 if block else 48, recipe=Recipe.blockwise() if block else None,
-                  bias=case == "bias in float32")  # fmt: skip
+    lin = _linear(bias=case == "bias in float32")
     x = torch.randn(8, lin.in_features, dtype=torch.bfloat16)
     if case == "float32 input":
         x = x.float()

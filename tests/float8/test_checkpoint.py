@@ -1,0 +1,264 @@
+"""float8.save_checkpoint / load_checkpoint: the hub FP8 layout (E4M3 weights, float32 scale-inverses per
+128x128 block, ceil-div at ragged edges, quantization_config in config.json), round trips exact in the FP8
+bits and scales, checkpoints made elsewhere (ragged ones too), sharding, a Hugging Face model's
+save_pretrained, and the errors that name the problem."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import float8
+import float8.ops as ops
+from float8 import Float8Tensor, Recipe
+from float8.checkpoint import QUANTIZATION_CONFIG, read_checkpoint
+from tests.tolerances import sqnr_db
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _model(seed=0, recipe=None, dims=(64, 576, 272)):
+    torch.manual_seed(seed)
+    a, b, c = dims
+    m = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(), torch.nn.Linear(b, c, bias=False), torch.nn.LayerNorm(c))
+    with torch.no_grad():
+        m[3].weight.uniform_(0.5, 1.5)  # not the default ones: a load that skipped it would show
+    return ops.convert(m.to(torch.bfloat16), fp8_weights=True, recipe=recipe)
+
+
+def _hub_reference(data, scale):
+    """data.float() scaled by the 128x128 block each element lies in, element by element (the layout's meaning)."""
+    rows = torch.arange(data.shape[0]) // 128
+    cols = torch.arange(data.shape[1]) // 128
+    return data.float() * scale[rows][:, cols]
+
+
+def test_round_trip_keeps_every_fp8_bit_and_value(tmp_path):
+    src = _model(0)
+    files = float8.save_checkpoint(src, tmp_path)
+    assert files == ["model.safetensors", "config.json"]
+    stored = read_checkpoint(tmp_path)
+    # Per-tensor FP8 weights become the same scale in every 128x128 block: (576, 64) -> (5, 1) blocks.
+    assert stored["0.weight"].dtype == torch.float8_e4m3fn and tuple(stored["0.weight_scale_inv"].shape) == (5, 1)
+    assert tuple(stored["2.weight_scale_inv"].shape) == (3, 5)
+    assert stored["0.bias"].dtype == torch.bfloat16 and stored["3.weight"].dtype == torch.bfloat16  # as they are
+    assert not any("_quantizer" in k for k in stored)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+
+    dst = _model(1)
+    float8.load_checkpoint(dst, tmp_path)
+    for i in (0, 2):
+        got, want = dst[i].weight, src[i].weight
+        assert isinstance(got, Float8Tensor) and got.dtype == torch.bfloat16 and not got.requires_grad
+        assert torch.equal(got.fp8_data.view(torch.uint8), want.fp8_data.view(torch.uint8))
+        assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32))
+    assert torch.equal(dst[0].bias, src[0].bias) and torch.equal(dst[3].weight, src[3].weight)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert sqnr_db(src(x).float(), dst(x).float()) > 30
+
+
+def test_block_scaled_weights_round_trip_bit_for_bit(tmp_path):
+    src = _model(0, Recipe.blockwise(), dims=(128, 256, 384))
+    assert tuple(src[0].weight.scale_inv.shape) == (2, 1)  # 128x128 blocks
+    float8.save_checkpoint(src, tmp_path)
+    dst = _model(1, Recipe.blockwise(), dims=(128, 256, 384))
+    float8.load_checkpoint(dst, tmp_path)
+    assert torch.equal(dst[2].weight.scale_inv, src[2].weight.scale_inv)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(src(x), dst(x))
+
+
+def test_ragged_checkpoint_made_elsewhere_loads_exactly(tmp_path):
+    """A (272, 576) weight in 128x128 blocks, written with safetensors directly as other tools write it:
+    3 x 5 blocks, the last row block 16 rows, the last column block 64 columns (it was refused before:
+    'block (128, 128) does not tile shape')."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(272, 576, generator=g) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 5, generator=g) + 0.01
+    save_file({"weight": data, "weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": QUANTIZATION_CONFIG}))
+    lin = ops.convert(torch.nn.Linear(576, 272, bias=False, dtype=torch.bfloat16), fp8_weights=True)
+    float8.load_checkpoint(lin, tmp_path)
+    w = lin.weight
+    assert tuple(w.scale_inv.shape) == (17, 9)  # blocks of gcd(272, 128) = 16 rows, gcd(576, 128) = 64 columns
+    want = _hub_reference(data, scale)
+    assert torch.equal(w.dequantize(torch.float32), want)
+    x = torch.randn(3, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+    assert sqnr_db(x.double() @ want.double().t(), y.double()) > 35
+    # And back out again: the same bytes and the same 3 x 5 scales.
+    float8.save_checkpoint(lin, tmp_path / "again")
+    again = read_checkpoint(tmp_path / "again")
+    assert torch.equal(again["weight_scale_inv"], scale)
+    assert torch.equal(again["weight"].view(torch.uint8), data.view(torch.uint8))
+
+
+def test_sharded_checkpoint_writes_an_index_and_loads(tmp_path):
+    src = _model(0)
+    files = float8.save_checkpoint(src, tmp_path, max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 1
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(read_checkpoint(tmp_path))
+    assert all(os.path.exists(tmp_path / f) for f in set(index["weight_map"].values()))
+    dst = _model(1)
+    float8.load_checkpoint(dst, tmp_path)
+    assert torch.equal(dst[2].weight.dequantize(torch.float32), src[2].weight.dequantize(torch.float32))
+
+
+def test_weights_the_layout_cannot_hold_exactly_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="Recipe.blockwise"):
+        float8.save_checkpoint(_model(0, Recipe.rowwise()), tmp_path)  # per-row scales differ inside a block
+    e5m2 = ops.convert(torch.nn.Linear(64, 64), fp8_weights=True)
+    e5m2.weight = torch.nn.Parameter(Float8Tensor.quantize(torch.randn(64, 64), torch.float8_e5m2), requires_grad=False)
+    with pytest.raises(ValueError, match="e4m3"):
+        float8.save_checkpoint(e5m2, tmp_path)
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    float8.save_checkpoint(_model(0), tmp_path)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 576), torch.nn.ReLU(), torch.nn.Linear(576, 272, bias=False), torch.nn.LayerNorm(272))
+    with pytest.raises(ValueError, match="fp8_weights=True"):
+        float8.load_checkpoint(plain, tmp_path)
+    with pytest.raises(ValueError, match="shape"):
+        float8.load_checkpoint(_model(1, dims=(64, 576, 288)), tmp_path)
+    extra = _model(1)
+    extra.add_module("4", torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="not in the checkpoint"):
+        float8.load_checkpoint(extra, tmp_path)
+    float8.load_checkpoint(extra, tmp_path, strict=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [1, 128]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        float8.load_checkpoint(_model(1), tmp_path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_corrupt_scales_are_refused_on_load(tmp_path, bad):
+    from safetensors.torch import save_file
+
+    scale = torch.ones(1, 1)
+    scale[0, 0] = bad
+    save_file({"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    lin = ops.convert(torch.nn.Linear(64, 64, bias=False), fp8_weights=True)
+    with pytest.raises(ValueError, match="finite and positive"):
+        float8.load_checkpoint(lin, tmp_path)
+
+
+def _in_fresh_process(fn, *args):
+    """Run fn(*args) of this file in a new interpreter. The Hugging Face tests run there: with a transformers
+    model built in the pytest process, a later torch.compile test of this suite crashed the interpreter (a
+    segfault in dynamo's fake-tensor call of a float8 op, also before this file existed; found 2026-11-25,
+    docs/bad_input.md, Known problems). Isolated, neither depends on the other's order."""
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.float8.test_checkpoint import {fn.__name__} as f; f(*{args!r})"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+
+
+def test_hugging_face_save_pretrained_writes_the_hub_layout(tmp_path):
+    """model.save_pretrained of a converted HF model failed ('Attempted to access the data pointer on an
+    invalid python storage'); it writes the hub layout, which load_checkpoint reads back."""
+    pytest.importorskip("transformers")
+    _in_fresh_process(_hf_save_pretrained, str(tmp_path))
+
+
+def _hf_save_pretrained(directory):
+    import pathlib
+
+    import transformers
+
+    tmp_path = pathlib.Path(directory)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True)
+
+    src = model(0)
+    src.save_pretrained(tmp_path)
+    stored = read_checkpoint(tmp_path)
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tuple(stored["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == (1, 2)
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["quantization_config"] == QUANTIZATION_CONFIG and written["model_type"] == "llama"
+    ours = float8.checkpoint.hub_state_dict(src)
+    assert set(ours) == set(stored)
+    for k in ours:
+        assert torch.equal(ours[k].view(torch.uint8), stored[k].view(torch.uint8)), k
+    dst = model(1)
+    float8.load_checkpoint(dst, tmp_path)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.inference_mode():
+        assert sqnr_db(src(ids).logits.float(), dst(ids).logits.float()) > 30
+        for name, p in src.named_parameters():
+            q = dict(dst.named_parameters())[name]
+            if isinstance(p, Float8Tensor):
+                assert torch.equal(p.dequantize(torch.float32), q.dequantize(torch.float32)), name
+            else:
+                assert torch.equal(p, q), name
+
+
+def _hf_llama(transformers, seed, device):
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return ops.convert(transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16), fp8_weights=True, recipe=Recipe.blockwise())
+
+
+@pytest.mark.gpu
+def test_gpu_round_trip_gives_the_same_logits(tmp_path):
+    """On the GPU: save_pretrained of a model with 128x128 block-scaled FP8 weights, load_checkpoint into a
+    fresh one: the same logits, bit for bit (the weight-only kernel at 12 tokens, the general path at 200)."""
+    pytest.importorskip("transformers")
+    _in_fresh_process(_gpu_round_trip, str(tmp_path))
+
+
+def _gpu_round_trip(tmp_path):
+    import transformers
+
+    src = _hf_llama(transformers, 0, "cuda")
+    src.save_pretrained(tmp_path)
+    dst = _hf_llama(transformers, 1, "cuda")
+    float8.load_checkpoint(dst, tmp_path)
+    assert dst.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
+    for tokens in (12, 200):
+        ids = torch.randint(0, 512, (1, tokens), device="cuda")
+        with torch.inference_mode():
+            assert torch.equal(src(ids).logits, dst(ids).logits), tokens
+
+
+@pytest.mark.gpu
+def test_gpu_transformers_loads_our_checkpoint(tmp_path):
+    """transformers' own FP8 loader (quant_method 'fp8', 128x128 blocks) reads what we write: its logits
+    agree with ours within FP8 activation rounding (it quantizes activations 1x128; we read weights as FP8
+    and keep the activation in bf16 at these sizes)."""
+    pytest.importorskip("transformers")
+    _in_fresh_process(_gpu_transformers_loads, str(tmp_path))
+
+
+def _gpu_transformers_loads(tmp_path):
+    import transformers
+
+    src = _hf_llama(transformers, 0, "cuda")
+    src.save_pretrained(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
+    ids = torch.randint(0, 512, (1, 12), device="cuda")
+    with torch.inference_mode():
+        assert sqnr_db(src(ids).logits.float(), theirs(ids).logits.float()) > 25
