@@ -8,7 +8,8 @@ its (N, K) shape, next to a float32 `<name>_scale_inv` of shape (ceil(N / 128), 
 scale-inverse per 128x128 block (the last block of a ragged dim is shorter); every other tensor (norms,
 embeddings, biases) is stored as it is. `config.json` carries
 `"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-"weight_block_size": [128, 128]}`, merged into the model's own config where it has one (`model.config`).
+"weight_block_size": [128, 128], "modules_to_not_convert": [...]}` (the Linears kept in high precision),
+merged into the model's own config where it has one (`model.config`).
 
 Numerics: conversions in both directions are exact (no FP8 value is re-rounded):
 - saving: a per-tensor scale becomes the same scale in every block; a block-scaled weight keeps its scales;
@@ -43,7 +44,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 __all__ = [
     "QUANTIZATION_CONFIG", "enable_save_pretrained", "from_hub_blocks", "hub_blocks", "hub_state_dict", "load_checkpoint",
-    "read_checkpoint", "save_checkpoint",
+    "quantization_config", "read_checkpoint", "save_checkpoint",
 ]  # fmt: skip
 
 
@@ -185,11 +186,24 @@ def save_checkpoint(model: torch.nn.Module, directory: str, *, max_shard_bytes: 
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         written.append(INDEX_FILE)
     config = _model_config(model)
-    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    config["quantization_config"] = quantization_config(model)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     written.append("config.json")
     return written
+
+
+def quantization_config(model: torch.nn.Module) -> dict:
+    """QUANTIZATION_CONFIG plus `modules_to_not_convert`: the Linear layers whose weights are not FP8 here
+    (layers convert skipped). A loader that converts every other Linear to FP8 (transformers) then matches
+    the file: without the list, transformers keeps its default skips (the LM head) in high precision and
+    reads FP8 bytes as bf16 values where the head is FP8."""
+    skip = [
+        name for name, m in model.named_modules()
+        if hasattr(m, "in_features") and hasattr(m, "out_features")
+        and isinstance(getattr(m, "weight", None), torch.Tensor) and not isinstance(m.weight, Float8Tensor)
+    ]  # fmt: skip
+    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
 
 
 def _model_config(model) -> dict:
@@ -311,5 +325,5 @@ def enable_save_pretrained(model: torch.nn.Module) -> bool:
     if current is not None and not isinstance(current, Float8HubQuantizer):
         return False
     model.hf_quantizer = Float8HubQuantizer()
-    model.config.quantization_config = dict(QUANTIZATION_CONFIG)
+    model.config.quantization_config = quantization_config(model)
     return True

@@ -113,7 +113,7 @@ def _block_operands(m, k, n, s_rows, s_cols, dtype=HALF, bias=False, device="cpu
     """x, FP8 weight bytes and one scale-inverse per (s_rows, s_cols) block, as a hub checkpoint holds them."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    d = (torch.randn(n, k, generator=g) * 100).to(E4M3)
+    d = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(E4M3)  # no NaN codes (overflow casts to NaN)
     s = torch.rand(n // s_rows, k // s_cols, generator=g) * 1e-3 + 1e-4
     b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
