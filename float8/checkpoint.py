@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Dict, Optional
 
 import torch
@@ -131,19 +132,19 @@ def _fp8_entries(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _is_quantizer_state(name: str) -> bool:
-    # float8's own per-layer state (delayed-scaling histories, calibrated input scales): not part of the hub
-    # layout; a loaded model starts it afresh.
-    return "_quantizer." in name
-
-
 def hub_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The model's tensors in the hub layout, by name: each FP8 weight as its E4M3 bytes and `<name>_scale_inv`
     (hub_blocks), every other tensor as it is; float8's quantizer state and tied duplicates left out."""
-    out = {}
+    out, own = {}, _quantizer_state_names(model)
     for name, t in _fp8_entries(model).items():
-        if _is_quantizer_state(name):
+        if name in own:
             continue
+        if type(t).__name__ == "DTensor" or hasattr(t, "device_mesh"):
+            raise ValueError(
+                f"{name} is a sharded DTensor: save_checkpoint writes whole tensors. Gather the model first "
+                "(e.g. torch.distributed.checkpoint's get_model_state_dict with full_state_dict=True into an "
+                "unsharded copy), or save the shards with torch.distributed.checkpoint"
+            )
         if isinstance(t, Float8Tensor):
             out[name], out[name + SCALE_SUFFIX] = hub_blocks(t, name)
         else:
@@ -158,8 +159,11 @@ def save_checkpoint(model: torch.nn.Module, directory: str, *, max_shard_bytes: 
     quantization_config. High-precision tensors are written as they are; float8's per-layer quantizer
     state is not written. Returns the files written."""
     st = _safetensors()
-    os.makedirs(directory, exist_ok=True)
     tensors = {name: t.cpu().contiguous() for name, t in hub_state_dict(model).items()}
+    os.makedirs(directory, exist_ok=True)
+    for old in os.listdir(directory):  # an earlier save's files: a stale index would be read first
+        if old == INDEX_FILE or old == SINGLE_FILE or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", old):
+            os.remove(os.path.join(directory, old))
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -214,24 +218,27 @@ def _model_config(model) -> dict:
 
 def read_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint directory (sharded with an index, or one file), by name."""
-    st = _safetensors()
+    _safetensors()  # names the package if it is missing
+    from safetensors import safe_open
+
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f)["weight_map"]  # name -> the file that holds it, and only that one
     elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
-        files = [SINGLE_FILE]
+        weight_map = None
     else:
         raise FileNotFoundError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}")
-    from safetensors import safe_open
-
+    files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
     out = {}
     for fname in files:
-        # Copied out while the file is open: safetensors maps the file, and tensors over a mapping that is
-        # later closed crashed the interpreter at a later, unrelated call (a segfault in the CPU suite).
+        # Copied while the file is open: the tensors outlive the file (and its mapping).
         with safe_open(os.path.join(directory, fname), framework="pt") as f:
             for name in f.keys():
-                out[name] = f.get_tensor(name).clone()
+                if weight_map is None or weight_map.get(name) == fname:
+                    out[name] = f.get_tensor(name).clone()
+    if weight_map is not None and set(weight_map) - set(out):
+        raise ValueError(f"{index}: names no file holds: {sorted(set(weight_map) - set(out))[:5]}")
     return out
 
 
@@ -243,7 +250,7 @@ def _check_quantization_config(directory: str) -> None:
         q = json.load(f).get("quantization_config")
     if q is None:
         return
-    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or list(q.get("weight_block_size", [128, 128])) != [128, 128]:
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or list(q.get("weight_block_size") or []) != [128, 128]:
         raise ValueError(
             f"{path}: quantization_config {q} is not the layout float8 reads (quant_method 'fp8', fmt 'e4m3', "
             "weight_block_size [128, 128])"
@@ -254,46 +261,74 @@ def load_checkpoint(model: torch.nn.Module, directory: str, *, strict: bool = Tr
     """Load a hub-layout FP8 checkpoint (ours, or one made elsewhere) into `model`, in place.
 
     Each `<name>` stored with a `<name>_scale_inv` must be an FP8-only weight of the model (convert it with
-    ops.convert(model, fp8_weights=True) first): the parameter becomes a Float8Tensor of the stored bytes
-    with their block scales (nominal dtype: the old weight's), on the old weight's device. Every other
-    tensor loads through load_state_dict. strict: every checkpoint tensor is used and every tensor of the
-    model (but float8's quantizer state and tied duplicates) is in the checkpoint, else ValueError."""
+    ops.convert(model, fp8_weights=True) first): the parameter becomes a new Parameter, a Float8Tensor of
+    the stored bytes with their block scales (nominal dtype: the old weight's), on the old weight's device,
+    under every name it had (tied weights stay tied). Build optimizers and capture CUDA graphs after
+    loading: they would hold the old parameters. Every other tensor loads through load_state_dict.
+    strict: every checkpoint tensor is used and every tensor of the model (but float8's quantizer state and
+    tied duplicates) is in the checkpoint. Everything is checked before anything is changed: a checkpoint
+    that does not fit raises ValueError and leaves the model as it was."""
     _check_quantization_config(directory)
     tensors = read_checkpoint(directory)
     fp8_names = {n[: -len(SCALE_SUFFIX)] for n in tensors if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in tensors}
+    bare = [n for n, t in tensors.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and n not in fp8_names]
+    if bare:
+        raise ValueError(
+            f"load_checkpoint({directory!r}): FP8 tensors without a `<name>{SCALE_SUFFIX}` (not the hub layout, whose "
+            f"scales are per 128x128 block): {bare[:5]}"
+        )
     state = model.state_dict(keep_vars=True)
-    unused = []
+    replacements, unused = {}, []
     for name in sorted(fp8_names):
         current = state.get(name)
         if current is None:
-            unused.append(name)
+            unused += [name, name + SCALE_SUFFIX]
             continue
         if not isinstance(current, Float8Tensor) or not _is_param(model, name):
             raise ValueError(
                 f"{name}: the checkpoint holds it in FP8, but the model's is a {type(current).__name__} "
                 f"{current.dtype}; convert the model with float8.ops.convert(model, fp8_weights=True) first"
             )
-        data, scale_inv = tensors.pop(name), tensors.pop(name + SCALE_SUFFIX)
+        data, scale_inv = tensors[name], tensors[name + SCALE_SUFFIX]
         if tuple(data.shape) != tuple(current.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(data.shape)}, model shape {tuple(current.shape)}")
         w = from_hub_blocks(data.to(current.device), scale_inv.to(current.device), current.dtype, name)
-        module_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(w, requires_grad=False))
-    rest = {n: t for n, t in tensors.items() if n in state}
-    unused += [n for n in tensors if n not in state]
-    result = model.load_state_dict(rest, strict=False)
+        replacements[name] = (current, torch.nn.Parameter(w, requires_grad=False))
+    taken = fp8_names | {n + SCALE_SUFFIX for n in fp8_names}
+    rest = {n: t for n, t in tensors.items() if n not in taken and n in state}
+    unused += [n for n in tensors if n not in taken and n not in state]
+    for name, t in rest.items():
+        if isinstance(state[name], Float8Tensor):
+            raise ValueError(
+                f"{name}: the model's weight is FP8, the checkpoint's is {t.dtype} (a layer the checkpoint keeps in "
+                "high precision): leave it out of the conversion (ops.convert's filter_fn), or load into a model "
+                "converted without fp8_weights"
+            )
     if strict:
-        loaded = fp8_names | set(rest)
+        loaded = set(replacements) | set(rest)
         tied = _tied_names(model)
-        missing = [
-            n for n in result.missing_keys
-            if n not in loaded and not _is_quantizer_state(n) and not (tied.get(n, set()) & loaded)
-        ]  # fmt: skip
+        own = _quantizer_state_names(model)
+        missing = [n for n in state if n not in loaded and n not in own and not (tied.get(n, set()) & loaded)]
         if missing or unused:
             raise ValueError(
                 f"load_checkpoint({directory!r}): the model's {missing} are not in the checkpoint; the checkpoint's "
-                f"{unused} are not in the model"
+                f"{unused} are not in the model (strict=False loads the rest)"
             )
+    for old, new in replacements.values():
+        for module in model.modules():  # every name of the parameter: tied weights stay tied
+            for attr, p in list(module._parameters.items()):
+                if p is old:
+                    setattr(module, attr, new)
+    model.load_state_dict(rest, strict=False)
+
+
+def _quantizer_state_names(model: torch.nn.Module) -> set:
+    """The state keys of float8's own quantizers in the model (delayed-scaling histories, calibrated input
+    scales): not part of the hub layout; a loaded model keeps (or starts afresh) its own."""
+    from float8.quantizer import Quantizer
+
+    prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, Quantizer) and name]
+    return {k for k in model.state_dict() if any(k.startswith(p) for p in prefixes)}
 
 
 def _is_param(model, name) -> bool:

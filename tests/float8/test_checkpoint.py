@@ -292,3 +292,117 @@ def _gpu_transformers_loads(tmp_path):
         return
     with torch.inference_mode():
         assert sqnr_db(src(ids).logits.float(), logits.float()) > 25
+
+
+# ---- found by an adversarial review (2026-11-25): each of these loaded something other than what was saved --
+
+
+def test_a_second_save_into_the_same_directory_replaces_the_first(tmp_path):
+    """A sharded save, then a single-file save into the same directory: the stale index was read first and
+    the old weights loaded without an error."""
+    old, new = _model(0), _model(1)
+    float8.save_checkpoint(old, tmp_path, max_shard_bytes=20_000)
+    float8.save_checkpoint(new, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    dst = _model(2)
+    float8.load_checkpoint(dst, tmp_path)
+    assert torch.equal(dst[2].weight.dequantize(torch.float32), new[2].weight.dequantize(torch.float32))
+
+
+def test_a_users_module_named_like_a_quantizer_is_saved(tmp_path):
+    """float8's own quantizer state is told by its type, not by a name ending in '_quantizer'."""
+
+    class Codebook(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.codes = torch.nn.Parameter(torch.randn(8, 4))
+
+    src, dst = _model(0), _model(1)
+    src.add_module("vector_quantizer", Codebook())
+    dst.add_module("vector_quantizer", Codebook())
+    float8.save_checkpoint(src, tmp_path)
+    assert "vector_quantizer.codes" in read_checkpoint(tmp_path)
+    float8.load_checkpoint(dst, tmp_path)
+    assert torch.equal(dst.vector_quantizer.codes, src.vector_quantizer.codes)
+
+
+def test_tied_fp8_weights_stay_tied_and_load_under_every_name(tmp_path):
+    src, dst = _model(0, dims=(64, 64, 64)), _model(1, dims=(64, 64, 64))
+    for m in (src, dst):
+        m[2].weight = m[0].weight  # tied after conversion
+    float8.save_checkpoint(src, tmp_path)
+    float8.load_checkpoint(dst, tmp_path)
+    assert dst[2].weight is dst[0].weight
+    assert torch.equal(dst[2].weight.dequantize(torch.float32), src[0].weight.dequantize(torch.float32))
+
+
+def test_fp8_bytes_without_their_scale_are_refused(tmp_path):
+    """Per-tensor exports name their scale otherwise (`weight_scale`): read as scale 1 they were 5462x off."""
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(2.0)}, str(tmp_path / "model.safetensors"))
+    lin = ops.convert(torch.nn.Linear(64, 64, bias=False), fp8_weights=True)
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="without a `<name>_scale_inv`"):
+            float8.load_checkpoint(lin, tmp_path, strict=strict)
+
+
+def test_a_high_precision_tensor_is_not_quantized_into_an_fp8_weight(tmp_path):
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    float8.save_checkpoint(plain, tmp_path)  # nothing FP8: the weight is written in bf16
+    dst = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16), fp8_weights=True)
+    before = dst[0].weight
+    with pytest.raises(ValueError, match="high precision"):
+        float8.load_checkpoint(dst, tmp_path)
+    assert dst[0].weight is before  # checked before anything changed
+
+
+def test_a_failed_strict_load_changes_nothing(tmp_path):
+    float8.save_checkpoint(_model(0), tmp_path)
+    dst = _model(1)
+    dst.add_module("4", torch.nn.Linear(4, 4))
+    weights = [dst[0].weight, dst[2].weight]
+    with pytest.raises(ValueError, match="not in the checkpoint"):
+        float8.load_checkpoint(dst, tmp_path)
+    assert [dst[0].weight, dst[2].weight] == weights
+
+
+def test_the_index_decides_which_file_holds_a_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"a": torch.ones(2), "b": torch.ones(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got = read_checkpoint(tmp_path)
+    assert torch.equal(got["a"], torch.zeros(2)) and set(got) == {"a", "b"}
+
+
+def test_a_config_without_block_size_names_the_layout(tmp_path):
+    float8.save_checkpoint(_model(0), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = None  # how transformers writes per-tensor FP8 configs
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        float8.load_checkpoint(_model(1), tmp_path)
+
+
+def _save_sharded(rank, world, directory):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    fully_shard(model)
+    try:
+        float8.save_checkpoint(model, directory)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_saving_an_fsdp_sharded_model_says_to_gather_first(tmp_path):
+    from tests.distributed.harness import run_ranks
+
+    for message in run_ranks(_save_sharded, timeout=120, args=(str(tmp_path),)):
+        assert "sharded DTensor" in message, message
