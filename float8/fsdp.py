@@ -104,7 +104,7 @@ class Float8TrainingWeight(torch.Tensor):
         """The local shard as FP8 bytes (uint8) under one scale for the whole weight."""
         scale = self.precomputed_scale
         if scale is None:  # one all-reduce for this weight; precompute_scales does all weights in one
-            amax = all_reduce_amax(amax_kernel(self.master), mesh.get_group())
+            amax = _reduce_over(amax_kernel(self.master), _mesh_groups(mesh))
             scale = scale_from_amax(amax, self.fp8_dtype)
         data, _, scale_inv, _ = quantize_tensorwise(self.master, self.fp8_dtype, scale.reshape(()))
         bits = data.view(torch.uint8)
@@ -139,6 +139,19 @@ class Float8TrainingWeight(torch.Tensor):
         return weight, (bits,)
 
 
+def _mesh_groups(mesh) -> tuple:
+    """The process groups of every dim of an FSDP mesh: one for FSDP, two for HSDP (replicate, shard). The
+    amax is reduced over all of them, so every rank quantizes a weight with one scale (a 2-D mesh has no
+    single group: get_group() refused it, and HSDP with the FP8 all-gather failed in its first forward)."""
+    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
+
+
+def _reduce_over(amax: torch.Tensor, groups) -> torch.Tensor:
+    for group in groups:
+        all_reduce_amax(amax, group)
+    return amax
+
+
 def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3fn) -> list:
     """Wrap the weights of the model's float8.ops Linears (per-tensor weight scaling) so that FSDP2
     all-gathers them as FP8; call before fully_shard. Returns the names of the wrapped weights. A Linear
@@ -164,16 +177,14 @@ def precompute_scales(model: torch.nn.Module) -> int:
     """After optimizer.step(): the scales of all FP8-gathered weights, from one all-reduce of their amaxes
     per data-parallel group (instead of one per weight at each all-gather). Returns how many weights.
     A scale is forgotten as soon as its master is written (the next optimizer step): never stale."""
-    groups = {}
+    by_mesh = {}
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         if isinstance(local, Float8TrainingWeight):
-            group = p.device_mesh.get_group() if hasattr(p, "device_mesh") else None
-            groups.setdefault(id(group), (group, []))[1].append(local)
-    for group, weights in groups.values():
-        amaxes = torch.stack([amax_kernel(w.master) for w in weights])
-        if group is not None:
-            all_reduce_amax(amaxes, group)
+            mesh_groups = _mesh_groups(p.device_mesh) if hasattr(p, "device_mesh") else ()
+            by_mesh.setdefault(tuple(id(g) for g in mesh_groups), (mesh_groups, []))[1].append(local)
+    for mesh_groups, weights in by_mesh.values():
+        amaxes = _reduce_over(torch.stack([amax_kernel(w.master) for w in weights]), mesh_groups)
         for w, amax in zip(weights, amaxes):
             w.precomputed_scale = scale_from_amax(amax, w.fp8_dtype)
-    return sum(len(w) for _, w in groups.values())
+    return sum(len(w) for _, w in by_mesh.values())

@@ -305,3 +305,38 @@ def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
         got = getattr(got, "master", got)
         assert torch.equal(got, getattr(eager[0][1][name], "master", eager[0][1][name])), name
         assert sqnr_db(p.detach(), got) >= SQNR_DB["grad"], name
+
+
+def _hsdp_fp8(rank, world):
+    """HSDP: a (replicate=2, shard=2) mesh over 4 ranks, weights gathered as FP8 inside each shard group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _fp8_model(128)
+    f8fsdp.enable_fp8_all_gather(model)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = _batches()[0]
+    with torch.no_grad():  # row-wise inputs: sharding the batch changes no forward bit
+        assert torch.equal(model(x.chunk(world)[rank]), _fp8_model(128)(x).chunk(world)[rank])
+    _train(model, _batches(), rank, world)
+    assert f8fsdp.precompute_scales(model) == 4  # one scale per weight, agreed over both mesh dims
+    return {n: getattr(p.full_tensor(), "master", p.full_tensor()).detach() for n, p in model.named_parameters()}
+
+
+def test_hsdp_2d_mesh_fp8_all_gather_trains_like_one_process():
+    """HSDP with the FP8 all-gather failed in its first forward: a 2-D mesh has no single group for the
+    amax all-reduce ('Found the DeviceMesh have 2 dimensions'); the amax is now reduced over every mesh dim."""
+    from tests.tolerances import SQNR_DB, sqnr_db
+
+    results = run_ranks(_hsdp_fp8, world=4, timeout=TIMEOUT_S)
+    single = _fp8_model(128)
+    _train(single, _batches())
+    for name, p in single.named_parameters():
+        for r in results[1:]:
+            assert torch.equal(results[0][name], r[name]), name
+        assert sqnr_db(p.detach(), results[0][name]) >= SQNR_DB["grad"], name
