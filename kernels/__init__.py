@@ -4,7 +4,7 @@ Importing this package registers the custom ops `torch.ops.float8.*`, one per ke
 quantize_tensorwise (a given scale or current scaling, with or without the transpose), quantize_rowwise,
 quantize_blockwise, dequantize, and norm_fwd / norm_fp8 / norm_bwd (`norm.py`) and act_fwd / act_fp8 /
 act_bwd / dact_fp8 (`activation.py`), pack_heads_fp8 (`pack_heads.py`: attention's q/k/v gradients
-packed into tokens x features, in FP8), and fp8_weight_mm (`weight_only.py`: few-token activations times
+packed into tokens x features, in FP8), fp8_block_mm (`block_gemm.py`: block-scaled FP8 x FP8), and fp8_weight_mm (`weight_only.py`: few-token activations times
 an FP8 weight, one launch, no activation cast). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
@@ -14,6 +14,7 @@ from .amax import amax, amax_ref
 from .blockwise import quantize_blockwise, quantize_blockwise_ref
 from .dequantize import dequantize, dequantize_ref
 from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
+from .block_gemm import fp8_block_mm, fp8_block_mm_ref
 from .quantize import quantize_tensorwise, quantize_tensorwise_ref
 from .rowwise import quantize_rowwise, quantize_rowwise_ref
 
@@ -33,4 +34,6 @@ __all__ = [
     "dequantize_ref",
     "fp8_weight_mm",
     "fp8_weight_mm_ref",
+    "fp8_block_mm",
+    "fp8_block_mm_ref",
 ]

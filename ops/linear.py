@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
-from float8.kernels import weight_only
+from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group, check_dense
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
@@ -330,7 +330,12 @@ class Linear(BasicOp):
                 return None
             y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
         else:
-            if self.input_quantizer.layout is ScaleLayout.BLOCK or x.dtype not in (torch.bfloat16, torch.float16):
+            if x.dtype not in (torch.bfloat16, torch.float16):
+                return None
+            if weight_only.scale_mode(w.fp8_data, w.scale_inv)[0] == 2:
+                y = self._block_forward(x2, w, bias)
+                return None if y is None else y.reshape(*x.shape[:-1], self.out_features)
+            if self.input_quantizer.layout is ScaleLayout.BLOCK:
                 return None
             # The bias joins the GEMM's epilogue in x's dtype, as the runner's Linear + Bias fusion adds it.
             y, _ = linear_fwd(
@@ -338,6 +343,20 @@ class Linear(BasicOp):
                 need_dgrad=False, fast_accum=self.recipe.fprop_fast_accum,
             )  # fmt: skip
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _block_forward(self, x2: torch.Tensor, w: Float8Tensor, bias) -> Optional[torch.Tensor]:
+        """A block-scaled FP8-only weight (a hub checkpoint's 128x128 blocks) above the weight-only kernel's
+        token limit: x quantized in 1 x C blocks (C: the weight's block width), then the block-scaled FP8 GEMM
+        (kernels/block_gemm.py, DeepSeek's scheme). None where its operands do not fit (the general path then
+        multiplies the dequantized weight)."""
+        cols = self.in_features // w.scale_inv.shape[1]
+        if not x2.is_contiguous() or cols > 128 or cols % 16 or cols & (cols - 1):
+            return None
+        data, scale_inv = quantize_blockwise(x2, 1, cols, self.recipe.format.forward_dtype)
+        if not block_gemm.supports(data, scale_inv, w.fp8_data, w.scale_inv):
+            return None
+        b = None if bias is None else bias.to(x2.dtype).contiguous()
+        return fp8_block_mm(data, scale_inv, w.fp8_data, w.scale_inv, b, x2.dtype)
 
     # ---- the weight's FP8 copy ------------------------------------------------------------------------
     def __setattr__(self, name, value):

@@ -100,16 +100,25 @@ def test_calibrated_scale_is_one_cast_without_the_runner(monkeypatch):
     assert torch.equal(got, want)
 
 
-def test_block_scaled_weights_take_the_weight_only_kernel():
+def test_block_scaled_weights_take_the_weight_only_kernel_then_the_block_gemm():
     """128x128 block-scaled FP8 weights (Recipe.blockwise(), or a hub checkpoint) read as FP8 by the kernel,
-    each block's scale applied to its part of the sum; above the token limit, the general path."""
+    each block's scale applied to its part of the sum; above the token limit, x is quantized in 1x128
+    blocks and the block-scaled FP8 GEMM runs (DeepSeek's scheme), not a GEMM on the dequantized weight."""
+    from float8 import kernels as K
+
     lin = _linear(k=256, n=384, recipe=Recipe.blockwise(), bias=True)
-    assert tuple(lin.weight.scale_inv.shape) == (3, 2)
+    w = lin.weight
+    assert tuple(w.scale_inv.shape) == (3, 2)
     x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(lin(x), _weight_only(lin, x))
-        big = torch.randn(weight_only.MAX_TOKENS + 1, 256, dtype=torch.bfloat16)
-        assert torch.equal(lin(big), _general(lin, big))
+        big = torch.randn(2, weight_only.MAX_TOKENS, 256, dtype=torch.bfloat16)
+        data, s = K.quantize_blockwise(big.reshape(-1, 256), 1, 128, torch.float8_e4m3fn)
+        want = K.fp8_block_mm_ref(data, s, w.fp8_data, w.scale_inv, lin.bias, torch.bfloat16).reshape(2, -1, 384)
+        got = lin(big)
+        assert torch.equal(got, want)
+        exact = big.double() @ w.dequantize(torch.float32).double().t() + lin.bias.double()
+        assert sqnr_db(got.double(), exact) > sqnr_db(_general(lin, big).double(), exact) - 1  # as accurate
 
 
 @pytest.mark.parametrize("case", ["input requires grad", "float32 input", "bias in float32"])
