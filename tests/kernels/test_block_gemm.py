@@ -54,6 +54,15 @@ def test_reference_is_the_blockwise_dequantized_product():
     assert torch.allclose(B.fp8_block_mm_ref(a, sa, w, sw, out_dtype=torch.float16).double(), want, rtol=1e-3, atol=1e-3)
 
 
+def test_op_on_cpu_is_the_reference_passes_opcheck_and_compiles():
+    a, sa, w, sw, b = _operands(6, 256, 128, 128, 128, bias=True)
+    assert torch.equal(K.fp8_block_mm(a, sa, w, sw, b), B.fp8_block_mm_ref(a, sa, w, sw, b))
+    tests = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(torch.ops.float8.fp8_block_mm.default, (a, sa, w, sw, b), test_utils=tests)
+    f = torch.compile(lambda a, sa: K.fp8_block_mm(a, sa, w, sw, b), fullgraph=True, backend="aot_eager")
+    assert torch.equal(f(a, sa), K.fp8_block_mm(a, sa, w, sw, b))
+
+
 def test_non_finite_scales_propagate():
     a, sa, w, sw, _ = _operands(4, 256, 128, 128, 128)
     sw[0, 1] = float("nan")

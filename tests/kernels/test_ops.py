@@ -69,7 +69,7 @@ def test_the_ops():
     assert ops == {f"float8::{n}" for n in (
         "amax", "quantize_tensorwise", "quantize_rowwise", "quantize_blockwise", "dequantize",
         "norm_fwd", "norm_fp8", "norm_bwd", "act_fwd", "act_fp8", "act_bwd", "dact_fp8",
-        "act_fp8_save_input", "transpose_fp8", "pack_heads_fp8", "fp8_weight_mm")}  # fmt: skip
+        "act_fp8_save_input", "transpose_fp8", "pack_heads_fp8", "fp8_weight_mm", "fp8_block_mm")}  # fmt: skip
 
 
 def test_torch_compile_fullgraph_aot_eager():
