@@ -2,8 +2,9 @@
 
 fp8_block_mm(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.bfloat16) -> y
     a (M, K) FP8 with a_scale_inv (M, K / C) float32: one scale per 1 x C block of a row (activations);
-    w (N, K) FP8 with w_scale_inv (N / R, K / C) float32: one per R x C block (128 x 128 in hub FP8
-    checkpoints, or their ragged refinements, float8/checkpoint.py); C a multiple of 16, the same for both.
+    w (N, K) FP8 with w_scale_inv (N / R, K / C) float32: one per R x C block, the grid tiling w exactly
+    (a hub checkpoint's ceil-div grid is refined first: float8/checkpoint.py from_hub_blocks); R and C powers
+    of two, C in 16..128, the same C for both.
     bias (N,) in out_dtype or None. y (M, N) in out_dtype (bfloat16 or float16).
 
 Why: block-scaled weights otherwise run their GEMM on the dequantized weight (slower than bf16 at 4096 tokens
@@ -113,8 +114,12 @@ def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
         return False
     if a_scale_inv.shape[1] != w_scale_inv.shape[1] or k % a_scale_inv.shape[1] or n % w_scale_inv.shape[0]:
         return False
-    c = k // a_scale_inv.shape[1]
-    return c % 16 == 0 and c <= 128 and (c & (c - 1)) == 0 and a_scale_inv.is_contiguous() and w_scale_inv.is_contiguous()
+    c, r = k // a_scale_inv.shape[1], n // w_scale_inv.shape[0]
+    # Powers of two only: a hub checkpoint's ceil-div grid ((2, 1) for 200 rows) also divides some shapes, and
+    # read as blocks of N / rows (100) it would scale rows 100-127 with the wrong block. Refined grids
+    # (float8.checkpoint.from_hub_blocks: gcd(dim, 128)) and the block quantizer's are powers of two.
+    pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
+    return c % 16 == 0 and c <= 128 and pow2(c) and pow2(r) and a_scale_inv.is_contiguous() and w_scale_inv.is_contiguous()
 
 
 @triton_op("float8::fp8_block_mm")

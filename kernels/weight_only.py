@@ -286,7 +286,10 @@ def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -
     (n, k), (rows, cols) = w_data.shape, w_scale_inv.shape
     if (rows, cols) == (n, 1):
         return w_scale_inv.stride(0) == 1
-    return rows > 0 and cols > 0 and n % rows == 0 and k % cols == 0 and (k // cols) % 16 == 0
+    if rows <= 0 or cols <= 0 or n % rows or k % cols or (k // cols) % 16:
+        return False
+    r = n // rows  # a power of two, as in kernels/block_gemm.py: a hub ceil-div grid is never read as blocks
+    return r & (r - 1) == 0
 
 
 def fp8_weight_mm_prechecked(x, w_data, w_scale_inv, bias=None):

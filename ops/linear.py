@@ -347,8 +347,9 @@ class Linear(BasicOp):
     def _block_forward(self, x2: torch.Tensor, w: Float8Tensor, bias) -> Optional[torch.Tensor]:
         """A block-scaled FP8-only weight (a hub checkpoint's 128x128 blocks) above the weight-only kernel's
         token limit: x quantized in 1 x C blocks (C: the weight's block width), then the block-scaled FP8 GEMM
-        (kernels/block_gemm.py, DeepSeek's scheme). None where its operands do not fit (the general path then
-        multiplies the dequantized weight)."""
+        (kernels/block_gemm.py, DeepSeek's scheme), at current scaling with no margin: the input quantizer's
+        settings (a margin, a calibrated static scale) serve per-tensor weights, not this path. None where its
+        operands do not fit (the general path then multiplies the dequantized weight)."""
         cols = self.in_features // w.scale_inv.shape[1]
         if not x2.is_contiguous() or cols > 128 or cols % 16 or cols & (cols - 1):
             return None

@@ -75,6 +75,9 @@ def test_non_finite_scales_propagate():
         (lambda a, sa, w, sw: (a.float(), sa, w, sw), "FP8"),
         (lambda a, sa, w, sw: (a, sa[:, :1].contiguous(), w, sw), "scale-inverses"),  # other block widths
         (lambda a, sa, w, sw: (a, sa, w, torch.ones(3, 2)), "scale-inverses"),  # 3 does not divide 128 rows
+        # a hub checkpoint's ceil-div grid for 200 rows, (2, 2): it divides 200, but blocks of 100 rows are
+        # not what it means (128 rows, then 72); refused, not misread
+        (lambda a, sa, w, sw: (a, sa, torch.zeros(200, 256, dtype=E4M3), torch.ones(2, 2)), "scale-inverses"),
     ],
 )
 def test_bad_input_names_the_problem(change, match):

@@ -143,6 +143,8 @@ def test_block_scale_reference_is_the_blockwise_dequantized_product():
     assert torch.allclose(W.fp8_weight_mm_ref(x, d, s).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-6)
     assert not W.supports(x.half(), d, torch.ones(17, 8))  # 576 / 8 = 72 columns a block: not a multiple of 16
     assert not W.supports(x.half(), d, torch.ones(272, 5))  # 5 does not divide 576
+    # A hub checkpoint's ceil-div grid for 200 rows divides 200, but is not blocks of 100 rows: refused.
+    assert not W.supports(x.half()[:, :256], torch.zeros(200, 256, dtype=E4M3), torch.ones(2, 2))
 
 
 def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
