@@ -122,7 +122,7 @@ def from_hub_blocks(data: torch.Tensor, scale_inv: torch.Tensor, nominal_dtype: 
 # ---- a model ----------------------------------------------------------------------------------------------
 
 
-def _fp8_entries(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def _unique_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The model's state, one entry per tensor object (a tied weight is written once, under its first name)."""
     seen, out = set(), {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -136,7 +136,7 @@ def hub_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The model's tensors in the hub layout, by name: each FP8 weight as its E4M3 bytes and `<name>_scale_inv`
     (hub_blocks), every other tensor as it is; float8's quantizer state and tied duplicates left out."""
     out, own = {}, _quantizer_state_names(model)
-    for name, t in _fp8_entries(model).items():
+    for name, t in _unique_tensors(model).items():
         if name in own:
             continue
         if type(t).__name__ == "DTensor" or hasattr(t, "device_mesh"):
@@ -232,7 +232,8 @@ def read_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
     files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
     out = {}
     for fname in files:
-        # Copied while the file is open: the tensors outlive the file (and its mapping).
+        # Copied out of the file's mapping: loaded weights use these tensors as they are, and weights backed by
+        # the file would change (or fault) when it is rewritten or truncated later.
         with safe_open(os.path.join(directory, fname), framework="pt") as f:
             for name in f.keys():
                 if weight_map is None or weight_map.get(name) == fname:
@@ -314,11 +315,13 @@ def load_checkpoint(model: torch.nn.Module, directory: str, *, strict: bool = Tr
                 f"load_checkpoint({directory!r}): the model's {missing} are not in the checkpoint; the checkpoint's "
                 f"{unused} are not in the model (strict=False loads the rest)"
             )
+    owners: Dict[int, list] = {}  # parameter -> every (module, attribute) holding it: tied weights stay tied
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            owners.setdefault(id(p), []).append((module, attr))
     for old, new in replacements.values():
-        for module in model.modules():  # every name of the parameter: tied weights stay tied
-            for attr, p in list(module._parameters.items()):
-                if p is old:
-                    setattr(module, attr, new)
+        for module, attr in owners[id(old)]:
+            setattr(module, attr, new)
     model.load_state_dict(rest, strict=False)
 
 

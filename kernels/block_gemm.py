@@ -103,6 +103,15 @@ def fp8_block_mm_ref(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.
     return y.to(out_dtype)
 
 
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def supported_width(c: int) -> bool:
+    """Whether C-wide scale blocks along K fit the kernel: one K step (a power of two, 16..128) per block."""
+    return 16 <= c <= 128 and _pow2(c)
+
+
 def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
     """Whether fp8_block_mm takes these operands (see the module docstring)."""
     if a.dim() != 2 or w.dim() != 2 or a.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
@@ -118,8 +127,7 @@ def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
     # Powers of two only: a hub checkpoint's ceil-div grid ((2, 1) for 200 rows) also divides some shapes, and
     # read as blocks of N / rows (100) it would scale rows 100-127 with the wrong block. Refined grids
     # (float8.checkpoint.from_hub_blocks: gcd(dim, 128)) and the block quantizer's are powers of two.
-    pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
-    return c % 16 == 0 and c <= 128 and pow2(c) and pow2(r) and a_scale_inv.is_contiguous() and w_scale_inv.is_contiguous()
+    return supported_width(c) and _pow2(r) and a_scale_inv.is_contiguous() and w_scale_inv.is_contiguous()
 
 
 @triton_op("float8::fp8_block_mm")

@@ -351,7 +351,7 @@ class Linear(BasicOp):
         settings (a margin, a calibrated static scale) serve per-tensor weights, not this path. None where its
         operands do not fit (the general path then multiplies the dequantized weight)."""
         cols = self.in_features // w.scale_inv.shape[1]
-        if not x2.is_contiguous() or cols > 128 or cols % 16 or cols & (cols - 1):
+        if not x2.is_contiguous() or not block_gemm.supported_width(cols):
             return None
         data, scale_inv = quantize_blockwise(x2, 1, cols, self.recipe.format.forward_dtype)
         if not block_gemm.supports(data, scale_inv, w.fp8_data, w.scale_inv):
