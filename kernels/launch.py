@@ -48,7 +48,7 @@ def _constexpr_positions(kernel) -> frozenset:
     return frozenset(i for i, p in enumerate(sig.parameters.values()) if "constexpr" in str(p.annotation))
 
 
-def _runtime_settings() -> tuple:
+def runtime_settings() -> tuple:
     """Triton's runtime settings that change the compiled kernel (its debug mode, instrumentation): part of
     the key, so that turning one on after a first launch compiles anew, as Triton would."""
     if _knobs is None:
@@ -93,17 +93,39 @@ class FastLauncher:
             return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
         if getattr(self.kernel, "pre_run_hooks", None):
             return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
-        key = (device, self._key(args, (num_warps, num_stages, *_runtime_settings())))
+        key = (device, self._key(args, (num_warps, num_stages, *runtime_settings())))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
-            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            if shortcut_ready(compiled):
                 self.compiled[key] = compiled
             return compiled
-        g0, g1, g2 = (*grid, 1, 1)[:3]
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        enter = _knobs.runtime.launch_enter_hook if _knobs is not None else None
-        exit_ = _knobs.runtime.launch_exit_hook if _knobs is not None else None
-        meta = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *args)
+        run_compiled(compiled, grid, device, args)
         return compiled
+
+    def launch_and_keep(self, grid, *args, num_warps: int = 4, num_stages: int = 3):
+        """Launch as `__call__` does and return the compiled kernel when a later call may run it directly
+        with `run_compiled` (CUDA, the current device, no pre-run hooks), else None. For a caller that
+        fixes every argument but its activation and output tensors (kernels/weight_only.py PreparedMM)."""
+        first = args[0]
+        plain = not (self.interpreted or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
+        ready = plain and isinstance(first, torch.Tensor) and first.is_cuda
+        ready = ready and first.device.index == torch._C._cuda_getDevice() and not getattr(self.kernel, "pre_run_hooks", None)
+        compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages)
+        return compiled if ready and shortcut_ready(compiled) else None
+
+
+def shortcut_ready(compiled) -> bool:
+    """Whether a compiled Triton kernel exposes what `run_compiled` calls."""
+    return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+
+
+def run_compiled(compiled, grid, device: int, args) -> None:
+    """Launch a compiled kernel on `device`'s current stream, honouring Triton's launch hooks. The caller
+    guarantees that Triton would pick this very compiled kernel for `args` (its specialization key)."""
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    enter = _knobs.runtime.launch_enter_hook if _knobs is not None else None
+    exit_ = _knobs.runtime.launch_exit_hook if _knobs is not None else None
+    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *args)

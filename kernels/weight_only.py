@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, forward_ad_or_functorch_active, triton_op, use_triton
-from .launch import FastLauncher
+from .launch import FastLauncher, run_compiled, runtime_settings
 from .reference import FP8_DTYPES
 
 # Largest token count ops.Linear's inference forward sends here. On GPU time alone the activation's
@@ -249,6 +249,68 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
             num_warps=4, num_stages=1,
         )  # fmt: skip
     return y
+
+
+class PreparedMM:
+    """fp8_weight_mm for repeated eager calls with one weight, one bias and one activation shape: the tile plan,
+    the compiled kernels and every launch argument but x and y worked out once (`prepare`), so that a call
+    does no validation and no specialization lookup in Python. ops.Linear keeps one per input shape of an
+    FP8-only weight (its per-call host time is what decode-size eager forwards wait for: kernels/launch.py).
+
+    A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
+    16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
+    since. The caller guarantees the rest: x contiguous (M, K) of the prepared dtype on the prepared device,
+    and the same weight tensors and bias (`matches`)."""
+
+    __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings",
+                 "main", "grid", "tail", "sum", "sum_grid", "sum_tail", "split_shape")  # fmt: skip
+
+    def matches(self, w_data, w_scale_inv, bias) -> bool:
+        """Whether these are the tensors this call was prepared for (identity: their values may change)."""
+        return w_data is self.w_data and w_scale_inv is self.w_scale_inv and bias is self.bias
+
+    def __call__(self, x: torch.Tensor, w_data, w_scale_inv, bias) -> Optional[torch.Tensor]:
+        device = self.device_index
+        if x.data_ptr() % 16 or torch._C._cuda_getDevice() != device or runtime_settings() != self.settings:
+            return None
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = y if self.sum is None else torch.empty(self.split_shape, dtype=torch.float32, device=self.device)
+        if out.data_ptr() % 16 or (out is not y and y.data_ptr() % 16):
+            return None  # not from torch's caching allocator (a pluggable one): Triton's own path
+        bias_arg = x if bias is None else bias
+        run_compiled(self.main, self.grid, device, (x, w_data, w_scale_inv, bias_arg, out, *self.tail))
+        if self.sum is not None:
+            run_compiled(self.sum, self.sum_grid, device, (out, w_scale_inv, bias_arg, y, *self.sum_tail))
+        return y
+
+
+def prepare(x, w_data, w_scale_inv, bias=None):
+    """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
+    device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
+    where a later call could not skip Triton's own launch path (the interpreter, another current device)."""
+    m, k = x.shape
+    n = w_data.shape[0]
+    mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
+    config, split_k, k_per_split, grid, sum_grid = plan(m, n, k, x.device.index, None, None, s_cols if mode == 2 else None)
+    block_m, block_n, block_k, warps, stages = config
+    settings = runtime_settings()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    bias_arg = x if bias is None else bias
+    tail = (m, n, k, k_per_split, x.stride(0), w_data.stride(0), stride_s, s_rows, s_cols, mode, bias is not None,
+            block_m, block_n, block_k, split_k)  # fmt: skip
+    main = _launch.launch_and_keep(grid, x, w_data, w_scale_inv, bias_arg, out, *tail, num_warps=warps, num_stages=stages)
+    sum_tail, summed = (m, n, mode, bias is not None, split_k, block_m, SUM_BLOCK_N), None
+    if split_k > 1:
+        summed = _launch_sum.launch_and_keep(sum_grid, out, w_scale_inv, bias_arg, y, *sum_tail, num_warps=4, num_stages=1)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x, y, out, w_data, w_scale_inv, bias_arg))
+    if main is None or (split_k > 1 and summed is None) or not aligned:
+        return y, None
+    p = PreparedMM()
+    p.w_data, p.w_scale_inv, p.bias, p.device, p.device_index = w_data, w_scale_inv, bias, x.device, x.device.index
+    p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = x.dtype, (m, n), settings, main, grid, tail
+    p.sum, p.sum_grid, p.sum_tail, p.split_shape = summed, sum_grid, sum_tail, (split_k, m, n)
+    return y, p
 
 
 def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):

@@ -109,6 +109,25 @@ class _WeightCache:
         return [t for t in (self.w8, self.wd) if t is not None]
 
 
+class _InferencePlans(dict):
+    """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
+    dtype). Derived and never saved: pickling or copying a model drops them. Bounded: a model serving many
+    prompt lengths keeps the latest MAX shapes per Linear."""
+
+    MAX = 64
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def add(self, key, prepared) -> None:
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = prepared
+
+
 class Linear(BasicOp):
     """y = x @ weight.t() + bias, with FP8 GEMMs.
 
@@ -151,6 +170,7 @@ class Linear(BasicOp):
         self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(self.local_out_features if parallel == "column" else out_features, **factory)) if bias else None
         self._weight_cache = _WeightCache()
+        self._inference_plans = _InferencePlans()
         self._expansion: Optional[list] = None
         self._amax_group = check_amax_group(amax_group)
         self.set_recipe(recipe)
@@ -276,6 +296,12 @@ class Linear(BasicOp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             check_dense(x, "Linear")
+        if type(x) is torch.Tensor and not torch.compiler.is_compiling():  # dynamo never reads the plans
+            prepared = self._inference_plans.get((x.shape, x.dtype))
+            if prepared is not None:
+                y = self._prepared_forward(prepared, x)
+                if y is not None:
+                    return y
         # Alone and below the policy's size: exactly nn.Linear (native autograd, the same kernels), with as
         # little Python before it as nn.Linear has: at M = 1024 a bf16 Linear's fwd+bwd is about as long on
         # the GPU (0.15 ms) as on the H100 machine's host, so each microsecond here shows in the ratio.
@@ -293,6 +319,30 @@ class Linear(BasicOp):
             if self.runs_as_torch(x.numel() // self.in_features, x.device):
                 return self.torch_forward(x, bias=self.bias)
         return super().forward(x)
+
+    def _prepared_forward(self, prepared, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """A repeated decode-size inference call: what `_inference_forward` checked and planned for this input
+        shape and dtype, re-checked only where it can change between calls (grad mode, autocast, tracing,
+        the device, contiguity, the weight and bias tensors), then the prepared launch. None: the full path.
+        On the H100 machine's host this path is what keeps an eager FP8 Linear's host time near nn.Linear's
+        (docs/inference.md gives the measured numbers)."""
+        params = self._parameters
+        w, b = params["weight"], params.get("bias")
+        data, scale_inv = getattr(w, "_data", None), getattr(w, "_scale_inv", None)
+        if (
+            self.high_precision
+            or not prepared.matches(data, scale_inv, b)
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
+            or torch._C._is_any_autocast_enabled()
+            or torch._C._len_torch_dispatch_stack()
+            or forward_ad_or_functorch_active()
+            or x.get_device() != prepared.device_index
+            or not x.is_contiguous()
+            or (b is not None and (b.dtype != x.dtype or not b.is_contiguous()))
+        ):  # fmt: skip
+            return None
+        y = prepared(x.view(-1, self.in_features), data, scale_inv, b)
+        return None if y is None else y.view(*x.shape[:-1], self.out_features)
 
     def _inference_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """An FP8-only weight's inference forward (no backward to record) without the op runner: the layer's
@@ -328,7 +378,12 @@ class Linear(BasicOp):
                 return None
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
                 return None
-            y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
+            if self._plannable(x, x2, bias):
+                y, prepared = weight_only.prepare(x2, data, scale_inv, bias)
+                if prepared is not None:
+                    self._inference_plans.add((x.shape, x.dtype), prepared)
+            else:
+                y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
         else:
             if x.dtype not in (torch.bfloat16, torch.float16):
                 return None
@@ -343,6 +398,15 @@ class Linear(BasicOp):
                 need_dgrad=False, fast_accum=self.recipe.fprop_fast_accum,
             )  # fmt: skip
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _plannable(self, x, x2, bias) -> bool:
+        """Whether this checked weight-only call may be prepared for repeats (`_prepared_forward`): a plain
+        eager call on a CUDA device, with a contiguous input (its 2-D view has the strides the plan fixes)."""
+        traced = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+        return (
+            not traced and x.is_cuda and x.is_contiguous() and x2.is_contiguous() and weight_only.use_triton(x2)
+            and not torch._C._is_any_autocast_enabled() and (bias is None or bias.is_contiguous())
+        )  # fmt: skip
 
     def _block_forward(self, x2: torch.Tensor, w: Float8Tensor, bias) -> Optional[torch.Tensor]:
         """A block-scaled FP8-only weight (a hub checkpoint's 128x128 blocks) above the weight-only kernel's
@@ -362,8 +426,9 @@ class Linear(BasicOp):
     # ---- the weight's FP8 copy ------------------------------------------------------------------------
     def __setattr__(self, name, value):
         # Replacing the weight (`op.weight = Parameter(...)`) drops the FP8 copy of the old one at once.
-        if name == "weight" and "_weight_cache" in self.__dict__:
+        if name in ("weight", "bias") and "_weight_cache" in self.__dict__:
             self._weight_cache.clear()
+            self._inference_plans.clear()
         super().__setattr__(name, value)
 
     def cached_fp8_tensors(self) -> list:
@@ -374,6 +439,7 @@ class Linear(BasicOp):
         """Forget the cached FP8 weight. Needed only after writing the weight through `.data` in place
         (such writes move no version counter); loads, moves and replacing `.data` are seen by themselves."""
         self._weight_cache.clear()
+        self._inference_plans.clear()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         self.refresh_fp8_weight()

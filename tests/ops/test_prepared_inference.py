@@ -1,0 +1,151 @@
+"""An FP8-only Linear's repeated decode-size calls: the prepared launch (`Linear._prepared_forward`,
+kernels/weight_only.py PreparedMM).
+
+The first eager call of an input shape is checked and planned; later calls of that shape re-check only what can
+change between calls and launch the compiled kernel directly. On the GPU: a prepared call gives the bits of the
+checked op, sees every change of what it was prepared for (weight bytes written in place, a replaced weight or
+bias, a bias moved to another tensor, grad mode, autocast, a non-contiguous input, ops.high_precision), and is
+captured by a CUDA graph. On the CPU: nothing is prepared (the op is its reference), and copies of a model carry
+no plans.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import float8.ops as ops
+from float8 import Float8Tensor, Recipe
+from float8.kernels import weight_only
+
+BF16 = torch.bfloat16
+
+
+def _linear(k=256, n=128, bias=True, recipe=None, device="cuda", seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(device, BF16)
+    return ops.convert(model, recipe=recipe, fp8_weights=True)[0]
+
+
+def _checked(lin, x):
+    """The registered op, with all of its checks: what a prepared call must equal bit for bit."""
+    w = lin.weight
+    b = lin.bias
+    y = weight_only.fp8_weight_mm(x.reshape(-1, lin.in_features), w.fp8_data, w.scale_inv, b)
+    return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def test_cpu_calls_prepare_nothing():
+    lin = _linear(device="cpu")
+    with torch.inference_mode():
+        lin(torch.randn(4, 256, dtype=BF16))
+    assert len(lin._inference_plans) == 0
+
+
+def test_prepare_on_the_interpreter_launches_and_keeps_nothing():
+    lin = _linear(k=64, n=32, device="cpu")
+    x = torch.randn(3, 64, dtype=BF16)
+    y, prepared = weight_only.prepare(x, lin.weight.fp8_data, lin.weight.scale_inv, lin.bias)
+    assert prepared is None and y.shape == (3, 32) and y.dtype == BF16  # the values: tests/kernels
+
+
+def test_copies_and_pickles_carry_no_plans():
+    lin = _linear(device="cpu")
+    lin._inference_plans.add(("shape", BF16), object())  # as a GPU call would leave it
+    for twin in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert len(twin._inference_plans) == 0
+        assert twin._inference_plans is not lin._inference_plans
+
+
+def test_plans_are_bounded_and_cleared_by_a_new_weight():
+    lin = _linear(device="cpu")
+    for i in range(lin._inference_plans.MAX + 1):
+        lin._inference_plans.add((i, BF16), object())
+    assert len(lin._inference_plans) <= lin._inference_plans.MAX
+    lin.refresh_fp8_weight()
+    assert len(lin._inference_plans) == 0
+    lin._inference_plans.add((0, BF16), object())
+    lin.bias = torch.nn.Parameter(torch.zeros(128, dtype=BF16))
+    assert len(lin._inference_plans) == 0
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1, 4096), (16, 4096), (2, 3, 4096), (128, 4096)])
+@pytest.mark.parametrize("n", [256, 4096])  # 256 columns: split K and its summing kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_prepared_calls_give_the_checked_ops_bits(shape, n, bias):
+    lin = _linear(k=4096, n=n, bias=bias)
+    x = torch.randn(shape, device="cuda", dtype=BF16)
+    with torch.inference_mode():
+        first = lin(x)
+        assert (x.shape, x.dtype) in lin._inference_plans
+        for _ in range(3):
+            assert torch.equal(lin(x), first)
+        assert torch.equal(first, _checked(lin, x))
+
+
+@gpu
+@pytest.mark.parametrize("recipe", [Recipe.rowwise(), Recipe.blockwise()])
+def test_gpu_row_and_block_scaled_weights(recipe):
+    lin = _linear(k=512, n=256, recipe=recipe)
+    x = torch.randn(8, 512, device="cuda", dtype=BF16)
+    with torch.inference_mode():
+        first = lin(x)
+        assert torch.equal(lin(x), first) and torch.equal(first, _checked(lin, x))
+
+
+@gpu
+def test_gpu_prepared_calls_see_every_change():
+    lin = _linear()
+    x = torch.randn(16, 256, device="cuda", dtype=BF16)
+    with torch.inference_mode():
+        lin(x)
+        # Weight bytes and scale written in place (the same tensors): read by the next call.
+        other = Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16))
+        lin.weight.copy_(other)
+        assert torch.equal(lin(x), _checked(lin, x))
+        # A new weight Parameter, a new bias Parameter, the bias moved to another tensor.
+        lin.weight = torch.nn.Parameter(Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16)), requires_grad=False)
+        assert torch.equal(lin(x), _checked(lin, x))
+        lin(x)
+        lin.bias = torch.nn.Parameter(torch.randn(128, device="cuda", dtype=BF16))
+        assert torch.equal(lin(x), _checked(lin, x))
+        lin(x)
+        lin.bias.data = torch.randn(128, device="cuda", dtype=BF16)
+        assert torch.equal(lin(x), _checked(lin, x))
+        # The same shape, 2 bytes off a 16-byte boundary (Triton specializes on alignment).
+        odd = torch.randn(16 * 256 + 1, device="cuda", dtype=BF16)[1:].view(16, 256)
+        assert torch.equal(lin(odd), _checked(lin, odd))
+        # The same shape, not contiguous.
+        xt = torch.randn(256, 16, device="cuda", dtype=BF16).t()
+        assert torch.equal(lin(xt), _checked(lin, xt.contiguous()))
+        # ops.high_precision: the dequantized weight in bf16, not the FP8 kernel.
+        with ops.high_precision(lin):
+            hp = lin(x)
+        assert torch.equal(hp, torch.nn.functional.linear(x, lin.weight.dequantize(BF16), lin.bias))
+    # Grad mode with an input that requires grad: the general path records a backward.
+    xg = x.clone().requires_grad_()
+    assert lin(xg).requires_grad
+    # Autocast to float16: the product in float16, as nn.Linear gives.
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+        assert lin(x).dtype == torch.float16
+
+
+@gpu
+def test_gpu_a_cuda_graph_captures_prepared_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.SiLU(), torch.nn.Linear(512, 256, bias=False))
+    model = ops.convert(model.to("cuda", BF16), fp8_weights=True)
+    x = torch.randn(16, 256, device="cuda", dtype=BF16)
+    with torch.inference_mode():
+        want = model(x)
+        model(x)  # prepared now
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
