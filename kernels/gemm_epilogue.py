@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import KINDS, _act, act_ref_fp32
+from .activation import KINDS, act_ref_fp32
+from .activation_math import _act
 from .common import cdiv, abs_bits, atomic_amax, use_triton
 from .reference import dequantize_ref
 

@@ -4,7 +4,7 @@ A per-tensor FP8 GEMM operand that exists in one layout only (a gradient whose p
 lean activation memory, ops/linear.py) gets its transpose here when the weight-gradient GEMM needs it.
 Bits are moved, never rounded: the result equals `data.t().contiguous()` bit for bit. torch's own strided
 copy of a 1-byte transpose is far from the copy bandwidth; this one moves (TILE, TILE) tiles through
-shared memory as 16-bit lanes (the activation kernels' fastest transpose: kernels/activation.py).
+shared memory as 16-bit lanes (the activation kernels' fastest transpose: kernels/activation_math.py, `_fp8_t`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ CASE_IDS = ["1x16-f32-bias-T", "7x34-bf16", "17x128-bf16-bias-T-m1", "3x5x64-f32
 # float32 closeness, |ours - ref| <= RTOL * |ref| + ATOL * m, where m (`magnitude`) is the size of the
 # terms whose rounding the result inherits: 1 + |v| (times |b| in swiglu's product, times |dy| in a
 # gradient). The ATOL part covers the cancellation at the roots of silu' and gelu' (the erf GELU itself
-# has none: its v < 0 side uses erfc, see kernels/activation.py and test_gelu_tail).
+# has none: its v < 0 side uses erfc, see _phi in kernels/activation_math.py and test_gelu_tail).
 ULPS_CPU = dict(rtol=2.0**-21, atol=2.0**-22)  # kernel vs ref: 4 ulps + 1/4 ulp of the terms; measured <= 2
 ULPS_GPU = dict(rtol=1e-5, atol=2.0**-20)  # ex2.approx: relative error grows like |v| * 2**-24
 FP64 = dict(rtol=1e-5, atol=2.0**-23)  # the float32 result vs float64 autograd
