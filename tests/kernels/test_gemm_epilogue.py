@@ -1,4 +1,4 @@
-"""The Triton FP8 GEMM with a fused bias/activation/amax epilogue (kernels/gemm_epilogue.py) against its
+"""The Triton FP8 GEMM with a fused bias/activation/amax epilogue (benchmarks/gemm_epilogue.py) against its
 float64 reference: under the interpreter on odd shapes and partial tiles, and on the GPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from float8.kernels import gemm_epilogue as G
+from benchmarks import gemm_epilogue as G
 
 from .helpers import needs_interpreter
 
