@@ -373,6 +373,8 @@ class Linear(BasicOp):
             return None
         x2 = x.reshape(tokens, self.in_features)
         if tokens <= weight_only.MAX_TOKENS:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()  # a transposed input: the same kernel and bits as its contiguous copy
             data, scale_inv = w.fp8_data, w.scale_inv
             if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features:
                 return None

@@ -209,3 +209,12 @@ def test_gpu_weight_only_is_closer_to_float64_than_fp8xfp8():
         general = _general(lin, x)
     want = x.double() @ lin.weight.dequantize(torch.float32).double().t() + lin.bias.double()
     assert sqnr_db(y.double(), want) > sqnr_db(general.double(), want)
+
+
+def test_a_transposed_input_gives_its_contiguous_copys_bits():
+    """Memory layout does not pick the numerics: a column-major input takes the weight-only kernel too."""
+    lin = _linear(bias=True)
+    xt = torch.randn(64, 16, dtype=torch.bfloat16).t()
+    with torch.inference_mode():
+        assert torch.equal(lin(xt), lin(xt.contiguous()))
+        assert torch.equal(lin(xt), _weight_only(lin, xt))
