@@ -2,10 +2,11 @@
 
     python -m benchmarks.before_after --before DIR [DIR ...] --after DIR [DIR ...] [--md OUT.md]
 
-Each DIR holds the bench_<gpu>.json that `python -m benchmarks --cases ... --out DIR` wrote with one
-version installed. Runs alternate (before, after, before, after) so clock drift hits both alike; per
-case, the table gives each side's median time and memory, after/before, and each side's speedup over its
-own bf16 baseline (timed in the same process), which is the drift-free comparison.
+Each DIR holds the latest.json that `python -m benchmarks --cases ... --out DIR` wrote with one version
+installed (its bench_* areas; an older version's bench_<gpu>.json is read too). Runs alternate (before,
+after, before, after) so clock drift hits both alike; per case, the table gives each side's median time and
+memory, after/before, and each side's speedup over its own bf16 baseline (timed in the same process), which
+is the drift-free comparison.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ import statistics
 def _records(dirs):
     out = {}
     for d in dirs:
-        for path in glob.glob(os.path.join(d, "bench_*.json")):
+        runs = []
+        for path in glob.glob(os.path.join(d, "bench_*.json")):  # written by versions before benchmarks/results/
             with open(path) as f:
-                for r in json.load(f):
-                    if r.get("ours_ms") is not None:
-                        out.setdefault(r["label"], []).append(r)
+                runs += json.load(f)
+        if os.path.exists(os.path.join(d, "latest.json")):
+            with open(os.path.join(d, "latest.json")) as f:
+                areas = json.load(f)
+            runs += [r for area, s in areas.items() if area.startswith("bench_") for r in s["detail"]["records"]]
+        for r in runs:
+            if r.get("ours_ms") is not None:
+                out.setdefault(r["label"], []).append(r)
     return out
 
 

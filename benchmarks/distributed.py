@@ -1,7 +1,7 @@
 """2-GPU benchmarks (torchrun, NCCL): FSDP2 training of a Llama-style model and a tensor/sequence-parallel
 transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed --out results.json [--tiny]
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed [--out DIR] [--tiny]
 
 fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x2048 tokens per GPU, fp32
     master parameters, MixedPrecisionPolicy(bf16, fp32), AdamW; FSDP2 per block and at the root. The model
@@ -14,6 +14,8 @@ fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x204
 tp: one transformer layer, TP=2 with sequence parallelism, 8192 tokens: float8.ops (Linear(parallel=...,
     sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style collectives.
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
+Rank 0 records the areas distributed_fsdp and distributed_tp in DIR (default benchmarks/results/; a DIR/x.json
+given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 import time
@@ -29,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from benchmarks.harness import figures_from_rows, record, results_dir
 
 
 # ---- the bf16 model in plain PyTorch (also torchao's input) ------------------------------------------------
@@ -386,8 +389,15 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
 
 
 def _write(out, path) -> None:
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    """Record each part measured so far as its area, distributed_<part>: a figure per number of each variant."""
+    env = {"device": f"{out['world']}x {out['device']}", "date": out["date"], **out["versions"]}
+    env["command"] = out["command"]
+    for part in ("fsdp", "tp"):
+        if out[part]:
+            rows = [{"variant": name, **r} for name, r in out[part].items()]
+            figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
+            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp")} | {part: out[part]}
+            record(f"distributed_{part}", path, env, figures, None, detail)
 
 
 def _exposed_comm(model_step, trace_dir, name, steps=2):
@@ -431,7 +441,7 @@ def _exposed_comm(model_step, trace_dir, name, steps=2):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=8, help="timed whole steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
@@ -440,6 +450,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    folder = str(results_dir(args.out))
+    os.makedirs(folder, exist_ok=True)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))  # a stuck collective raises
     dev = torch.device("cuda", rank)
@@ -456,13 +468,13 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "command": "torchrun --nproc_per_node 2 -m benchmarks.distributed " + " ".join(sys.argv[1:]), "fsdp": {}, "tp": {}}  # fmt: skip
     if args.only in (None, "fsdp"):
         out["fsdp"] = _fsdp(cfg, rank, world, dev, args.steps, args.rounds, args.variants,
-                            os.path.dirname(os.path.abspath(args.out)) if args.profile else None)
+                            folder if args.profile else None)
         if rank == 0:
             for name, r in out["fsdp"].items():
                 print(name, {k: v for k, v in r.items() if k not in ("losses", "rounds_ms")}, flush=True)
             _write(out, args.out)
     if args.only in (None, "tp"):
-        out["tp"] = _tp(cfg, rank, world, dev, 10, args.rounds, os.path.dirname(os.path.abspath(args.out)) if args.profile else None)
+        out["tp"] = _tp(cfg, rank, world, dev, 10, args.rounds, folder if args.profile else None)
         if rank == 0:
             print(out["tp"], flush=True)
     if rank == 0:

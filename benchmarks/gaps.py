@@ -1,11 +1,13 @@
-"""python -m benchmarks.gaps [--variants a,b] [--tiny] [--json F]: where the GPU waits inside one training
+"""python -m benchmarks.gaps [--variants a,b] [--tiny] [--out DIR]: where the GPU waits inside one training
 step of the Llama-style model (benchmarks/step_llama.py variants).
 
 A step's wall time is its kernels' time plus the time the GPU sits idle, waiting for the host to launch
 the next kernel. This profiles one step (after warm-up) with CPU and CUDA activity and Python stacks,
 finds every idle interval longer than --min-us between kernels, and charges it to the Python line that
 launched the kernel after the gap (the profiled op with a Python stack that started last before that
-kernel did). CUDA only: on the CPU there are no kernels and the report is empty.
+kernel did). CUDA only: on the CPU there are no kernels and the report is empty. Recorded as the area
+"gaps" in DIR (default benchmarks/results/; benchmarks.harness.record): idle time and gaps per variant as
+figures, the whole report as detail.
 """
 
 from __future__ import annotations
@@ -71,14 +73,15 @@ def gpu_gaps(step: Callable[[], None], device: torch.device, min_us: float = 20.
 
 
 def main(argv=None) -> None:
-    from benchmarks.harness import free_memory
+    from benchmarks.harness import environment, figures_from_rows, free_memory, record
     from benchmarks.step_llama import build_step
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.gaps", description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="float8 ops eager", help="comma-separated step_llama variants")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the default without CUDA)")
     p.add_argument("--min-us", type=float, default=20.0, help="shortest idle interval counted, in microseconds")
-    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--out", "--json", dest="out", default=None,
+                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if args.tiny or device.type == "cpu" else LlamaShape()
@@ -91,9 +94,8 @@ def main(argv=None) -> None:
         print(variant, json.dumps(report[variant], indent=1), flush=True)
         del step
         free_memory()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    rows = [{"variant": v, **{k: r[k] for k in ("span_ms", "idle_ms", "gaps") if k in r}} for v, r in report.items()]
+    record("gaps", args.out, environment(device), figures_from_rows(rows, "GPU idle in one step"), None, report)
 
 
 if __name__ == "__main__":

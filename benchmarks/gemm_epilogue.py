@@ -9,7 +9,8 @@ For each shape, y = act(a @ b + bias) quantized to E4M3 with current scaling (ac
 and the bare GEMMs (no bias, no activation) in TFLOP/s: cuBLASLt, and each Triton tile configuration.
 Every pipeline and tile configuration is checked before it is timed: its FP8 output against the float64
 reference, SQNR >= MIN_SQNR_DB (FP8 E4M3 rounding gives ~31 dB), else AssertionError.
-Writes DIR/gemm_epilogue_<gpu>.json and prints a table.
+Prints a table and records it as the area "gemm_epilogue" in DIR (default benchmarks/results/;
+benchmarks.harness.record: latest.json, latest.md, history.csv).
 
 The Triton GEMM lives here, not in the library, which keeps cuBLASLt (docs/performance.md has the numbers):
     gemm_epilogue(a, a_scale_inv, b, b_scale_inv, bias, kind) -> (y, amax)
@@ -23,9 +24,6 @@ without fast accumulation), scaled once at the end; gemm_epilogue_ref is float64
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import time
 from typing import Optional
 
@@ -33,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import make_timer
+from benchmarks.harness import command_line, figure, make_timer, record
 from float8.kernels import activation as act
 from float8.kernels import quantize
 from float8.kernels.activation_math import _act
@@ -233,35 +231,57 @@ def run_shape(m, k, n, device, bench) -> dict:
     return rec
 
 
+def figures(records: list) -> list:
+    """Per shape: the bare GEMMs (cuBLASLt, the best Triton tile), then per epilogue both pipelines' ms and
+    SQNR and the fused one's speedup over cuBLASLt's."""
+    out = []
+    for r in records:
+        shape = "x".join(map(str, r["shape"]))
+        best = min(r["triton_gemm_ms"].values())
+        for variant, ms in (("cuBLASLt", r["cublas_gemm_ms"]), ("Triton, best tile", best)):
+            out += [figure(f"{shape} GEMM alone", variant, "ms", ms),
+                    figure(f"{shape} GEMM alone", variant, "TFLOP/s", r["gemm_flops"] / ms / 1e9)]  # fmt: skip
+        for kind in KINDS:
+            case = f"{shape} bias{'' if kind == 'identity' else ' + ' + kind} + amax"
+            c, t = r[f"{kind}_cublas_ms"], r[f"{kind}_triton_ms"]
+            out += [figure(case, "cuBLASLt + separate kernel", "ms", c),
+                    figure(case, "cuBLASLt + separate kernel", "sqnr_db", r[f"{kind}_cublas_sqnr_db"]),
+                    figure(case, "Triton fused + cast", "ms", t),
+                    figure(case, "Triton fused + cast", "sqnr_db", r[f"{kind}_triton_sqnr_db"]),
+                    figure(case, "Triton fused + cast", "speedup_vs_cublaslt", c / t)]  # fmt: skip
+    return out
+
+
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     bench = make_timer(cuda)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     records = [run_shape(*s, args.device, bench) for s in SHAPES["cuda" if cuda else "cpu"]]
-    meta = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": command_line(None if argv is None else ["", *argv], module="benchmarks.gemm_epilogue")}
     meta["triton"] = triton.__version__
-    print(f"FP8 GEMM + bias (+ act) -> E4M3, current scaling; {name}, torch {meta['torch']}, triton {meta['triton']}")
-    print("| M x K x N | epilogue | cuBLASLt + separate kernel ms | Triton fused + cast ms | fused vs cuBLASLt | "
-          "SQNR dB (cuBLASLt / Triton) | GEMM alone TFLOP/s (cuBLASLt / best Triton) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    lines = [f"FP8 GEMM + bias (+ act) -> E4M3, current scaling; {name}, torch {meta['torch']}, "
+             f"triton {meta['triton']}",
+             "",
+             "| M x K x N | epilogue | cuBLASLt + separate kernel ms | Triton fused + cast ms | fused vs cuBLASLt | "
+             "SQNR dB (cuBLASLt / Triton) | GEMM alone TFLOP/s (cuBLASLt / best Triton) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in records:
         tf = lambda ms: r["gemm_flops"] / ms / 1e9  # noqa: E731
         rates = f"{tf(r['cublas_gemm_ms']):.0f} / {tf(min(r['triton_gemm_ms'].values())):.0f}"
         for kind in KINDS:
             c, t = r[f"{kind}_cublas_ms"], r[f"{kind}_triton_ms"]
-            print(f"| {'x'.join(map(str, r['shape']))} | bias{'' if kind == 'identity' else ' + ' + kind} + amax | "
+            epilogue = "bias" + ("" if kind == "identity" else " + " + kind) + " + amax"
+            lines.append(f"| {'x'.join(map(str, r['shape']))} | {epilogue} | "
                   f"{c:.3f} | {t:.3f} ({r[f'{kind}_triton_config']}) | {c / t:.2f}x | "
-                  f"{r[f'{kind}_cublas_sqnr_db']:.1f} / {r[f'{kind}_triton_sqnr_db']:.1f} | {rates} |")
+                  f"{r[f'{kind}_cublas_sqnr_db']:.1f} / {r[f'{kind}_triton_sqnr_db']:.1f} | {rates} |")  # fmt: skip
         r.update(meta)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-        with open(os.path.join(args.out, f"gemm_epilogue_{slug}.json"), "w") as f:
-            json.dump(records, f, indent=1)
+    print("\n".join(lines))
+    record("gemm_epilogue", args.out, meta, figures(records), "\n".join(lines) + "\n", {"records": records})
     return records
 
 

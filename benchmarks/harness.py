@@ -1,13 +1,18 @@
 """What every benchmark case shares: one step timer, one peak-memory probe, the environment record and one
-report writer (JSON for machines, a markdown table for people). Cases use float8's public API only."""
+results writer (`record`: benchmarks/results/latest.json for machines, latest.md for people, history.csv
+for every figure ever recorded). Cases use float8's public API only."""
 
 from __future__ import annotations
 
+import csv
 import datetime
 import gc
+import io
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable, List, Optional
 
@@ -109,7 +114,7 @@ def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 
 
 
 def environment(device: torch.device) -> dict:
-    """Device, date and versions: what a recorded number needs beside it."""
+    """Device, date, versions, the command and the commit: what a recorded number needs beside it."""
     import triton
 
     env = {
@@ -124,47 +129,225 @@ def environment(device: torch.device) -> dict:
         env["torchao"] = torchao.__version__
     except ImportError:
         env["torchao"] = None
+    env["command"] = command_line()
     return env
 
 
-def latest_stem(name: str, env: dict) -> str:
-    """`<name>_<device>`: the file stem of a benchmark's latest record (older ones go to history/)."""
-    return f"{name}_{env['device'].lower().replace(' ', '-')}"
+# ----------------------------------------------------------------------------------------------------------
+# Results: one folder per run (benchmarks/results/ by default, or --out), the same layout everywhere.
+#   latest.json  {area: section}: each area's last run (device, date, versions, command, commit, figures,
+#                its markdown and its full record under "detail"); a run rewrites its own areas only
+#   latest.md    the same for people, regenerated from latest.json
+#   history.csv  one row per figure ever recorded: HISTORY_COLUMNS, appended by every run
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parents[1]
+HISTORY_COLUMNS = ["date", "commit", "device", "area", "case", "variant", "metric", "value"]
+ENV_KEYS = ["device", "date", "torch", "triton", "torchao", "command", "commit"]
+_APPENDED: dict = {}  # (history.csv, area) -> the lines this process appended last for that area
 
 
-def archive_latest(name: str, out: str, env: dict) -> None:
-    """Move the latest record of `name` on this device (every file of its stem) into <out>/history/, named with
-    the date its env records, before a new run writes its own."""
-    folder = pathlib.Path(out)
-    stem = latest_stem(name, env)
-    old = folder / f"{stem}.json"
-    if not old.exists():
-        return
-    date = json.loads(old.read_text()).get("env", {}).get("date", "undated")
-    (folder / "history").mkdir(parents=True, exist_ok=True)
-    for f in folder.glob(f"{stem}.*"):
-        f.rename(folder / "history" / f"{stem}_{date}{f.suffix}")
-    for f in folder.glob(f"{stem}_*.txt"):
-        f.rename(folder / "history" / f"{stem}_{date}{f.name[len(stem):]}")
+def results_dir(out: Optional[str] = None) -> pathlib.Path:
+    """Where a run's results go: benchmarks/results/ unless given; a file path given (an old `--out x.json`
+    or `--json x.json`) stands for its folder."""
+    if out is None:
+        return RESULTS
+    path = pathlib.Path(out)
+    return path.parent if path.suffix in (".json", ".md", ".txt", ".csv") else path
+
+
+def command_line(argv: Optional[List[str]] = None, module: Optional[str] = None) -> str:
+    """This process's command line as one would type it (`python -m benchmarks.x ...`); `module` names the
+    module when it is known (a benchmark run in-process from another)."""
+    argv = list(sys.argv if argv is None else argv)
+    if module is None and argv and argv[0]:
+        try:
+            rel = pathlib.Path(argv[0]).resolve().relative_to(ROOT).with_suffix("")
+            module = ".".join(rel.parts).removesuffix(".__main__")
+        except ValueError:
+            return " ".join(["python", *argv])
+    return " ".join([f"python -m {module}", *argv[1:]]).strip()
+
+
+def git_commit() -> str:
+    """The checkout's short commit, or "unknown" (a copy of the tree without its git folder)."""
+    try:
+        command = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def _date(value) -> str:
+    """YYYY-MM-DD, or YYYY-MM-DDTHH:MM where the record has the time (UTC in the suite's records)."""
+    text = str(value or datetime.date.today().isoformat())
+    return text[:16] if "T" in text else text[:10]
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN is no figure
+
+
+def figure(case: str, variant: str, metric: str, value) -> dict:
+    return {"case": str(case), "variant": str(variant), "metric": str(metric), "value": value}
+
+
+def figures_from_rows(rows: List[dict], case: str = "", keys: List[str] = (), variant: str = "variant") -> List[dict]:
+    """One figure per number of each row: the row's `keys` (with `case` before them; a key named "case" by
+    its value alone) name its case, its `variant` field the variant, every other numeric field is a metric
+    (lists, text and flags are not)."""
+    out = []
+    for row in rows:
+        names = [case] if case else []
+        names += [str(row[k]) if k == "case" else f"{k} {row[k]}" for k in keys if row.get(k) is not None]
+        name = ", ".join(names)
+        for metric, value in row.items():
+            if metric not in keys and metric != variant and _number(value):
+                out.append(figure(name, row.get(variant, ""), metric, value))
+    return out
+
+
+def markdown_table(rows: List[dict], columns: List[str]) -> str:
+    """A markdown table of `columns` (a missing or None cell is empty)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.5g}"
+    return str(v)
+
+
+def figures_markdown(figures: List[dict]) -> str:
+    """Figures as tables, one per case: a row per variant, a column per metric."""
+    cases: dict = {}
+    for f in figures:
+        cases.setdefault(f["case"], {}).setdefault(f["variant"], {})[f["metric"]] = f["value"]
+    parts = []
+    for case, variants in cases.items():
+        metrics = list(dict.fromkeys(m for v in variants.values() for m in v))
+        rows = [{"variant": v, **{m: _cell(x) for m, x in ms.items()}} for v, ms in variants.items()]
+        parts.append((f"{case}:\n\n" if case else "") + markdown_table(rows, ["variant", *metrics]))
+    return "\n".join(parts)
+
+
+def section(env: dict, figures: List[dict], markdown: Optional[str] = None, detail=None, files=()) -> dict:
+    """One area's entry of latest.json: the environment first (ENV_KEYS, then any other versions env
+    holds), then its figures, its markdown, its full record and the extra files it wrote beside it."""
+    s = {k: env.get(k) for k in ENV_KEYS}
+    s["date"] = _date(env.get("date"))
+    s["command"] = env.get("command") or command_line()
+    s["commit"] = env.get("commit") or git_commit()
+    s.update({k: v for k, v in env.items() if k not in s})
+    s["figures"] = figures
+    if markdown:
+        s["markdown"] = markdown
+    if detail is not None:
+        s["detail"] = detail
+    if files:
+        s["files"] = list(files)
+    return s
+
+
+def history_rows(area: str, s: dict) -> List[List[str]]:
+    """The history.csv rows of one section, a row per figure."""
+    return [[s["date"], s.get("commit") or "unknown", s["device"], area, f["case"], f["variant"], f["metric"],
+             f"{f['value']:.6g}" if isinstance(f["value"], float) else str(f["value"])]
+            for f in s["figures"]]  # fmt: skip
+
+
+def _csv_lines(rows: List[List[str]]) -> List[str]:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue().splitlines(keepends=True)
+
+
+def append_history(folder: pathlib.Path, lines: List[str], replace: List[str] = ()) -> None:
+    """Append csv `lines` to <folder>/history.csv (its header first if new), after taking out one occurrence
+    of each line of `replace` (what an earlier write of the same run appended)."""
+    path = folder / "history.csv"
+    old = path.read_text().splitlines(keepends=True) if path.exists() else _csv_lines([HISTORY_COLUMNS])
+    for line in reversed(replace):
+        for i in range(len(old) - 1, 0, -1):
+            if old[i] == line:
+                del old[i]
+                break
+    path.write_text("".join(old + list(lines)))
+
+
+def load_latest(folder: pathlib.Path) -> dict:
+    path = folder / "latest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_latest(folder: pathlib.Path, latest: dict) -> pathlib.Path:
+    """Write latest.json (areas in name order) and regenerate latest.md from it; returns latest.md."""
+    latest = {area: latest[area] for area in sorted(latest)}
+    (folder / "latest.json").write_text(json.dumps(latest, indent=1, default=str) + "\n")
+    md = folder / "latest.md"
+    md.write_text(latest_markdown(latest))
+    return md
+
+
+def _demote(markdown: str, levels: int = 2) -> str:
+    """A section's own headings, moved under latest.md's area heading (not inside code blocks)."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        fenced ^= line.startswith("```")
+        out.append("#" * levels + line if line.startswith("#") and not fenced else line)
+    return "\n".join(out)
+
+
+def latest_markdown(latest: dict) -> str:
+    lines = ["# Benchmark results, latest run of each area", "",
+             "Written by the benchmarks (benchmarks/harness.py `record`) from latest.json; every figure of every",
+             "run is also a row of history.csv (README tables: `python -m benchmarks.readme_tables`)."]  # fmt: skip
+    for area, s in latest.items():
+        env = ", ".join(f"{k} {s[k]}" for k in ("torch", "triton", "torchao") if s.get(k))
+        where = f"{s['device']}, {s['date']}, {env}; commit {s.get('commit')}; `{s['command']}`"
+        lines += ["", f"## {area}", "", where, ""]
+        lines.append(_demote(s["markdown"]).rstrip() if s.get("markdown") else figures_markdown(s["figures"]).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def record(area: str, out: Optional[str], env: dict, figures: List[dict], markdown: Optional[str] = None,
+           detail=None, files=()) -> pathlib.Path:  # fmt: skip
+    """Record one area's run in the results folder `out` (benchmarks/results/ when None): its section of
+    latest.json replaced (the other areas kept), latest.md regenerated, its figures appended to history.csv.
+    Written again by the same process (a report rewritten as a run goes), the area's rows of the earlier
+    write are replaced, not repeated. A CPU run (a smoke test of the plumbing) goes into benchmarks/results/
+    only when `out` names it. Returns latest.md."""
+    folder = results_dir(out)
+    if out is None and env.get("device") == "cpu":
+        print(f"a CPU run is not recorded in {folder} unless --out names it ({area})")
+        return folder / "latest.md"
+    folder.mkdir(parents=True, exist_ok=True)
+    s = section(env, figures, markdown, detail, files)
+    latest = load_latest(folder)
+    latest[area] = s
+    key = (str((folder / "history.csv").resolve()), area)
+    lines = _csv_lines(history_rows(area, s))
+    append_history(folder, lines, replace=_APPENDED.get(key, ()))
+    _APPENDED[key] = lines
+    return save_latest(folder, latest)
 
 
 def write_report(
-    name: str, out: str, env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None,
-    latest: bool = False,
+    name: str, out: Optional[str], env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None,
+    markdown: str = "", keys: Optional[List[str]] = None, case: str = "",
 ) -> pathlib.Path:  # fmt: skip
-    """<out>/<name>_<device>_<date>.json (everything) and .md (the table of `columns`); returns the .md.
-    latest: <out>/<name>_<device>.* instead, the latest record (call `archive_latest` once before a run)."""
-    folder = pathlib.Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = latest_stem(name, env) if latest else f"{latest_stem(name, env)}_{env['date']}"
-    (folder / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, **(extra or {})}, indent=1))
-    lines = [f"# {name}", "", ", ".join(f"{k} {v}" for k, v in env.items()), ""]
-    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in columns) + " |")
-    md = folder / f"{stem}.md"
-    md.write_text("\n".join(lines) + "\n")
-    return md
+    """`record` for a benchmark whose result is a list of rows: the area `name` gets the table of `columns`
+    (then `markdown`), a figure per number of each row (its case named by `keys`, by default the columns
+    before "variant", or `case`), and rows plus `extra` as its detail. Returns latest.md."""
+    if keys is None:
+        keys = columns[: columns.index("variant")] if "variant" in columns else []
+    figures = figures_from_rows(rows, case or ("" if keys else name), keys)
+    text = markdown_table(rows, columns) + (markdown or "")
+    return record(name, out, env, figures, text, {"rows": rows, **(extra or {})})
 
 
 def make_timer(cuda: bool, warmup: int = 25, rep: int = 100) -> Callable[[Callable], float]:

@@ -4,7 +4,10 @@ recipe (the small-layer policy runs a layer this small in bf16); ours forced ont
 (Recipe(min_fp8_gemm_flops=0)); both captured in CUDA graphs (torch.cuda.make_graphed_callables), and a
 cProfile of ours: where the microseconds go, by function and by file.
 
-    python -m benchmarks.host [--profile] [--json PATH]
+    python -m benchmarks.host [--profile] [--out DIR]
+
+Recorded as the area "host" in DIR (default benchmarks/results/; benchmarks.harness.record), the profiles
+as detail.
 
 Targets (issue 11): Sequential eager <= 1.3x bf16 eager host time, forced FP8 <= 2x, graphed <= 1.0x.
 """
@@ -16,13 +19,12 @@ import collections
 import copy
 import cProfile
 import io
-import json
 import pstats
 import statistics
 
 import torch
 
-from benchmarks.harness import host_us
+from benchmarks.harness import environment, figures_from_rows, host_us, markdown_table, record
 
 
 class Step:
@@ -124,7 +126,8 @@ def profile(step, calls=200) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--json", help="write the rows (and profiles) here")
+    p.add_argument("--out", "--json", dest="out", default=None,
+                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
     args = p.parse_args(argv)
     from float8 import Recipe
 
@@ -141,9 +144,9 @@ def main(argv=None):
                 step()
             profiles[name] = profile(step)
             print(f"--- cProfile, {name}\n{profiles[name]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "profiles": profiles}, f, indent=1)
+    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    md = markdown_table(rows, ["case", "variant", "us", "vs_bf16"])
+    record("host", args.out, env, figures_from_rows(rows, keys=["case"]), md, {"rows": rows, "profiles": profiles})
     return rows
 
 

@@ -2,19 +2,20 @@
 Function, and float8's ops called alone, each timed over a stream of calls on tiny tensors (GPU work
 negligible). The pieces that benchmarks.host's whole steps are made of.
 
-    python -m benchmarks.host_parts [--json PATH]
+    python -m benchmarks.host_parts [--out DIR]
+
+Recorded as the area "host_parts" in DIR (default benchmarks/results/; benchmarks.harness.record).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import host_us
+from benchmarks.harness import environment, figure, host_us, record
 
 
 @triton.jit
@@ -72,15 +73,14 @@ def measure() -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--out", "--json", dest="out", default=None,
+                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
     args = p.parse_args(argv)
     result = measure()
     for name, us in result.items():
         print(f"{us:8.1f} us  {name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "us_per_call": result}, f, indent=1)
+    figures = [figure("host time per call", name, "us", us) for name, us in result.items()]
+    record("host_parts", args.out, environment(torch.device("cuda")), figures, None, {"us_per_call": result})
     return result
 
 

@@ -23,8 +23,8 @@ Stages (the report is rewritten as it goes; past --budget-s the rest is recorded
 Compile time: a whole-model compile took 30-110 s per shape on the H100 here (2026-11-25), so the full matrix
 does not fit the default budget. Eager work comes first; each compiling stage gets a share of the budget and
 compiles the decode sizes first (COMPILE_PRIORITY); what does not fit is recorded as skipped.
-Outputs in --out: inference_<device>.json, .md (and _profile.txt), the latest record; the one before it moves
-to --out/history/ with its date. --tiny (the default on a CPU): tiny
+Outputs: the area "inference" in --out (default benchmarks/results/; benchmarks.harness.record: latest.json,
+latest.md, a row per figure in history.csv). --tiny (the default on a CPU): tiny
 sizes; compiled, CUDA-graph and torchao variants are skipped on a CPU, with the reason.
 """
 
@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import float8.ops as ops
-from benchmarks.harness import archive_latest, environment, free_memory, step_peak_bytes, time_steps, write_report
+from benchmarks.harness import environment, free_memory, step_peak_bytes, time_steps, write_report
 from benchmarks.llama import TINY, Block, LlamaShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,10 +122,8 @@ class Run:
     def save(self) -> pathlib.Path:
         """Rewrite the JSON and markdown report with everything measured so far; returns the .md path."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
-        md = write_report("inference", self.args.out, self.env, self.rows, COLUMNS, self.report, latest=True)
-        with md.open("a") as fh:
-            fh.write(markdown_sections(self.report))
-        return md
+        return write_report("inference", self.args.out, self.env, self.rows, COLUMNS, self.report,
+                            markdown=markdown_sections(self.report))
 
 
 def build_bf16(model: str, s: LlamaShape, device: torch.device) -> torch.nn.Module:
@@ -456,10 +454,8 @@ def profile_stage(run: Run, md: pathlib.Path) -> None:
         torch.cuda.synchronize()  # the GPU work the host queued belongs to these calls
     prof.disable()
     text, groups = profile_summary(prof, PROFILE_CALLS)
-    path = md.with_name(md.stem + "_profile.txt")
-    path.write_text(text)
     run.report["profile"] = {"model": "llama", "variant": "float8 eager", "tokens": 16, "calls": PROFILE_CALLS,
-                             "groups_ms_per_forward": groups, "text": text, "file": path.name}  # fmt: skip
+                             "groups_ms_per_forward": groups, "text": text}  # fmt: skip
 
 
 def markdown_sections(report: dict) -> str:
@@ -480,7 +476,7 @@ def markdown_sections(report: dict) -> str:
 
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="examples/results", help="folder for the JSON and markdown report")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--models", default="llama,hf", help="comma-separated: llama, hf")
     p.add_argument("--variants", default=None, help="comma-separated names or substrings (default: all)")
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,16,128,4096; tiny 1,16)")
@@ -529,7 +525,6 @@ def main(argv=None) -> dict:
     except importlib.metadata.PackageNotFoundError:
         env["transformers"] = None
     env["command"] = " ".join(["python -m benchmarks.inference"] + argv)
-    archive_latest("inference", args.out, env)
     run = Run(args, device, TINY if args.tiny else LlamaShape(), env)
     compiling = len(args.models) + ("hf" in args.models)  # stages that compile: forward per model, generate
     # Every compiled variant of a stage shares one code object (Module.__call__): one entry per variant

@@ -1,8 +1,8 @@
 """Benchmark the quantization kernels against eager PyTorch and torch.compile of the same math.
 
-    python -m benchmarks.kernels --out DIR            # on a CUDA machine
-    python -m benchmarks.kernels --out DIR --sweep    # also time the tile/block variants of our kernels
-    python -m benchmarks.kernels --out DIR --cpu-smoke  # tiny shape, reference paths only (CI)
+    python -m benchmarks.kernels [--out DIR]            # on a CUDA machine
+    python -m benchmarks.kernels [--out DIR] --sweep    # also time the tile/block variants of our kernels
+    python -m benchmarks.kernels [--out DIR] --cpu-smoke  # tiny shape, reference paths only (CI)
 
 For a 16384x8192 bfloat16 input (normal * 3, well past the L2 cache), with triton.testing.do_bench
 (warmup=25, rep=100, median): a device-to-device copy first (x.clone(): 2 + 2 bytes/element), the floor
@@ -14,7 +14,8 @@ of the algorithm as we run it:
   blockwise 128x128 3, dequantize 3 (read 1, write 2).
 Before timing, each of our outputs is checked bit for bit against the eager reference on the same input,
 so a fast but wrong kernel cannot report. Also: host time per call on a small input (launch overhead).
-Writes DIR/kernels_<gpu-slug>.json (records) and DIR/kernels_<gpu-slug>.md (tables), prints the tables.
+Records the area "kernels" in DIR (default benchmarks/results/; benchmarks.harness.record: latest.json with
+the whole result, latest.md with the tables, history.csv) and prints the tables.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
-import os
 import platform
-import re
 
 import torch
 
 import float8.kernels as K
-from benchmarks.harness import host_us, make_timer
+from benchmarks.harness import command_line, figure, host_us, make_timer, record
 
 _cast = importlib.import_module("float8.kernels.cast")
 _quant = importlib.import_module("float8.kernels.quantize")
@@ -81,10 +79,6 @@ def check(all_cases) -> list[str]:
             assert same_bits(g, w), f"--check: {name}: output {i} differs from the reference"
         lines.append(f"check ok: {name} ({len(got)} outputs bit-identical to the reference)")
     return lines
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def run(args) -> dict:
@@ -216,9 +210,29 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def figures(result: dict) -> list:
+    """The result's figures for history.csv: the copy floor; per kernel and implementation its ms, GB/s,
+    fraction of the copy bandwidth and speedups over the baselines; host time per call; the sweep."""
+    m = result["meta"]
+    shape = "x".join(map(str, m["shape"]))
+    out = [figure(f"copy {shape}", "x.clone()", "ms", m["copy_ms"]),
+           figure(f"copy {shape}", "x.clone()", "GB/s", m["copy_gbps"])]  # fmt: skip
+    metrics = (("ms", "ms"), ("GB/s", "gbps"), ("fraction_of_copy", "frac_of_copy"),
+               ("speedup_vs_eager", "speedup_vs_eager"), ("speedup_vs_compiled", "speedup_vs_compiled"))  # fmt: skip
+    for r in result["records"]:
+        for metric, key in metrics:
+            if r.get(key) is not None and not key.endswith(r["impl"]):  # not a baseline against itself
+                out.append(figure(f"{r['kernel']} {shape}", r["impl"], metric, r[key]))
+    out += [figure("host time per call, 256x256", h["what"], "us", h["us_per_call"]) for h in result["host"]]
+    for w in result["sweep"]:
+        out += [figure(f"sweep: {w['kernel']} {shape}", str(w["config"]), metric, w[key])
+                for metric, key in (("ms", "ms"), ("fraction_of_copy", "frac_of_copy"))]  # fmt: skip
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for kernels_<gpu>.json and kernels_<gpu>.md")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--shape", type=int, nargs=2, default=[16384, 8192], metavar=("M", "K"))
     p.add_argument("--check-only", action="store_true", help="only check ours == reference, bit for bit")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
@@ -228,13 +242,11 @@ def main(argv=None) -> dict:
     result = run(args)
     if not result:
         return result
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"kernels_{slug(result['meta']['device'])}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     md = markdown(result)
-    with open(base + ".md", "w") as f:
-        f.write(md)
+    m = result["meta"]
+    env = {k: m.get(k) for k in ("device", "date", "torch", "triton", "python")}
+    env["command"] = command_line(None if argv is None else ["", *argv], module="benchmarks.kernels")
+    record("kernels", args.out, env, figures(result), md, result)
     print(md)
     return result
 

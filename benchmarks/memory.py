@@ -1,7 +1,7 @@
 """Memory benchmarks of issue 10, one run: the fused LM head + loss, FP8-only inference, and what a training
 step holds.
 
-    python -m benchmarks.memory --out results.json [--tiny] [--only lce,inference,train,activations]
+    python -m benchmarks.memory [--out DIR] [--tiny] [--only lce,inference,train,activations]
 
 lce: loss and gradients of a (V=128256, H=4096) LM head on 16384 bf16 tokens, forward+backward: the naive
     F.cross_entropy(F.linear(x, w).float(), t), float8's linear_cross_entropy in bf16 and with FP8 GEMMs,
@@ -21,7 +21,9 @@ activations: peaks of a training step (weights, AdamW states and activations) of
 The training cases' loss is out.sum(), as in the seed thread's script (TE #1119): no float32 copy of the
 output joins the peak.
 Public APIs only. Timings are medians of CUDA-event times after warm-up; on a CPU (--tiny) it only checks
-the plumbing.
+the plumbing. Each case is recorded as it ends, as the area memory_<case> in DIR (default benchmarks/results/;
+a DIR/x.json given stands for DIR; benchmarks.harness.record: latest.json with the case's whole result,
+latest.md, history.csv).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.harness import environment, figures_from_rows, record
 
 MiB = 2**20
 
@@ -408,9 +411,18 @@ def bench_activations(dev, tiny):
     return out
 
 
+def figures(case: str, part: dict) -> list:
+    """A case's figures for history.csv: a figure per number of each row of its tables (activations: a
+    table per model)."""
+    if "rows" in part:
+        return figures_from_rows(part["rows"], case)
+    return [f for name, sub in part.items() if isinstance(sub, dict) and "rows" in sub
+            for f in figures_from_rows(sub["rows"], f"{case}: {name}")]  # fmt: skip
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--only", default="lce,inference,train,activations")
     args = p.parse_args(argv)
@@ -425,16 +437,15 @@ def main(argv=None):
         result["triton"] = triton.__version__
     except ImportError:
         pass
+    env = environment(dev)
     for case in args.only.split(","):
         t0 = time.perf_counter()
         result[case] = {"lce": bench_lce, "inference": bench_inference, "train": bench_train, "activations": bench_activations}[case](dev, args.tiny)
         print(f"== {case}: {time.perf_counter() - t0:.0f} s", flush=True)
+        record(f"memory_{case}", args.out, env, figures(case, result[case]), None, result[case])
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
     return result
 
 

@@ -1,6 +1,6 @@
 """What is alive at the peak of one training step, and where each tensor was allocated.
 
-    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train|converted] [--out peak.txt]
+    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train|converted] [--out DIR]
 
 Runs the activation cases of `benchmarks.memory` (bf16, float8.ops with the default and the lean-activation
 recipe; AdamW, bf16 weights, loss out.sum()), records the
@@ -11,7 +11,9 @@ weights, gradients and optimizer states that were allocated before the recording
 --case train: the 8 Llama blocks of the memory bench's train case (float8.ops, default and lean recipes).
 --case converted: the same 8 blocks written in plain torch.nn, in bf16 and through `ops.convert` (default and
 lean recipes): the path users take with their own models. The other cases list the converted model too.
-CUDA only (the allocator's history); on a CPU it says so and stops.
+CUDA only (the allocator's history); on a CPU it says so and stops. Each case is recorded as the area
+peak_<case> in DIR (default benchmarks/results/; benchmarks.harness.record): its reports as text, and the peaks
+and what was held before the step as figures.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import re
 
 import torch
+
+from benchmarks.harness import environment, figure, record
 
 MiB = 2**20
 
@@ -85,11 +90,25 @@ def profile_step(model, x) -> str:
     return "\n".join(lines)
 
 
+REPORT = re.compile(r"== (\S+) (.+)\nmax_memory_allocated (\d+) MiB; replayed peak (\d+) MiB\n\s*([\d.]+) MiB  before")
+
+
+def figures(texts) -> list:
+    """The figures of `profile_step` reports (each headed "== <case> <variant>"): the step's peak as the
+    allocator counts it and as replayed, and what was allocated before the step."""
+    out = []
+    for case, variant, peak, replayed, before in REPORT.findall("\n".join(texts)):
+        out += [figure(case, variant, "max_allocated_MiB", int(peak)),
+                figure(case, variant, "replayed_peak_MiB", int(replayed)),
+                figure(case, variant, "before_step_MiB", float(before))]  # fmt: skip
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train", "converted"])
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("peak: needs CUDA (the caching allocator's history); nothing to do on this machine")
@@ -113,7 +132,7 @@ def main(argv=None):
         "converted": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], lambda: torch.nn.Sequential(
             *[Block(*block_cfg) for _ in range(2 if args.tiny else 8)]), None),
     }
-    report = []
+    env = environment(torch.device("cuda"))
     for case in (["seed1119", "mlp"] if args.case == "both" else [args.case]):
         (b, s), d, make_bf16, make_ours = cases[case]
         def converted(recipe, make_bf16=make_bf16):
@@ -125,6 +144,7 @@ def main(argv=None):
                     ("ops.convert lean", lambda: converted(Recipe(lean_activations=True))))  # fmt: skip
         variants = [(n, m) for n, m in variants if (make_ours is not None or not n.startswith("float8"))
                     and (make_bf16 is not None or n.startswith("float8"))]  # fmt: skip
+        report = []
         for name, make in variants:
             gc.collect()
             torch.cuda.empty_cache()
@@ -136,9 +156,8 @@ def main(argv=None):
             print(text, flush=True)
             report.append(text)
             del model, x
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n\n".join(report) + "\n")
+        text = "```\n" + "\n\n".join(report) + "\n```\n"
+        record(f"peak_{case}", args.out, env, figures(report), text, {"reports": report})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b]: whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an
 AdamW step (foreach), for each variant. Reports ms per step, tokens/s, the step's peak memory, and the
-kernels one step spends its time in, for the variants that say `breakdown`."""
+kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the area "step_llama"
+in DIR (default benchmarks/results/; benchmarks.harness.record)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import List
 
 import torch
 
-from benchmarks.harness import environment, free_memory, kernel_breakdown, step_peak_bytes, time_steps, write_report
+from benchmarks.harness import (environment, free_memory, kernel_breakdown, markdown_table, step_peak_bytes, time_steps,
+                                write_report)
 from benchmarks.llama import TINY, LlamaShape, build, compile_blocks
 from float8 import Recipe, RowwiseScaling
 
@@ -113,13 +115,14 @@ COLUMNS = ["variant", "ms_per_step", "tokens_per_s", "peak_GiB", "speed_vs_bf16_
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_llama", description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test; the default without CUDA)")
-    p.add_argument("--out", default="examples/results", help="folder for the JSON and markdown report")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants.split(",") if args.variants else None
     rows = run(device, args.tiny or device.type == "cpu", variants)
-    print(write_report("step_llama", args.out, environment(device), rows, COLUMNS).read_text())
+    print(markdown_table(rows, COLUMNS))
+    write_report("step_llama", args.out, environment(device), rows, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 All in one process, each case also measured against its roofline floor.
 
-    python -m benchmarks [--out examples/results] [--quick] [--cases a,b,c,d,e,f,g] [--cpu-smoke]
+    python -m benchmarks [--out DIR] [--quick] [--cases a,b,c,d,e,f,g] [--cpu-smoke]
                            [--no-rowwise] [--budget-s S]
 
 Cases (how they are measured: docs/design.md §8):
@@ -40,9 +40,10 @@ the bytes per element that benchmarks.kernels states.
 torchao (float8 training, 0.18): fields stay null and the table says why when it does not import. Rowwise is
 skipped (and the record says so) with --no-rowwise, or once the run has used --budget-s seconds.
 
-Outputs in --out: bench_<gpu-slug>.json (a list of records, written again after every case), .md (tables,
-printed at the end) and .png (speedup over bf16 eager; skipped with a note when matplotlib is missing).
-benchmarks.kernels also writes its own kernels_<gpu-slug>.json/.md there.
+Outputs in --out (default benchmarks/results/), through benchmarks.harness.record as each case ends: the
+case's area bench_<case> of latest.json (its records under "detail") and latest.md (its table), its figures
+appended to history.csv; at the end bench.png (speedup over bf16 eager; skipped with a note when matplotlib
+is missing) and the whole table printed. Case a's benchmarks.kernels also records its own area, kernels.
 
 --cpu-smoke runs the same orchestration on the CPU with tiny shapes, a wall-clock timer and no
 torch.compile (the "compiled" variants run eagerly), so a test can check the plumbing and the schema.
@@ -54,9 +55,7 @@ import argparse
 import copy
 import datetime
 import gc
-import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -70,7 +69,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import host_us, make_timer
+from benchmarks.harness import command_line, figure, host_us, make_timer, record, results_dir
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -513,7 +512,7 @@ def case_kernels(env: Env) -> list:
     """(a) benchmarks.kernels, reused: ours (Triton) against eager and compiled torch of the same math."""
     from benchmarks import kernels
 
-    argv = ["--out", env.out]
+    argv = [] if env.out is None else ["--out", env.out]
     if env.mode == "smoke":
         argv += ["--cpu-smoke", "--no-compile"]
     else:
@@ -863,9 +862,36 @@ def plot(records: list, path: str) -> Optional[str]:
     return path
 
 
-def write_json(records: list, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(records, fh, indent=1, default=str)
+FIGURE_VARIANTS = VARIANTS + ["scaled_mm", "ours_graphed", "bf16_graphed"]
+
+
+def figures(records: list) -> list:
+    """The records' figures for history.csv: per variant its ms, peak MiB and TFLOP/s; ours' speedups
+    (ours_compiled's against the compiled baselines), fraction of the floor and SQNR; the floor itself."""
+    out = []
+    for r in records:
+        case = f"{r['label']} {_shape(r)}"
+        for key in FIGURE_VARIANTS:
+            for metric, key_, scale in (("ms", f"{key}_ms", 1), ("peak_MiB", f"peak_mem_{key}", 2**-20),
+                                         ("TFLOP/s", f"tflops_{key}", 1)):  # fmt: skip
+                if r.get(key_) is not None:
+                    out.append(figure(case, key, metric, r[key_] * scale))
+        for variant, metric, key_ in [
+            *[("ours", f"speedup_vs_{k}", f"speedup_vs_{k}")
+              for k in ("bf16", "bf16_compiled", "torchao", "torchao_rowwise")],
+            ("ours_compiled", "speedup_vs_bf16_compiled", "compiled_speedup_vs_bf16_compiled"),
+            ("ours_compiled", "speedup_vs_torchao", "compiled_speedup_vs_torchao"),
+            ("ours", "fraction_of_floor", "fraction_of_floor"), ("ours", "fraction_of_copy", "kernels_frac_of_copy"),
+            ("ours", "sqnr_db_vs_bf16", "output_sqnr_db_vs_bf16"), ("floor", "ms", "floor_ms"),
+        ]:  # fmt: skip
+            if r.get(key_) is not None:
+                out.append(figure(case, variant, metric, r[key_]))
+    return out
+
+
+def record_case(env: Env, name: str, records: list) -> None:
+    """One case's records as the area bench_<name> of the results folder."""
+    record(f"bench_{name}", env.out, env.meta, figures(records), markdown(env, records), {"records": records})
 
 
 def _progress(items):
@@ -889,7 +915,8 @@ def _printed_progress(items):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="examples/results", help="folder for bench_<gpu>.json/.md/.png")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/): latest.json/.md, "
+                                               "history.csv, bench.png")
     p.add_argument("--quick", action="store_true", help="small shapes (under ~2 minutes)")
     p.add_argument("--cases", default="a,b,c,d,e,f,g", help="comma-separated letters among a..g")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, wall-clock timer, no compile")
@@ -926,12 +953,10 @@ def run_case(env: Env, letter: str) -> list:
 def main(argv=None) -> list:
     args = parse_args(argv)
     env = make_env(args)
+    env.meta["command"] = command_line(None if argv is None else ["", *argv], module="benchmarks")
     if env.torchao is None:
         print(env.torchao_note + ": torchao fields will be null")
-    os.makedirs(env.out, exist_ok=True)
-    from benchmarks.kernels import slug
-
-    base = os.path.join(env.out, f"bench_{slug(env.meta['device'])}")
+    folder = results_dir(env.out)
     try:
         env.calib = calibrate(env)
     except Exception as e:  # floors stay null; the cases still run
@@ -939,12 +964,10 @@ def main(argv=None) -> list:
     records = []
     for letter, _ in _progress([(c, CASES[c]) for c in args.cases]):
         records += run_case(env, letter)
-        write_json(records, base + ".json")
-    write_json(records, base + ".json")
-    md = markdown(env, records)
-    with open(base + ".md", "w", encoding="utf-8") as fh:
-        fh.write(md)
-    png = plot(records, base + ".png")
-    print(md)
-    print(f"wrote {base}.json, {base}.md" + (f", {png}" if png else "") + f" in {env.elapsed():.0f} s")
+        record_case(env, CASES[letter][0], [r for r in records if r["letter"] == letter])
+    kept = env.cuda or env.out is not None  # as record: a CPU run is kept only where --out points
+    png = plot(records, str(folder / "bench.png")) if kept else None
+    print(markdown(env, records))
+    wrote = f"wrote {folder / 'latest.json'}, latest.md, history.csv" + (f", {png}" if png else "")
+    print(f"{wrote if kept else 'recorded nothing'} in {env.elapsed():.0f} s")
     return records

@@ -1,7 +1,7 @@
 """The weight-only FP8 GEMM (float8.kernels.fp8_weight_mm) at decode sizes, against bf16 and FP8 x FP8.
 
-    python -m benchmarks.weight_only --out DIR           # on a CUDA machine: tile sweep, table, JSON
-    python -m benchmarks.weight_only --tiny --out DIR    # plumbing only (CPU, reference path)
+    python -m benchmarks.weight_only [--out DIR]          # on a CUDA machine: tile sweep, table, results
+    python -m benchmarks.weight_only --tiny [--out DIR]   # plumbing only (CPU, reference path)
 
 For the Linears of the benchmark models (benchmarks/llama.py and Hugging Face's Llama: d 4096, GQA 32/8 of
 128, SwiGLU 14336, vocab 32768) at 1-128 tokens, GPU time (do_bench_cudagraph median: host time left out)
@@ -11,14 +11,16 @@ against fp8_weight_mm_ref before it is timed. The weight-read floor is the FP8 w
 measured copy bandwidth. The tile with the least time summed over the layers, per token count
 (`best_per_bucket`), is what kernels/weight_only.py CONFIGS holds.
 Also host time per call at 16 tokens: nn.Linear (bf16) against a converted Linear with an FP8-only weight.
+Records the area "weight_only" in DIR (default benchmarks/results/; benchmarks.harness.record), the sweep's
+rows as they come in DIR/weight_only.rows.jsonl (what is left of a run that ran out of time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
-import pathlib
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,7 @@ from triton.runtime.errors import OutOfResources
 import float8.ops as ops
 from float8 import Float8Tensor
 from float8.kernels import weight_only
-from benchmarks.harness import environment, host_us, make_timer
+from benchmarks.harness import environment, figure, host_us, make_timer, markdown_table, record, results_dir
 
 # (K, N) of the Linears of the benchmark models: benchmarks/llama.py (fused QKV and gate/up) and Hugging Face's
 # LlamaForCausalLM (separate q, k, v, gate, up).
@@ -139,9 +141,45 @@ def host_rows(device, k=4096, n=4096, m=16):
         return {"nn.Linear bf16 us": host_us(lambda: lin(x)), "float8 FP8-only weight us": host_us(lambda: conv(x))}
 
 
+def figures(rows, buckets, host, copy_gbps) -> list:
+    """Per layer and token count: bf16, FP8 x FP8, the weight-only kernel with the table's tile (and its
+    ratios) and with the best tile, the floor; per token count the same summed over the layers; host time."""
+    out = [figure("copy", "dst.copy_(src)", "GB/s", copy_gbps)]
+    for r in rows:
+        case = f"{r['layer']}, tokens {r['tokens']}"
+        out += [figure(case, "bf16 F.linear", "ms", r["bf16_ms"]), figure(case, "FP8 x FP8", "ms", r["fp8xfp8_ms"]),
+                figure(case, "weight-only, best tile", "ms", r["best_ms"]), figure(case, "floor", "ms", r["floor_ms"])]
+        out += [figure(case, "weight-only", metric, r[key]) for metric, key in
+                (("ms", "table_ms"), ("fraction_of_floor", "of_floor"), ("speedup_vs_bf16", "vs_bf16"),
+                 ("speedup_vs_fp8xfp8", "vs_fp8xfp8"))]  # fmt: skip
+    for m, b in buckets.items():
+        case = f"all layers, tokens {m}"
+        out += [figure(case, variant, "ms", b[key]) for variant, key in
+                (("weight-only", "sum_ms"), ("weight-only, best tile per layer", "per_layer_best_sum_ms"),
+                 ("floor", "floor_sum_ms"), ("bf16 F.linear", "bf16_sum_ms"))]  # fmt: skip
+    out += [figure("host time per call, 16 tokens", name.removesuffix(" us"), "us", us) for name, us in host.items()]
+    return out
+
+
+def markdown(rows, buckets, host, copy_gbps) -> str:
+    """The sweep's table (GPU time in us), the per-token-count sums and the host times."""
+    us = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+    table = [{"layer": r["layer"], "tokens": r["tokens"], "bf16": us(r["bf16_ms"]), "FP8 x FP8": us(r["fp8xfp8_ms"]),
+              "weight-only": us(r["table_ms"]), "best tile": us(r["best_ms"]), "floor": us(r["floor_ms"]),
+              "of floor": f"{r['of_floor']:.0%}", "vs bf16": f"{r['vs_bf16']:.2f}x"} for r in rows]  # fmt: skip
+    sums = [{"tokens": m, "tile": b["tile"], "weight-only": us(b["sum_ms"]), "bf16": us(b["bf16_sum_ms"]),
+             "floor": us(b["floor_sum_ms"])} for m, b in buckets.items()]  # fmt: skip
+    return "\n".join([
+        f"GPU time per call, us (do_bench_cudagraph median; copy bandwidth {copy_gbps:.0f} GB/s):", "",
+        markdown_table(table, list(table[0]) if table else ["layer"]),
+        "Summed over the layers, the tile per token count:", "",
+        markdown_table(sums, ["tokens", "tile", "weight-only", "bf16", "floor"]),
+        "Host time per call, 16 tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()), ""])  # fmt: skip
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="examples/results")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--tiny", action="store_true", help="CPU plumbing run: one small shape, reference path")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.tiny
@@ -158,20 +196,22 @@ def main(argv=None):
     else:  # the reference path; the tile argument is not read on the CPU
         shapes, tokens, tiles_for, bandwidth = {"tiny 64->32": (64, 32)}, (1, 16), lambda m: [None], 1e6
     env = environment(device)
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"weight_only_{env['device'].lower().replace(' ', '-')}"
-    with open(out / f"{stem}.rows.jsonl", "w") as log:
+    out, kept = results_dir(a.out), cuda or a.out is not None  # as record: a CPU run only where --out points
+    if kept:
+        out.mkdir(parents=True, exist_ok=True)
+    with open(out / "weight_only.rows.jsonl", "w") if kept else contextlib.nullcontext() as log:
         rows = sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log)
     buckets = best_per_bucket(rows)
     for m, b in buckets.items():
         print(f"M={m}: {b}", flush=True)
     host = host_rows(device) if cuda else host_rows(device, 64, 32)
     print(host, flush=True)
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps({"env": env, "copy_GBps": bandwidth / 1e6, "rows": rows, "best_per_bucket": buckets,
-                                "host": host}, indent=1))  # fmt: skip
-    print(f"wrote {path}")
+    copy_gbps = bandwidth / 1e6
+    detail = {"copy_GBps": copy_gbps, "rows": rows, "best_per_bucket": buckets, "host": host}
+    args = rows, buckets, host, copy_gbps
+    md = record("weight_only", a.out, env, figures(*args), markdown(*args), detail)
+    if kept:
+        print(f"wrote {md.with_suffix('.json')}, {md} and {md.with_name('history.csv')}")
 
 
 if __name__ == "__main__":

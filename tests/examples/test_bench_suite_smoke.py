@@ -1,6 +1,6 @@
 """`python -m benchmarks --cpu-smoke` runs the whole suite's orchestration on the CPU (tiny shapes, a wall
-clock, no compile) and writes the JSON/markdown/PNG the GPU run will write: the GPU run will not trip over
-plumbing, and the records keep their schema."""
+clock, no compile) and writes what the GPU run will write (latest.json/.md, history.csv, bench.png in --out):
+the GPU run will not trip over plumbing, and the records keep their schema."""
 
 import importlib.util
 import json
@@ -28,7 +28,14 @@ def smoke(tmp_path_factory):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    return out, run.stdout, json.loads((out / "bench_cpu.json").read_text())
+    return out, run.stdout, suite_records(out)
+
+
+def suite_records(out):
+    """The suite's records, in case order, from the bench_<case> areas of the folder's latest.json."""
+    latest = json.loads((out / "latest.json").read_text())
+    records = [r for area, s in latest.items() if area.startswith("bench_") for r in s["detail"]["records"]]
+    return sorted(records, key=lambda r: r["letter"])
 
 
 def test_every_case_runs_without_error(smoke):
@@ -70,7 +77,7 @@ def test_records_keep_the_schema(smoke):
 
 def test_torchao_fields_follow_its_availability(smoke):
     out, _, records = smoke
-    md = (out / "bench_cpu.md").read_text()
+    md = (out / "latest.md").read_text()
     peers = [r for r in records if r["case"] in TIMED_IN_ROUNDS]
     if records[0]["torchao"] is None:
         assert all(r["torchao_ms"] is None and r["torchao_rowwise_ms"] is None for r in peers)
@@ -81,13 +88,35 @@ def test_torchao_fields_follow_its_availability(smoke):
 
 def test_outputs_written_and_table_printed(smoke):
     out, stdout, records = smoke
-    md = (out / "bench_cpu.md").read_text()
+    md = (out / "latest.md").read_text()
     header = "| case | shape | ours ms | ours compiled ms | bf16 ms | bf16 compiled ms | torchao tw ms | torchao rw ms "
     assert header in md and header in stdout
     assert md.count("\n| ") >= len(records) + 2
-    assert (out / "kernels_cpu.json").exists()  # case a reuses benchmarks.kernels, which writes its own
+    latest = json.loads((out / "latest.json").read_text())
+    assert "kernels" in latest  # case a reuses benchmarks.kernels, which records its own area
     has_mpl = importlib.util.find_spec("matplotlib") is not None
-    assert (out / "bench_cpu.png").exists() == has_mpl
+    assert (out / "bench.png").exists() == has_mpl
+
+
+def test_each_case_is_an_area_and_every_figure_a_history_row(smoke):
+    out, _, records = smoke
+    latest = json.loads((out / "latest.json").read_text())
+    from benchmarks.suite import CASES
+
+    areas = {f"bench_{name}" for name, _ in CASES.values()}
+    assert areas | {"kernels"} == set(latest)
+    for s in latest.values():
+        assert s["device"] == "cpu" and s["date"] and s["torch"] and s["commit"] and s["figures"]
+        assert "torchao" in s and "triton" in s
+    assert latest["bench_linear"]["command"] == f"python -m benchmarks --cpu-smoke --out {out}"
+    assert latest["kernels"]["command"].startswith("python -m benchmarks.kernels --out")
+    history = (out / "history.csv").read_text().splitlines()
+    assert history[0] == "date,commit,device,area,case,variant,metric,value"
+    assert len(history) - 1 == sum(len(s["figures"]) for s in latest.values())  # each written once
+    linear = {(f["case"], f["variant"], f["metric"]): f["value"] for f in latest["bench_linear"]["figures"]}
+    r = next(r for r in records if r["case"] == "linear")
+    assert linear["c Linear fwd+bwd 32x64x48", "ours", "ms"] == r["ours_ms"]
+    assert linear["c Linear fwd+bwd 32x64x48", "ours", "speedup_vs_bf16"] == r["speedup_vs_bf16"]
 
 
 def test_a_failing_case_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
@@ -101,7 +130,7 @@ def test_a_failing_case_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
     by_case = {r["case"]: r for r in records}
     assert by_case["linear"]["error"] == "RuntimeError: CUDA out of memory (simulated)"
     assert by_case["gemm"]["ours_ms"] > 0 and by_case["host"]["ours_ms"] > 0
-    assert "ERROR RuntimeError: CUDA out of memory" in (tmp_path / "bench_cpu.md").read_text()
+    assert "ERROR RuntimeError: CUDA out of memory" in (tmp_path / "latest.md").read_text()
 
 
 def test_unknown_case_letter_is_refused():
@@ -113,13 +142,13 @@ def test_unknown_case_letter_is_refused():
 
 def test_memory_bench_runs_tiny(tmp_path):
     """`python -m benchmarks.memory --tiny`: the LCE, inference, training-memory and activation cases end to end."""
-    out = tmp_path / "memory.json"
     run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "benchmarks.memory", "--tiny", "--out", str(out)],
+        [sys.executable, "-W", "ignore", "-m", "benchmarks.memory", "--tiny", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(out.read_text())
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    result = {area.removeprefix("memory_"): s["detail"] for area, s in latest.items()}  # each case its own area
     lce = {r["variant"]: r for r in result["lce"]["rows"]}
     assert all("error" not in r for r in lce.values()), lce
     assert lce["float8 bf16"]["dx_sqnr_db"] >= 60 and lce["float8 FP8 GEMMs"]["dw_sqnr_db"] >= 25

@@ -17,8 +17,8 @@ def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    (report,) = tmp_path.glob("step_llama_cpu_*.json")
-    rows = {r["variant"]: r for r in json.loads(report.read_text())["rows"]}
+    section = json.loads((tmp_path / "latest.json").read_text())["step_llama"]
+    rows = {r["variant"]: r for r in section["detail"]["rows"]}
     for variant, row in rows.items():
         if variant.startswith("torchao"):
             assert "CUDA" in row["error"]
@@ -28,7 +28,9 @@ def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
     # One model, one data: every variant starts from the same loss (FP8 rounding apart).
     losses = [r["final_loss"] for v, r in rows.items() if not v.startswith("torchao")]
     assert max(losses) - min(losses) < 0.05, losses
-    assert (tmp_path / report.name.replace(".json", ".md")).exists()
+    assert "| float8 ops eager |" in (tmp_path / "latest.md").read_text()
+    figures = {(f["variant"], f["metric"]) for f in section["figures"]}
+    assert figures >= {("bf16 eager", "ms_per_step"), ("float8 ops eager", "tokens_per_s")}
 
 
 def test_kernel_groups_name_each_family():
@@ -44,14 +46,14 @@ def test_kernel_groups_name_each_family():
 
 
 def test_gaps_tiny_runs(tmp_path):
-    out = tmp_path / "gaps.json"
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gaps", "--tiny", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.gaps", "--tiny", "--json", str(tmp_path / "gaps.json")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    # No kernels on the CPU: an empty report per variant, written.
-    assert json.loads(out.read_text()) == {"float8 ops eager": {}}
+    # No kernels on the CPU: an empty report per variant, recorded in the folder the old --json path names.
+    section = json.loads((tmp_path / "latest.json").read_text())["gaps"]
+    assert section["detail"] == {"float8 ops eager": {}} and section["figures"] == []
 
 
 def test_inference_tiny_runs_every_cpu_variant(tmp_path):
@@ -62,8 +64,8 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    (report,) = tmp_path.glob("inference_cpu.json")  # the latest record: no date in its name
-    result = json.loads(report.read_text())
+    section = json.loads((tmp_path / "latest.json").read_text())["inference"]
+    result = section["detail"]
     rows = result["rows"]
     assert {(r["model"], r["tokens"]) for r in rows} == {(m, t) for m in ("llama", "hf") for t in (1, 16)}
     for r in rows:
@@ -79,21 +81,12 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
         for batch in (1, 16):
             assert generate[variant, batch]["tokens_per_s"] > 0, generate[variant, batch]
     assert all(r.get("error") or r.get("skipped") for (v, _), r in generate.items() if v.startswith("torchao"))
-    assert result["floors"]["copy_Bps"] > 0 and result["env"]["command"].startswith("python -m benchmarks.inference")
-    assert (tmp_path / report.name.replace(".json", ".md")).exists()
-
-
-def test_a_new_report_moves_the_latest_into_history(tmp_path):
-    from benchmarks.harness import archive_latest, write_report
-
-    env = {"device": "Some GPU", "date": "2026-01-02"}
-    write_report("x", str(tmp_path), env, [{"a": 1}], ["a"], latest=True)
-    (tmp_path / "x_some-gpu_profile.txt").write_text("profile")
-    archive_latest("x", str(tmp_path), {**env, "date": "2026-02-03"})
-    write_report("x", str(tmp_path), {**env, "date": "2026-02-03"}, [{"a": 2}], ["a"], latest=True)
-    assert sorted(p.name for p in (tmp_path / "history").iterdir()) == [
-        "x_some-gpu_2026-01-02.json", "x_some-gpu_2026-01-02.md", "x_some-gpu_2026-01-02_profile.txt"]
-    assert json.loads((tmp_path / "x_some-gpu.json").read_text())["rows"] == [{"a": 2}]
+    assert result["floors"]["copy_Bps"] > 0 and section["command"].startswith("python -m benchmarks.inference")
+    assert section["device"] == "cpu" and "## generate()" in (tmp_path / "latest.md").read_text()
+    figures = {(f["case"], f["variant"], f["metric"]) for f in section["figures"]}
+    assert ("model llama, tokens 16", "float8 eager", "ms") in figures
+    history = (tmp_path / "history.csv").read_text().splitlines()
+    assert len(history) - 1 == len(section["figures"])  # rewritten after every stage, each figure kept once
 
 
 def _agree(rank, world):

@@ -12,9 +12,9 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     result = bench.main(["--cpu-smoke", "--no-compile", "--out", str(tmp_path)])
     names = {r["kernel"] for r in result["records"]}
     assert len(names) == 8 and {r["impl"] for r in result["records"]} == {"ours", "eager"}
-    data = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    data = json.loads((tmp_path / "latest.json").read_text())["kernels"]["detail"]  # the area it records
     assert data["meta"]["device"] == "cpu" and data["meta"]["copy_gbps"] > 0
-    md = (tmp_path / "kernels_cpu.md").read_text()
+    md = (tmp_path / "latest.md").read_text()
     assert "| quantize blockwise 128x128 | eager |" in md
     assert "| kernel | impl | B/elem | ms | GB/s | of copy | vs eager | vs compiled |" in capsys.readouterr().out
 
@@ -39,7 +39,8 @@ def test_gemm_epilogue_bench_cpu_smoke(tmp_path):
     for name in ("identity_cublas", "identity_triton", "gelu_cublas", "gelu_triton"):
         assert rec[f"{name}_ms"] > 0 and rec[f"{name}_sqnr_db"] >= 25, (name, rec[f"{name}_sqnr_db"])
     assert rec["cublas_gemm_ms"] > 0 and all(t > 0 for t in rec["triton_gemm_ms"].values())
-    assert json.loads((tmp_path / "gemm_epilogue_cpu.json").read_text())[0]["shape"] == [64, 64, 64]
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["gemm_epilogue"]["detail"]["records"][0]["shape"] == [64, 64, 64]
 
 
 @needs_interpreter
