@@ -2,7 +2,7 @@
 decompose into views, `t` and these, run in FP8 too).
 
 The GEMM is cuBLASLt through `torch._scaled_mm` (1225-1278 TFLOP/s at large shapes on the H100 here,
-examples/results, README "Performance"); `torch._scaled_mm` also runs on the CPU. Its rules, which we enforce the same way
+benchmarks/results/latest.md, README "Performance"); `torch._scaled_mm` also runs on the CPU. Its rules, which we enforce the same way
 on every device so a CPU test catches what the GPU would refuse:
 - A (M, K) row-major and B (K, N) column-major: we take each operand's data or its cached transpose,
   whichever already has the layout, and copy only when neither does;

@@ -30,7 +30,7 @@ MAX_ITERS = 16
 NUM_WARPS = 4
 # (32, 128), 4 warps, 16-bit transpose: 0.52 / 1.02 ms for the MLP block's SwiGLU forward / backward pass 2
 # (90% / 76% of copy bandwidth), against 0.58 / 1.04 for (64, 64) through FP8 bytes (H100, 2026-11-22;
-# examples/results/profile_nvidia-h100-80gb-hbm3_2026-11-22.md, section 4).
+# docs/performance.md, "What the measurements say").
 TRANSPOSE_CONFIG = dict(BLOCK_S=32, BLOCK_N=128, num_warps=4, T_MODE=1)
 NO_FP8 = dict(FP8_MAX=1.0, MIN_SCALE=1.0)  # the FP8 constexprs of the modes that cast nothing ("hp", "amax")
 

@@ -14,7 +14,7 @@ batch-major order, or (s, b) with sequence_first. As torch:
 Why: the QKV Linear's backward wants that matrix in FP8 (both layouts). Through autograd, SDPA's backward
 of the split is a cat and the head transpose a second copy, both in bf16, before the amax and cast passes
 read the result again: two full copies (0.54 + 0.34 ms per block of 16384 tokens x 6144 features on the
-H100, examples/results/NOTES.md). pack_heads_fp8 reads each part in place twice (current scaling: amax,
+H100, docs/performance.md). pack_heads_fp8 reads each part in place twice (current scaling: amax,
 then cast) and writes only FP8.
 
 scale None: current scaling over all parts together (scale from max|all parts|, margin, power_of_2); a

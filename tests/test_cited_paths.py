@@ -4,8 +4,7 @@ is deleted fails here until its citations follow.
 
 What is read: every line of the library (float8/, ops/, kernels/); the comments and docstrings of benchmarks/,
 tests/ and examples/ (their code holds made-up paths as test data); every line of docs/*.md. A cited path
-resolves from the repository root or from the citing file's folder (docs/ cites `../examples/...`).
-examples/results/ is left out: its records cite each other by names relative to that folder, history included.
+resolves from the repository root or from the citing file's folder (docs/ cites `../benchmarks/...`).
 """
 
 import ast
@@ -18,9 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # A repository-relative path: folders, then a file with one of these extensions, not inside a longer word.
 CITED = re.compile(r"(?<![\w./])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|sh|json|toml|txt|png))")
 OUTSIDE = ("torch/", "triton/", "transformers/", "torchao/")  # files of other projects, cited by their own paths
-# Not citations: where a run writes (DIR and trace_dir stand for folders the caller names; benchmarks/results/ is the
-# benchmarks' default output folder, made by the first run).
-WRITTEN = ("DIR/", "trace_dir/", "benchmarks/results/")
+# Not citations: where a run writes (DIR and trace_dir stand for folders the caller names). A file cited in
+# benchmarks/results/ is checked like any other.
+WRITTEN = ("DIR/", "trace_dir/")
 
 
 def missing_in(text: str, folder: pathlib.Path, first_line: int = 1) -> list[str]:
@@ -54,8 +53,6 @@ def cited_but_missing() -> list[str]:
             missing += [f"{path.relative_to(ROOT)}:{m}" for m in missing_in(path.read_text(), path.parent)]
     for folder in ("benchmarks", "tests", "examples"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if (ROOT / "examples" / "results") in path.parents:
-                continue
             for line, text in comments_and_docstrings(path.read_text()):
                 missing += [f"{path.relative_to(ROOT)}:{m}" for m in missing_in(text, path.parent, line)]
     for path in sorted((ROOT / "docs").rglob("*.md")):
