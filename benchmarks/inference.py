@@ -23,7 +23,7 @@ Stages (the report is rewritten as it goes; past --budget-s the rest is recorded
 Compile time: a whole-model compile took 30-110 s per shape on the H100 here (2026-11-25), so the full matrix
 does not fit the default budget. Eager work comes first; each compiling stage gets a share of the budget and
 compiles the decode sizes first (COMPILE_PRIORITY); what does not fit is recorded as skipped.
-Outputs: the area "inference" in --out (default benchmarks/results/; benchmarks.harness.record: latest.json,
+Outputs: the area "inference" (or --area) in --out (default benchmarks/results/; benchmarks.harness.record: latest.json,
 latest.md, a row per figure in history.csv). --tiny (the default on a CPU): tiny
 sizes; compiled, CUDA-graph and torchao variants are skipped on a CPU, with the reason.
 """
@@ -122,7 +122,7 @@ class Run:
     def save(self) -> pathlib.Path:
         """Rewrite the JSON and markdown report with everything measured so far; returns the .md path."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
-        return write_report("inference", self.args.out, self.env, self.rows, COLUMNS, self.report,
+        return write_report(self.args.area, self.args.out, self.env, self.rows, COLUMNS, self.report,
                             markdown=markdown_sections(self.report))
 
 
@@ -477,6 +477,8 @@ def markdown_sections(report: dict) -> str:
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
+    p.add_argument("--area", default="inference", help="the results area this run replaces (default inference): "
+                   "a run of some variants or token counts names its own, e.g. inference_compiled")
     p.add_argument("--models", default="llama,hf", help="comma-separated: llama, hf")
     p.add_argument("--variants", default=None, help="comma-separated names or substrings (default: all)")
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,16,128,4096; tiny 1,16)")

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Tuple
 
 from benchmarks.harness import RESULTS, ROOT
 
-DOCS = ["README.md", "docs/performance.md"]  # the documents that hold generated tables
+DOCS = ["README.md", "docs/performance.md", "docs/inference.md"]  # the documents that hold generated tables
 BLOCK = re.compile(r"(<!-- results:(\S+) -->\n)(.*?)(<!-- /results -->)", re.DOTALL)
 
 
@@ -85,10 +85,17 @@ def llama(label: str, variant: str) -> Row:
 
 
 def inference(tokens: int, model: str = "llama") -> Row:
-    """benchmarks.inference at one token count: bf16 eager's time, the others against it."""
-    variants = ("float8 eager", "float8 cudagraphs", "bf16 cudagraphs", "torchao rowwise eager")
+    """benchmarks.inference at one token count, eager: bf16's time, the others against it."""
+    variants = ("float8 eager", "torchao rowwise eager")
     cells = [("bf16 eager", "ms", ms), *[(v, "vs_bf16_eager", times) for v in variants]]
-    return Row(str(tokens), "inference", f"model {model}, tokens {tokens}", cells)
+    return Row(f"{model}, {tokens}", "inference", f"model {model}, tokens {tokens}", cells)
+
+
+def inference_compiled(tokens: int, model: str = "llama") -> Row:
+    """benchmarks.inference --area inference_compiled at one token count: torch.compile (default mode)."""
+    cells = [("bf16 compiled", "ms", ms), ("float8 compiled", "vs_bf16_compiled", times),
+             ("torchao rowwise compiled", "vs_bf16_compiled", times), ("float8 compiled", "vs_bf16_eager", times)]  # fmt: skip
+    return Row(str(tokens), "inference_compiled", f"model {model}, tokens {tokens}", cells)
 
 
 def lce(label: str, variant: str, reference: bool = False) -> Row:
@@ -121,9 +128,14 @@ TABLES: Dict[str, Table] = {
         ],
     ),
     "inference": Table(
-        "Inference with FP8-only weights, a 2.0B Llama-style model, batch 1; ratios against bf16 eager in the same round",
-        ["tokens", "bf16 eager ms", "float8 eager", "float8 CUDA graphs", "bf16 CUDA graphs", "torchao rowwise eager"],
-        [inference(1), inference(16), inference(128), inference(4096)],
+        "Inference with FP8-only weights, eager, batch 1: the 2.0B Llama-style model (llama) and the same shape as a Hugging Face LlamaForCausalLM (hf); ratios against bf16 eager in the same round",
+        ["model, tokens", "bf16 eager ms", "float8 eager", "torchao rowwise eager"],
+        [inference(t) for t in (1, 16, 128, 4096)] + [inference(t, "hf") for t in (16, 4096)],
+    ),
+    "inference_compiled": Table(
+        "Inference compiled (torch.compile, default mode), the same model; ratios against bf16 in the same round",
+        ["tokens", "bf16 compiled ms", "float8 compiled", "torchao rowwise compiled", "float8 compiled vs bf16 eager"],
+        [inference_compiled(16)],
     ),
     "lce": Table(
         "Fused linear + cross-entropy, V=128256, H=4096, 16384 tokens; vs naive: time ratio (below 1: faster)",

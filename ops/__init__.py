@@ -23,6 +23,7 @@ from float8.ops.norms import LayerNorm, RMSNorm
 from float8.ops.precision import high_precision
 from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
 from float8.ops.requantize import requantize_weights
+from float8.ops.runner import RunPlan, plan
 from float8.ops.sequential import Float8PrecisionWarning, Sequential
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "RMSNorm",
     "ReLU",
     "ReduceScatter",
+    "RunPlan",
     "Reshape",
     "Residual",
     "Sequential",
@@ -56,6 +58,7 @@ __all__ = [
     "convert",
     "functional",
     "load_input_scales",
+    "plan",
     "high_precision",
     "requantize_weights",
     "set_input_scale",

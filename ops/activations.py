@@ -45,6 +45,8 @@ class Activation(BasicOp):
     after it in a Sequential. Computed in float32 registers.
     """
 
+    fusion_role, saves = "activation", ("saved", "x_scale_inv", "bias")
+
     kind: str = ""
 
     def __init__(self, *, recipe=None):

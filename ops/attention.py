@@ -25,6 +25,8 @@ class Attention(BasicOp):
     sequence-parallel activations; default False).
     """
 
+    splits_compiled_run, saves = True, ("saved",)
+
     def __init__(
         self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
     ):  # fmt: skip
@@ -84,7 +86,7 @@ class Attention(BasicOp):
 
     def torch_forward_nd(self, x: torch.Tensor) -> torch.Tensor:
         """SDPA under ordinary autograd on x (..., batch, seq, features): how a Sequential runs this op
-        inside torch.compile (ops/sequential.py), whose tracer cannot follow op_backward's autograd.grad."""
+        inside torch.compile (ops/runner.py), whose tracer cannot follow op_backward's autograd.grad."""
         lead = tuple(x.shape[:-1])
         y = self._sdpa(plain(x).reshape(-1, x.shape[-1]), lead)
         return y.reshape(*lead, y.shape[-1])

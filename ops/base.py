@@ -8,7 +8,7 @@ Ops tell each other what they want, so an FP8 tensor is written once, by the ker
 - backward: `grad_request()` of the previous op says the same of the gradient it receives; activation and
   bias backwards then fuse dact/dbias with the FP8 cast-transpose of the gradient.
 
-A `Sequential` runs a list of these inside one autograd Function (ops/sequential.py), so forward and
+A `Sequential` runs a list of these inside one autograd Function (ops/runner.py), so forward and
 backward can fuse across ops (ops/fusion.py).
 """
 
@@ -18,8 +18,10 @@ from typing import List, Optional
 
 import torch
 
-from float8 import Float8Tensor, Recipe
+from float8 import Recipe
 from float8.quantizer import QuantRequest
+from float8.ops.context import OpContext, RunState, plain, second_backward_error, take
+from float8.ops.runner import run_ops
 
 # The recipe of ops given none: a frozen dataclass, so sharing one instance shares no state. Built once:
 # a Recipe() per access cost ~3 us, several times per Linear call.
@@ -46,29 +48,6 @@ def check_gathered(op, params: list) -> list:
     return params
 
 
-class OpContext:
-    """What one op saves for its backward; `run` is shared by all ops of one forward (residual stacks)."""
-
-    def __init__(self, run: "RunState", input_requires_grad: bool = True, first: bool = False):
-        self.run = run
-        self.input_requires_grad = input_requires_grad
-        self.first = first  # the first op of the run: its input comes from outside the Sequential
-
-
-class RunState:
-    """State of one forward/backward of a Sequential: whether a backward pass will run (`grad`: ops
-    allocate transposes and save tensors only then), the token dims of the activation (`lead`: ops see
-    2-D (tokens, features) tensors), and the residual values going out and gradients coming back."""
-
-    def __init__(self, grad: bool, lead=()):
-        self.grad = grad
-        self.lead = tuple(lead)
-        self.residuals: List[torch.Tensor] = []
-        self.residual_grads: List[torch.Tensor] = []
-        # Process groups whose ranks were found to hold activations of one shape in this run (ops/parallel.py).
-        self.shapes_agreed: set = set()
-
-
 class BasicOp(torch.nn.Module):
     """Base of all ops. Subclasses implement op_forward / op_backward; parameters via `op_params`."""
 
@@ -79,11 +58,29 @@ class BasicOp(torch.nn.Module):
     # set on ops whose parameters are replicated across a sequence-parallel group while each rank sees only
     # its own tokens (norms and biases between the collectives of a tensor-parallel layer).
     grad_sum_group = None
-    # Why this op cannot run inside torch.compile, or None (ops/sequential.py checks it while tracing).
+    # Why this op cannot run inside torch.compile, or None (ops/runner.py checks it while tracing).
     not_compilable: Optional[str] = None
     # Whether `torch_forward` exists: the op's plain-torch twin, which a Sequential runs instead of the
-    # fused kernels when none of its Linears runs in FP8 (the small-layer policy, ops/sequential.py).
+    # fused kernels when none of its Linears runs in FP8 (the small-layer policy, ops/runner.py).
     has_torch_forward: bool = False
+    # What the runner (ops/runner.py), the fusion matcher (ops/fusion.py) and Sequential must know of an op,
+    # declared by the op: the core of ops/ imports no concrete op.
+    # The names of the attributes op_forward keeps on its OpContext for op_backward: under torch.compile
+    # exactly these are packed through save_for_backward (ops/saved.py), so a name missing here fails there.
+    saves: tuple = ()
+    # The op's part in the fusion patterns of ops/fusion.py ("linear", "bias", "activation", "norm",
+    # "residual"), or None.
+    fusion_role: Optional[str] = None
+    # A GEMM that the small-layer policy may keep in high precision: the op answers `runs_as_torch(rows,
+    # device)`, and a run of ops none of whose GEMMs runs in FP8 takes the plain-torch twins.
+    gemm: bool = False
+    # A bias that the plain-torch run folds into the F.linear of the GEMM before it.
+    folds_into_gemm: bool = False
+    # Runs outside the fused Functions under torch.compile (ops.Attention: SDPA under ordinary autograd),
+    # through `torch_forward_nd(x)`.
+    splits_compiled_run: bool = False
+    # +1 for an op that pushes a residual (Residual), -1 for one that pops it (AddResidual).
+    residual_step: int = 0
 
     def __init__(self):
         super().__init__()
@@ -160,8 +157,6 @@ class BasicOp(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run this op alone, as a one-op Sequential (same autograd, same fusions)."""
-        from float8.ops.sequential import run_ops
-
         return run_ops(self.expand(), x)
 
 
@@ -171,33 +166,6 @@ def sequence_parallel(op: BasicOp, group) -> None:
         from float8.row_collectives import check_group
 
         op.grad_sum_group = check_group(group, f"{type(op).__name__} sequence_parallel_group")
-
-
-def take(holder, *names: str):
-    """Read attributes a backward consumes (what its forward saved) and let them go: set to None, so the
-    tensors are freed as soon as the backward is done with them, not when the autograd graph dies.
-
-    Under torch.compile nothing is written: dynamo refuses a backward that mutates an object from outside
-    it, and the compiled graph frees its own intermediates. One name gives its value, several a tuple."""
-    values = tuple(getattr(holder, n) for n in names)
-    if not torch.compiler.is_compiling():
-        for n in names:
-            setattr(holder, n, None)
-    return values[0] if len(names) == 1 else values
-
-
-def second_backward_error(what: str) -> RuntimeError:
-    """The error of a second backward through one graph (`loss.backward(retain_graph=True)` twice)."""
-    return RuntimeError(
-        f"{what}: a second backward through the same graph. float8 ops let go of what they saved for the "
-        "backward (FP8 activations, weight copies) as soon as the first backward has read it, so that no FP8 "
-        "copy outlives its use; retain_graph=True cannot bring it back. Run the forward again for each backward."
-    )
-
-
-def plain(x: torch.Tensor) -> torch.Tensor:
-    """High-precision view of an op's input: FP8 tensors are dequantized (an op that wanted FP8 asked for it)."""
-    return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
 __all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "second_backward_error", "sequence_parallel", "take"]

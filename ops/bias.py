@@ -41,6 +41,8 @@ class Bias(BasicOp):
     parallelism): the bias gradient is summed over it.
     """
 
+    fusion_role, folds_into_gemm = "bias", True
+
     def __init__(
         self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None,
         sequence_parallel_group=None,

@@ -284,6 +284,8 @@ class LinearCrossEntropy(torch.nn.Module):
     dw_accumulation ("float32" or "weight_dtype": see `linear_cross_entropy`).
     """
 
+    is_loss = True  # a Sequential ending with it takes the labels (ops/sequential.py)
+
     def __init__(
         self, in_features: int, vocab_size: int, *, bias: bool = False, device=None, dtype=None,
         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",

@@ -24,6 +24,8 @@ from float8.ops.base import DEFAULT_RECIPE, BasicOp, plain, second_backward_erro
 from float8.ops.bias import bias_backward
 from float8.ops.cross_entropy import linear_cross_entropy
 from float8.ops.norms import LayerNorm, RMSNorm
+from float8.ops.runner import run_ops
+from float8.ops.saved import SavedRecord
 
 
 __all__ = [
@@ -52,7 +54,7 @@ __all__ = [
 
 
 @dataclass
-class LinearSaved:
+class LinearSaved(SavedRecord):
     """What a Linear's forward keeps for its backward: a typed record, one per call.
 
     layout: the input quantizer's `ScaleLayout` when the GEMMs ran in FP8; None when they ran in high
@@ -320,8 +322,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def _run(ops, x):
-    from float8.ops.sequential import run_ops  # sequential -> linear -> this module: imported when called
-
     return run_ops(ops, x)
 
 

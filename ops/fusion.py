@@ -1,4 +1,6 @@
-"""Fusions are data: (pattern of op types -> fused unit), walked by one matcher, forward and backward apart.
+"""Fusions are data: (pattern of fusion roles -> fused unit), walked by one matcher, forward and backward apart.
+An op takes part under the role it declares (`BasicOp.fusion_role`: "linear", "bias", "activation", "norm",
+"residual"); this module imports no op.
 
 A unit covers one or more consecutive basic ops. It runs with the OpContext of each op it covers, so a
 fused forward can pair with an unfused backward and vice versa (tests run every combination against the
@@ -19,18 +21,13 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from float8.ops.activations import Activation
-from float8.ops.base import BasicOp, OpContext, plain
-from float8.ops.bias import Bias
-from float8.ops.linear import Linear
-from float8.ops.misc import Residual
-from float8.ops.norms import _Norm
+from float8.ops.context import OpContext, plain
 
 
 class Unit:
     """One basic op, run as it is."""
 
-    def __init__(self, ops: Sequence[BasicOp]):
+    def __init__(self, ops: Sequence):
         self.ops = list(ops)
 
     @staticmethod
@@ -99,22 +96,22 @@ class ResidualNormBackward(Unit):
 
 
 FORWARD_FUSIONS = [
-    ((Linear, Bias), LinearBiasForward),
-    ((Bias, Activation), BiasActivationForward),
+    (("linear", "bias"), LinearBiasForward),
+    (("bias", "activation"), BiasActivationForward),
 ]
 BACKWARD_FUSIONS = [
-    ((Bias, Activation), BiasActivationBackward),
-    ((Residual, _Norm), ResidualNormBackward),
+    (("bias", "activation"), BiasActivationBackward),
+    (("residual", "norm"), ResidualNormBackward),
 ]
 
 
-def match(ops: Sequence[BasicOp], fusions, enabled: bool = True) -> List[tuple]:
+def match(ops: Sequence, fusions, enabled: bool = True) -> List[tuple]:
     """Split `ops` into units: [(first index, unit)], trying each pattern in order at each position."""
     units, i = [], 0
     while i < len(ops):
         for pattern, unit_cls in fusions if enabled else ():
             window = ops[i : i + len(pattern)]
-            if len(window) == len(pattern) and all(isinstance(o, t) for o, t in zip(window, pattern)):
+            if len(window) == len(pattern) and all(o.fusion_role == role for o, role in zip(window, pattern)):
                 if unit_cls.can_fuse(window):
                     units.append((i, unit_cls(window)))
                     i += len(pattern)

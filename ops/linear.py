@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from typing import List, Optional
 
 import torch
@@ -46,6 +45,9 @@ from float8.kernels.common import forward_ad_or_functorch_active
 from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group, check_dense
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
+from float8.ops.parallel import check_parallel, parallel_expansion
+from float8.ops.input_scale import fix_input_scale
+from float8.ops.weight_cache import InferencePlans, WeightCache
 from float8.ops.functional import (
     check_fp8_weight_grad,
     fp8_pays_off,
@@ -66,66 +68,6 @@ def _check_features(n, name: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"Linear: {name} must be a positive int, got {n!r} (a GEMM with an empty dim has no FP8 form)")
     return n
-
-
-class _WeightCache:
-    """The FP8 copy of a Linear's weight and what it was made from. A plain holder: its fields are written
-    on the hot path without nn.Module's attribute machinery, and it is never saved (pickling or copying a
-    model drops it: it is derived, and its key holds a weak reference)."""
-
-    def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
-        self.key = self.storage = self.w8 = self.wd = None
-
-    def __getstate__(self):
-        return {}
-
-    def __setstate__(self, state) -> None:
-        self.clear()
-
-    @staticmethod
-    def _key(w: torch.Tensor):
-        # The version counter moves with every in-place update; offset, shape and strides change when
-        # `.data` is pointed at another part of the same storage; the storage itself is compared by identity.
-        return (w._version, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
-
-    def lookup(self, w: torch.Tensor, for_backward: bool):
-        if self.w8 is None or self.key != self._key(w) or self.storage() is not w.untyped_storage():
-            return None
-        if for_backward and self.wd is None:
-            return None
-        return self.w8, (self.wd if for_backward else None)
-
-    def store(self, w: torch.Tensor, w8, wd) -> None:
-        # No callback on the weak reference: one that frees tensors while torch deallocates a storage
-        # crashed the interpreter (segfault in the CPU suite). Replacing `weight` clears the cache at once
-        # (Linear.__setattr__); replacing `weight.data` is seen, and the old copy freed, at the next call.
-        self.key, self.storage, self.w8, self.wd = self._key(w), weakref.ref(w.untyped_storage()), w8, wd
-
-    def tensors(self) -> list:
-        """The FP8 copies held (for float8.memory_footprint)."""
-        return [t for t in (self.w8, self.wd) if t is not None]
-
-
-class _InferencePlans(dict):
-    """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
-    dtype). Derived and never saved: pickling or copying a model drops them. Bounded: a model serving many
-    prompt lengths keeps the latest MAX shapes per Linear."""
-
-    MAX = 64
-
-    def __reduce__(self):
-        return (type(self), ())
-
-    def __deepcopy__(self, memo):
-        return type(self)()
-
-    def add(self, key, prepared) -> None:
-        if len(self) >= self.MAX:
-            self.clear()
-        self[key] = prepared
 
 
 class Linear(BasicOp):
@@ -153,6 +95,8 @@ class Linear(BasicOp):
     that do the communication are part of this op's `expand()`.
     """
 
+    fusion_role, gemm, saves = "linear", True, ("saved", "lead")
+
     def __init__(
         self, in_features: int, out_features: int, *, bias: bool = True, device=None, dtype=None, recipe=None,
         amax_group=None, parallel: Optional[str] = None, tp_group=None, sequence_parallel: bool = False,
@@ -160,7 +104,7 @@ class Linear(BasicOp):
         super().__init__()
         self.in_features = _check_features(in_features, "in_features")
         self.out_features = _check_features(out_features, "out_features")
-        self.parallel, self.tp_group, self.sequence_parallel = _check_parallel(
+        self.parallel, self.tp_group, self.sequence_parallel = check_parallel(
             parallel, tp_group, sequence_parallel, in_features, out_features
         )
         world = tp_group.size() if tp_group is not None else 1
@@ -169,8 +113,8 @@ class Linear(BasicOp):
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(self.local_out_features if parallel == "column" else out_features, **factory)) if bias else None
-        self._weight_cache = _WeightCache()
-        self._inference_plans = _InferencePlans()
+        self._weight_cache = WeightCache()
+        self._inference_plans = InferencePlans()
         self._expansion: Optional[list] = None
         self._amax_group = check_amax_group(amax_group)
         self.set_recipe(recipe)
@@ -223,7 +167,7 @@ class Linear(BasicOp):
         # Kept as the ops before and after this one, never with the op itself: a list holding `self` would
         # be a reference cycle, and a deleted model would wait for the garbage collector to free its memory.
         if self._expansion is None or self._expansion_bias_of(self._expansion[1]) is not self.bias:
-            parts = _parallel_expansion(self, self._expansion_bias())
+            parts = parallel_expansion(self, self._expansion_bias())
             if torch.compiler.is_compiling():
                 return [*parts[0], self, *parts[1]]  # a module written while dynamo traces breaks its graph: built at __init__
             self._expansion = parts
@@ -449,10 +393,8 @@ class Linear(BasicOp):
         if key in state_dict and not isinstance(self.input_quantizer, StaticScalingState):
             # A checkpoint of a calibrated model (ops.calibrate) into one that is not: a static input
             # quantizer to load the scale into (its load, right after this one, validates the value).
-            from float8.ops.calibrate import set_input_scale
-
             try:
-                set_input_scale(self, scale=state_dict[key])
+                fix_input_scale(self, scale=state_dict[key])
             except (ValueError, TypeError) as e:
                 # Not taken: torch then reports the key as unexpected under strict=True and drops it under
                 # strict=False (it passes strict=True to every module, so the choice is made there); the
@@ -536,37 +478,3 @@ class Linear(BasicOp):
         w = self.weight
         trainable = not isinstance(w, Float8Tensor) or w._gathered_master  # FSDP2's FP8 copy of a master
         return dx, [dw if trainable else None]
-
-
-def _check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: int, out_features: int):
-    if parallel is None:
-        if tp_group is not None or sequence_parallel:
-            raise ValueError("Linear: tp_group and sequence_parallel need parallel='column' or parallel='row'")
-        return None, None, False
-    if parallel not in ("column", "row"):
-        raise ValueError(f"Linear: parallel must be None, 'column' or 'row', got {parallel!r}")
-    from float8.row_collectives import check_group
-
-    check_group(tp_group, f"Linear(parallel={parallel!r}) tp_group")
-    world = tp_group.size()
-    dim, name = (out_features, "out_features") if parallel == "column" else (in_features, "in_features")
-    if dim % world:
-        raise ValueError(
-            f"Linear(parallel={parallel!r}): {name}={dim} does not split evenly over {world} ranks of tp_group"
-        )
-    return parallel, tp_group, bool(sequence_parallel)
-
-
-def _parallel_expansion(linear: Linear, bias: Optional[Bias]) -> tuple:
-    """The basic ops around a Linear, (before, after): its Bias, and the tensor-parallel collectives."""
-    from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
-
-    tail = [bias] if bias is not None else []
-    g = linear.tp_group
-    if linear.parallel is None:
-        return [], tail
-    if linear.parallel == "column":
-        head = AllGather(g) if linear.sequence_parallel else AllReduce(g, in_backward=True)
-        return [head], tail
-    reduce = ReduceScatter(g) if linear.sequence_parallel else AllReduce(g)
-    return [], [reduce] + tail

@@ -58,6 +58,8 @@ class Identity(BasicOp):
 class Reshape(BasicOp):
     """Reshape the activation (all of its dims, like torch.reshape); -1 infers one dim."""
 
+    saves = ("logical",)
+
     def __init__(self, shape: Sequence[int]):
         super().__init__()
         self.shape = tuple(shape)
@@ -84,6 +86,8 @@ class Reshape(BasicOp):
 class Dropout(BasicOp):
     """Zero each element with probability p in training mode and scale the rest by 1 / (1 - p); the
     identity in eval mode. x: any shape and dtype; the mask is drawn in float32."""
+
+    saves = ("mask",)
 
     def __init__(self, *, p: float = 0.1):
         super().__init__()
@@ -121,6 +125,8 @@ class Dropout(BasicOp):
 class Residual(BasicOp):
     """Branch out: remember the activation here; the matching AddResidual adds it back. Pairs nest."""
 
+    fusion_role, residual_step = "residual", 1
+
     has_torch_forward = True
 
     def torch_forward(self, x, run):
@@ -142,6 +148,8 @@ class Residual(BasicOp):
 
 class AddResidual(BasicOp):
     """Add back the activation remembered by the matching Residual (the nearest one still open)."""
+
+    residual_step = -1
 
     has_torch_forward = True
 

@@ -38,6 +38,8 @@ def norm_forward(x, weight, bias, eps: float, rms: bool, out_request: Optional[Q
 class _Norm(BasicOp):
     """What RMSNorm and LayerNorm share: normalize over the last dim, then scale (and shift)."""
 
+    fusion_role, saves = "norm", ("saved",)
+
     rms: bool = True
 
     def __init__(self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None, sequence_parallel_group=None):

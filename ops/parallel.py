@@ -143,3 +143,38 @@ class AllReduce(_RowCollective):
 
 
 __all__ = ["AllGather", "AllReduce", "ReduceScatter"]
+
+
+# ---- a tensor-parallel Linear's checks and expansion (ops/linear.py) ------------------------------
+
+
+def check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: int, out_features: int):
+    """(parallel, tp_group, sequence_parallel) of a Linear, checked: a known mode, a process group, and the
+    split dim divisible by the group's size."""
+    if parallel is None:
+        if tp_group is not None or sequence_parallel:
+            raise ValueError("Linear: tp_group and sequence_parallel need parallel='column' or parallel='row'")
+        return None, None, False
+    if parallel not in ("column", "row"):
+        raise ValueError(f"Linear: parallel must be None, 'column' or 'row', got {parallel!r}")
+    check_group(tp_group, f"Linear(parallel={parallel!r}) tp_group")
+    world = tp_group.size()
+    dim, name = (out_features, "out_features") if parallel == "column" else (in_features, "in_features")
+    if dim % world:
+        raise ValueError(
+            f"Linear(parallel={parallel!r}): {name}={dim} does not split evenly over {world} ranks of tp_group"
+        )
+    return parallel, tp_group, bool(sequence_parallel)
+
+
+def parallel_expansion(linear, bias) -> tuple:
+    """The basic ops around a Linear, (before, after): its Bias, and the tensor-parallel collectives."""
+    tail = [bias] if bias is not None else []
+    g = linear.tp_group
+    if linear.parallel is None:
+        return [], tail
+    if linear.parallel == "column":
+        head = AllGather(g) if linear.sequence_parallel else AllReduce(g, in_backward=True)
+        return [head], tail
+    reduce = ReduceScatter(g) if linear.sequence_parallel else AllReduce(g)
+    return [], [reduce] + tail

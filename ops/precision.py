@@ -3,7 +3,7 @@
 For evaluation against the FP8 run, or to debug a loss that moved: every `ops.Linear` of the model runs
 `F.linear` in its input's dtype (an FP8-only weight is dequantized for the product, so it stays 1 byte per
 parameter in memory), and a Sequential whose Linears all do runs torch's own functions for its ops (the
-small-layer path, ops/sequential.py). Nothing is converted back, and on exit every Linear runs as before.
+small-layer path, ops/runner.py). Nothing is converted back, and on exit every Linear runs as before.
 The switch is an attribute of each Linear of `model`, set for the duration: no global state, so other
 models (and other threads' models) are not affected.
 """

@@ -18,12 +18,15 @@ from typing import List
 import torch
 
 from float8 import Float8Tensor
-from float8.ops.base import OpContext, RunState
-from float8.ops.functional import LinearSaved
+from float8.ops.context import OpContext, RunState
 
-# Records whose fields are packed one by one (by their dataclass field order, `__match_args__`). Named, not
-# found with dataclasses.is_dataclass, which dynamo 2.11 cannot trace.
-_RECORDS = (LinearSaved,)
+
+class SavedRecord:
+    """Base of a dataclass an op saves for its backward (ops/functional.py LinearSaved): packed field by
+    field, in the dataclass's field order (`__match_args__`). Marked by this base, not found with
+    dataclasses.is_dataclass, which dynamo 2.11 cannot trace."""
+
+    __slots__ = ()
 
 
 class _Slot:
@@ -45,7 +48,7 @@ def _map(value, leaf):
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
         return [_map(v, leaf) for v in value]
-    if type(value) in _RECORDS:
+    if isinstance(value, SavedRecord):
         return type(value)(*[_map(getattr(value, f), leaf) for f in type(value).__match_args__])
     return value
 
@@ -86,19 +89,16 @@ def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
     return bool(found)
 
 
-# What ops keep on their contexts (ops/*.py). Named here rather than read from the context's __dict__,
-# which dynamo 2.11 cannot iterate. An op keeping another name loses it under compile, and its backward
-# then fails on the missing attribute (AttributeError), not silently.
-SAVED_FIELDS = ("saved", "lead", "x_scale_inv", "bias", "mask", "logical")
-
-
-def pack_contexts(ctxs: List[OpContext], inputs: tuple):
+def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple):
     """(tensors, skeleton): every tensor the contexts hold, and what `unpack_contexts` rebuilds them from.
-    inputs: the autograd Function's tensor inputs, saved without a copy."""
+    Each op's context is packed by the names the op declares (`BasicOp.saves`: dynamo 2.11 cannot iterate a
+    context's __dict__); a name an op keeps without declaring it is missing in its compiled backward, which
+    then fails on the attribute (AttributeError), not silently. inputs: the autograd Function's tensor
+    inputs, saved without a copy."""
     tensors: List[torch.Tensor] = []
     skeleton = []
-    for ctx in ctxs:
-        saved = {k: _pack(getattr(ctx, k), tensors, inputs) for k in SAVED_FIELDS if hasattr(ctx, k)}
+    for op, ctx in zip(ops, ctxs):
+        saved = {k: _pack(getattr(ctx, k), tensors, inputs) for k in op.saves if hasattr(ctx, k)}
         skeleton.append((ctx.input_requires_grad, ctx.first, saved))
     run = ctxs[0].run if ctxs else None
     return tensors, (None if run is None else (run.grad, run.lead), skeleton)

@@ -1,329 +1,18 @@
-"""Sequential: ops run inside one autograd Function, so forward and backward fuse across ops.
-
-Activations travel as 2-D (tokens, features) tensors between ops; the token dims of the input are kept
-in the run state and restored on the output. A plain nn.Module inside a Sequential runs as it is, with
-ordinary autograd, and is a fusion boundary.
+"""Sequential: ops in order, run by the runner (ops/runner.py) inside one autograd Function, so forward and
+backward fuse across ops. A plain nn.Module inside a Sequential runs as it is, with ordinary autograd, and
+is a fusion boundary.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from float8 import DelayedScalingState, Float8Tensor, Recipe
-from float8.quantizer import check_amax_group, check_dense, reduce_deferred
-from float8.ops.attention import Attention
-from float8.ops.base import BasicOp, OpContext, RunState, second_backward_error, take
-from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
-from float8.ops.saved import holds_memory_of, pack_contexts, unpack_contexts
-from float8.ops.bias import Bias
-from float8.ops.cross_entropy import LinearCrossEntropy
-from float8.ops.linear import Linear
-
-
-class Float8PrecisionWarning(UserWarning):
-    """FP8 ops fed float32 activations: everything but the GEMMs then runs, and is stored, in float32."""
-
-
-def _check_precision(x: torch.Tensor, ops) -> None:
-    if x.dtype == torch.float32 and any(isinstance(o, Linear) for o in ops):
-        warnings.warn(
-            "float32 activations are reaching FP8 ops: only the GEMMs run in FP8; norms, activations, "
-            "attention and the saved tensors stay float32 (twice the memory traffic of bfloat16, and slower "
-            "than a plain bfloat16 model). Feed bfloat16 activations: cast the inputs (and the model, "
-            "model.to(torch.bfloat16), unless you keep float32 master weights on purpose).",
-            Float8PrecisionWarning,
-            stacklevel=4,
-        )
-
-
-class _Runner:
-    """One forward and its backward over a list of basic ops."""
-
-    def __init__(self, ops: List[BasicOp], fuse: bool, grad: bool, lead, input_requires_grad: bool):
-        self.ops, self.fuse = ops, fuse
-        self.input_requires_grad = input_requires_grad
-        self.run = RunState(grad, lead)
-        self.ctxs = self.contexts(self.run)
-        # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
-        # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
-        self.grouped = [
-            q for op in ops for q in op.quantizers
-            if isinstance(q, DelayedScalingState) and q.amax_group is not None
-        ]  # fmt: skip
-        self.pending: list = []
-
-    def contexts(self, run: RunState) -> List[OpContext]:
-        """One context per op, all sharing `run`."""
-        return [OpContext(run, self.input_requires_grad if i == 0 else True, i == 0) for i in range(len(self.ops))]
-
-    def _deferring(self, on: bool) -> None:
-        for q in self.grouped:
-            q.deferred = self.pending if on else None
-
-    def forward(self, x, ctxs=None):
-        """y for x; `ctxs`: the contexts to keep what the ops save on (default: this runner's own)."""
-        ops, grad, ctxs = self.ops, self.run.grad, (self.ctxs if ctxs is None else ctxs)
-        units = match(ops, FORWARD_FUSIONS, self.fuse)
-        self._deferring(True)
-        try:
-            for k, (i, unit) in enumerate(units):
-                # With fusion off, no op writes FP8 for its neighbour: each consumer quantizes for itself.
-                request = self._request_after(units, k, x.shape[0]) if self.fuse else None
-                x = unit.forward(ctxs[i : i + len(unit.ops)], x, request)
-        finally:
-            self._deferring(False)
-        if not grad and self.pending:
-            reduce_deferred(self.pending)  # no backward to wait for
-        return x
-
-    def _request_after(self, units, k: int, rows: int):
-        """What the op after unit k wants its input as. An op that only moves rows (AllGather) passes the
-        request of the op after it on (`relay`), so the producer before it writes what the consumer reads."""
-        relays = []
-        for _, unit in units[k + 1 :]:
-            op = unit.ops[0]
-            if not getattr(op, "relays_request", False):
-                request = op.input_request(self.run.grad, rows)
-                for relay in reversed(relays):
-                    request = relay.relay(request)
-                return request
-            relays.append(op)
-            rows *= op.group.size()
-        return None
-
-    def backward(self, dy, ctxs=None):
-        """(dx, flat parameter gradients) for dy; `ctxs`: the forward's contexts as unpacked under
-        torch.compile (ops/saved.py), else this runner's own."""
-        ops, ctxs = self.ops, (self.ctxs if ctxs is None else ctxs)
-        grads = [None] * len(ops)
-        self._deferring(True)
-        try:
-            for i, unit in reversed(match(ops, BACKWARD_FUSIONS, self.fuse)):
-                prev = ops[i - 1] if i > 0 else None
-                request = prev.grad_request(ctxs[i - 1]) if prev is not None and self.fuse else None
-                dy, unit_grads = unit.backward(ctxs[i : i + len(unit.ops)], dy, request)
-                grads[i : i + len(unit.ops)] = unit_grads
-        finally:
-            self._deferring(False)
-        if self.pending:
-            reduce_deferred(self.pending)  # the step's forward and backward amaxes, one all-reduce per group
-        _sum_over_groups(ops, grads)
-        flat = []
-        for op, op_grads in zip(ops, grads):
-            n = len(op.op_params())
-            flat.extend((list(op_grads or []) + [None] * n)[:n])
-        return dy, flat
-
-
-def _sum_over_groups(ops, grads) -> None:
-    """Sum the gradients of ops with a grad_sum_group (sequence-parallel norms and biases) over that group:
-    one all-reduce per group, of all its gradients flattened together."""
-    by_group = {}
-    for op, op_grads in zip(ops, grads):
-        if op.grad_sum_group is not None:
-            by_group.setdefault(id(op.grad_sum_group), (op.grad_sum_group, []))[1].extend(g for g in op_grads or [] if g is not None)
-    for group, tensors in by_group.values():
-        if tensors:
-            flat = torch.cat([t.reshape(-1).float() for t in tensors])
-            torch.distributed.all_reduce(flat, group=group)
-            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(part.view_as(t))
-
-
-class _RunFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, runner, *params):
-        ctx.runner = runner
-        ctx.x_dtype = x.dtype
-        # Ops keep what their backward reads on their contexts; the input is the one of those a caller can
-        # still write into. Where a context holds x's memory, x is saved here too, so that autograd's
-        # version check refuses a backward after an in-place write into it (as torch's own ops do) instead
-        # of computing gradients from changed values. Where none does (a Linear keeps only its FP8 copy), a
-        # write into x changes nothing the backward reads, and saving x would hold its memory from the
-        # forward to the backward for nothing: 6.5 GiB of the converted 8-block Llama's 26.6 GiB of
-        # activations on the H100 (benchmarks.peak --case converted, 2026-11-25).
-        if not torch.compiler.is_compiling():
-            y = runner.forward(x)
-            if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x):
-                ctx.save_for_backward(x)
-            return y
-        # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py). The contexts
-        # are made here, inside the Function: what the ops keep on them (a parameter itself, when `.to()`
-        # had nothing to convert) must not be a write into objects from outside it, which dynamo refuses
-        # when the tensor aliases an input.
-        ctxs = runner.contexts(RunState(runner.run.grad, runner.run.lead))
-        y = runner.forward(x, ctxs)
-        if ctxs and ctxs[0].run.lead != runner.run.lead:
-            runner.run.lead = ctxs[0].run.lead  # a Reshape op changed the token dims of the output
-        # The input itself is not saved for a version check here: a context holding x has it among `tensors`
-        # (packed as it is, so autograd checks its version), and any other tensor over x's memory was
-        # copied by pack_contexts, which a later write into x cannot change.
-        tensors, ctx.skeleton = pack_contexts(ctxs, (x, *params))
-        ctx.save_for_backward(*tensors)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        saved = ctx.saved_tensors  # raises if the input was modified in place since the forward
-        runner = take(ctx, "runner")
-        if runner is None:
-            raise second_backward_error("ops.Sequential / ops op")
-        ctxs = unpack_contexts(ctx.skeleton, saved) if torch.compiler.is_compiling() else None
-        dx, grads = runner.backward(dy, ctxs)
-        if isinstance(dx, Float8Tensor):
-            dx = dx.dequantize()
-        if not ctx.needs_input_grad[0]:
-            dx = None
-        elif dx is not None and dx.dtype != ctx.x_dtype:
-            dx = dx.to(ctx.x_dtype)
-        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])]
-        return (dx, None, *grads)
-
-
-def _delayed_training(ops, grad: bool) -> bool:
-    return grad and any(isinstance(q, DelayedScalingState) for op in ops for q in op.quantizers)
-
-
-_DELAYED_UNDER_COMPILE = (
-    "delayed scaling, which torch.compile cannot trace in training (its amax history is updated in place "
-    "inside forward and backward). Inference forwards (torch.no_grad, inference_mode) compile with delayed "
-    "scaling; to train under compile use current scaling (TensorwiseScaling, RowwiseScaling or "
-    "BlockwiseScaling), or run delayed scaling eagerly. Without fullgraph=True the run falls back to eager"
-)
-
-
-def _run_eagerly(ops, x, fuse):
-    return run_ops(ops, x, fuse)
-
-
-# Called while dynamo traces a training run under delayed scaling: dynamo runs it eagerly (a graph break, with
-# the reason under fullgraph=True), so a compiled model without fullgraph trains correctly around it.
-try:
-    _run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly, reason=_DELAYED_UNDER_COMPILE)
-except TypeError:  # a torch whose disable() takes no reason: the same graph break, dynamo's own message
-    _run_delayed_training_eagerly = torch.compiler.disable(_run_eagerly)
-
-
-def _check_compilable(ops, grad: bool) -> None:
-    """An op that says why it cannot run under torch.compile (`not_compilable`) raises. (Delayed scaling in
-    training is not traced either: its amax history is module state written in place by the forward and by
-    the backward, which dynamo refuses inside an autograd Function; run_ops hands such a run back to eager,
-    `_run_delayed_training_eagerly`. An inference forward writes the history in plain traced code, which
-    compiles: the buffers are updated in the graph as eager updates them.)"""
-    for op in ops:
-        if op.not_compilable is not None:
-            raise NotImplementedError(f"ops.{type(op).__name__} cannot run under torch.compile: {op.not_compilable}.")
-
-
-def _refuse_forward_ad(x: torch.Tensor) -> None:
-    """Forward-mode AD has no FP8 form here (quantization passes gradients straight through only in reverse
-    mode): a dual input would come out without its tangent. Refused, loudly."""
-    if torch.autograd.forward_ad._current_level >= 0 and torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
-        raise NotImplementedError(
-            "float8 ops do not support forward-mode AD (a dual tensor reached them: its tangent would be lost). "
-            "Use reverse mode (backward), or run the layer in high precision for jvp."
-        )
-
-
-def _runs_as_torch(ops: List[BasicOp], x2: torch.Tensor) -> bool:
-    """The small-layer policy applied to a whole run: when none of its Linears runs in FP8 (each too small
-    for FP8 to win, on CUDA), no kernel of ours has FP8 to write or read, and torch's own functions under
-    ordinary autograd cost the host least. On the H100 machine's host a tiny Linear -> RMSNorm -> GELU
-    took 1558 us per forward+backward through our kernels against 419 us for torch.nn (2026-11-22,
-    benchmarks/host.py): the Triton launches and the run's Python, with nothing for FP8 to win. At least
-    one Linear: norms or activations alone keep their kernels. Not under lean activations, whose FP8
-    copies of saved inputs only the ops' own backwards read."""
-    if x2.device.type != "cuda" or isinstance(x2, Float8Tensor):
-        return False
-    rows, device, linear = x2.shape[0], x2.device, False
-    for op in ops:
-        if not op.has_torch_forward or op.recipe.lean_activations:
-            return False
-        op.op_params()  # a parameter still sharded by FSDP2 is refused here, naming the op
-        if isinstance(op, Linear):
-            if not op.runs_as_torch(rows, device):
-                return False
-            linear = True
-    return linear
-
-
-def _run_as_torch(ops: List[BasicOp], x2: torch.Tensor, lead, fuse: bool) -> torch.Tensor:
-    """The ops' plain-torch twins in order; with fusion on, a Linear and the Bias after it (its own, or
-    one after a bias-free Linear) as one F.linear, as LinearBiasForward fuses them."""
-    run = RunState(torch.is_grad_enabled(), lead)
-    i = 0
-    while i < len(ops):
-        op, after = ops[i], ops[i + 1] if i + 1 < len(ops) else None
-        fold = fuse and isinstance(op, Linear) and isinstance(after, Bias) and (op.bias is None or op.bias is after.bias)
-        if fold:
-            x2 = op.torch_forward(x2, run, bias=after.bias)
-            i += 2
-        else:
-            x2 = op.torch_forward(x2, run)
-            i += 1
-    return x2
-
-
-def _run_split_at_attention(ops: List[BasicOp], x: torch.Tensor, fuse: bool) -> torch.Tensor:
-    """A run holding ops.Attention, under torch.compile: the attention runs as SDPA under ordinary autograd
-    (whose backward dynamo traces; the op's own backward differentiates a recorded SDPA graph, which it
-    cannot), between fused runs of the other ops. The residual pairs around it become plain adds, so no
-    activation crosses from one fused run into another; `_check_residual_pairs` keeps each pair inside
-    one Sequential run. The numerics are eager's: the same kernels, and a residual's gradients are summed
-    two by two in the order of Residual's backward (Residual.torch_forward). The fused runs between never
-    take the torch twins: the eager run, one fused Function, did not either."""
-    from float8.ops.misc import AddResidual, Residual
-
-    stack = RunState(torch.is_grad_enabled())
-    part: List[BasicOp] = []
-    for op in [*ops, None]:
-        if op is None or isinstance(op, (Attention, Residual, AddResidual)):
-            if part:
-                x = run_ops(part, x, fuse, as_torch=False)
-                part = []
-            if isinstance(op, Attention):
-                x = op.torch_forward_nd(x)
-            elif op is not None:
-                x = op.torch_forward(x, stack)
-        else:
-            part.append(op)
-    return x
-
-
-def run_ops(ops: List[BasicOp], x: torch.Tensor, fuse: bool = True, as_torch: bool = True) -> torch.Tensor:
-    """Run basic ops on x (..., features): one autograd node for all of them, or, where the small-layer
-    policy keeps every Linear of the run in high precision, torch's own functions (`as_torch`: allowed)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"ops take a tensor, got {type(x).__name__}")
-    check_dense(x, "an op")
-    if x.dim() == 0:
-        raise ValueError("ops take a tensor of at least one dim (..., features), got a scalar")
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
-        _refuse_forward_ad(x)
-    lead = tuple(x.shape[:-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    if as_torch and _runs_as_torch(ops, x2):
-        y = _run_as_torch(ops, x2, lead, fuse)
-        return y.reshape(*lead, y.shape[-1])
-    if compiling and any(isinstance(op, Attention) for op in ops):
-        return _run_split_at_attention(ops, x, fuse)
-    params = [p for op in ops for p in op.op_params()]
-    grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-    if compiling:
-        _check_compilable(ops, grad)
-        if _delayed_training(ops, grad):
-            return _run_delayed_training_eagerly(ops, x, fuse)
-    runner = _Runner(ops, fuse, grad, lead, x.requires_grad)
-    if grad:
-        y = _RunFunction.apply(x2, runner, *params)
-    else:
-        y = runner.forward(x2)
-    return y.reshape(*runner.run.lead, y.shape[-1])
+from float8 import Recipe
+from float8.quantizer import check_amax_group
+from float8.ops.base import BasicOp
+from float8.ops.runner import Float8PrecisionWarning, run_ops
 
 
 class Sequential(torch.nn.Module):
@@ -388,7 +77,7 @@ class Sequential(torch.nn.Module):
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x through the ops. A Sequential that ends with a LinearCrossEntropy takes the labels as `target`
         and returns the loss."""
-        ends_in_loss = len(self.ops) > 0 and isinstance(self.ops[-1], LinearCrossEntropy)
+        ends_in_loss = len(self.ops) > 0 and getattr(self.ops[-1], "is_loss", False)
         if ends_in_loss != (target is not None):
             raise ValueError(
                 "a Sequential ending with LinearCrossEntropy needs target=" if ends_in_loss
@@ -408,9 +97,7 @@ def _has_hooks(op: torch.nn.Module) -> bool:
 
 
 def _residual_step(op) -> int:
-    from float8.ops.misc import AddResidual, Residual
-
-    return isinstance(op, Residual) - isinstance(op, AddResidual)
+    return getattr(op, "residual_step", 0)
 
 
 def _check_residual_pairs(ops) -> None:
@@ -426,3 +113,6 @@ def _check_residual_pairs(ops) -> None:
             raise ValueError(f"AddResidual at item {i} has no Residual before it")
     if depth:
         raise ValueError(f"{depth} Residual op(s) without a matching AddResidual")
+
+
+__all__ = ["Float8PrecisionWarning", "Sequential", "run_ops"]

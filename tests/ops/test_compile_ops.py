@@ -215,7 +215,7 @@ def _attention_block(recipe=None, sequence_first=False):
 @pytest.mark.parametrize("sequence_first", [False, True], ids=["bsd", "sbd"])
 def test_block_with_attention_compiles_fullgraph_and_matches_eager(name, sequence_first):
     # Under compile the attention runs as SDPA under autograd between fused runs, the residual pairs as
-    # plain adds (ops/sequential.py _run_split_at_attention): eager's kernels, so eager's bits.
+    # plain adds (ops/runner.py _run_split_at_attention): eager's kernels, so eager's bits.
     _compare_steps(lambda: _attention_block(RECIPES[name], sequence_first),
                    lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
 
@@ -253,26 +253,33 @@ def test_compiled_cross_entropy_still_refuses_a_bad_label():
         run(torch.randn(16, 64, dtype=torch.bfloat16), target)
 
 
-def test_every_op_keeps_only_fields_the_compiled_path_carries():
-    """Under compile only the context fields named in ops/saved.py reach the backward: an op keeping
-    another name would fail there. Every `ctx.<name> = ...` on an OpContext in ops/ must be one of them."""
+def test_every_op_declares_the_context_fields_it_keeps():
+    """Under compile only the context fields an op declares (`BasicOp.saves`, packed by ops/saved.py) reach
+    its backward: a field kept but not declared would fail there. Every `ctx.<name> = ...` on an OpContext
+    in an op class's methods must be declared by that class (or a base)."""
     import ast
+    import importlib
     import pathlib
 
-    from float8.ops.saved import SAVED_FIELDS
-
-    found = set()
+    checked = 0
     for path in (pathlib.Path(__file__).parents[2] / "ops").glob("*.py"):
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, ast.FunctionDef):
+        module = importlib.import_module(f"float8.ops.{path.stem}")
+        for cls in ast.parse(path.read_text()).body:
+            if not isinstance(cls, ast.ClassDef):
                 continue
-            if not any(a.arg == "ctx" and getattr(a.annotation, "id", None) == "OpContext" for a in fn.args.args):
-                continue
-            for node in ast.walk(fn):
-                targets = node.targets if isinstance(node, ast.Assign) else []
-                for t in targets:
-                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
-                        if isinstance(el, ast.Attribute) and getattr(el.value, "id", None) == "ctx":
-                            found.add(el.attr)
-    assert found, "no op context writes found: the scan is broken"
-    assert found <= set(SAVED_FIELDS), found - set(SAVED_FIELDS)
+            written = set()
+            for fn in ast.walk(cls):
+                if not isinstance(fn, ast.FunctionDef):
+                    continue
+                if not any(a.arg == "ctx" and getattr(a.annotation, "id", None) == "OpContext" for a in fn.args.args):
+                    continue
+                for node in ast.walk(fn):
+                    for t in node.targets if isinstance(node, ast.Assign) else []:
+                        for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                            if isinstance(el, ast.Attribute) and getattr(el.value, "id", None) == "ctx":
+                                written.add(el.attr)
+            if written:
+                declared = set(getattr(getattr(module, cls.name), "saves", ()))
+                assert written <= declared, f"{path.name} {cls.name} keeps {sorted(written - declared)} undeclared"
+                checked += 1
+    assert checked >= 5, f"only {checked} op classes write their contexts: the scan is broken"

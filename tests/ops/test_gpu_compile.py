@@ -60,7 +60,7 @@ def _within_fp8_grad_bound(got, want):
 
 def test_inductor_block_with_attention_matches_eager():
     """An ops block holding ops.Attention: under compile the attention runs as SDPA under autograd and the
-    residual pairs as adds (ops/sequential.py), between fused runs of our kernels. Inductor lowers SDPA
+    residual pairs as adds (ops/runner.py), between fused runs of our kernels. Inductor lowers SDPA
     itself: the block's output differed from eager's in the last bits at 240k of 1M elements (H100,
     2026-11-22), the rest is our kernels, so the check is a tolerance (the CPU test with aot_eager, which
     runs eager's SDPA, checks the bits)."""
@@ -104,7 +104,7 @@ def test_inductor_small_layers_in_high_precision_same_bits_as_eager():
 
 
 def test_inductor_small_layer_run_as_torch_functions():
-    """A run with no Linear big enough for FP8 is torch's own functions (ops/sequential.py): inductor
+    """A run with no Linear big enough for FP8 is torch's own functions (ops/runner.py): inductor
     compiles them as it compiles torch.nn, fusing the norm and activation with its own rounding."""
     torch._dynamo.reset()
 

@@ -102,9 +102,9 @@ def test_small_layer_policy_runs_plain_bf16_on_cuda():
 
 
 def test_small_layer_sequential_runs_torch_functions_on_cuda():
-    # No Linear of the run big enough for FP8: the run is torch's own functions (ops/sequential.py
+    # No Linear of the run big enough for FP8: the run is torch's own functions (ops/runner.py
     # _runs_as_torch), so the bits of F.linear / F.rms_norm / F.gelu, forward and backward.
-    from float8.ops.sequential import _runs_as_torch
+    from float8.ops.runner import _runs_as_torch
 
     torch.manual_seed(0)
     seq = ops.Sequential(ops.Linear(256, 256), ops.RMSNorm(256), ops.GELU(), ops.Linear(256, 128, bias=False))
@@ -134,7 +134,7 @@ def test_small_layer_run_conditions_on_cuda():
     # FP8 saved inputs); a small block with attention compiled gives what its eager run gives, within
     # inductor's own rounding of the torch functions.
     from benchmarks.distributed import ops_block
-    from float8.ops.sequential import _runs_as_torch
+    from float8.ops.runner import _runs_as_torch
     from tests.tolerances import sqnr_db
 
     torch.manual_seed(0)

@@ -115,9 +115,9 @@ def _torch_twin(seq):
 
 def test_plain_torch_twin_of_a_run_gives_torch_bits():
     # Where none of a run's Linears is big enough for FP8 on CUDA (the small-layer policy), a Sequential
-    # runs its ops' torch twins under ordinary autograd (ops/sequential.py _run_as_torch): the same bits
+    # runs its ops' torch twins under ordinary autograd (ops/runner.py _run_as_torch): the same bits
     # as torch's functions, forward and backward. Checked here on the CPU, where the run itself is FP8.
-    from float8.ops.sequential import _run_as_torch, _runs_as_torch
+    from float8.ops.runner import _run_as_torch, _runs_as_torch
 
     torch.manual_seed(0)
     seq = ops.Sequential(
@@ -143,7 +143,7 @@ def test_plain_torch_twin_of_a_run_gives_torch_bits():
 
 
 def test_plain_torch_twin_checks_shapes_and_draws_dropout_like_the_op():
-    from float8.ops.sequential import _run_as_torch
+    from float8.ops.runner import _run_as_torch
 
     lin = ops.Linear(16, 8)
     with pytest.raises(ValueError, match=r"Linear expects input \(\.\.\., 16\)"):
@@ -161,7 +161,7 @@ def test_plain_torch_twin_checks_shapes_and_draws_dropout_like_the_op():
 def test_plain_torch_twin_gives_float32_master_biases_float32_gradients():
     # A bias kept in float32 beside bf16 activations: Bias.op_backward sums the rows' gradients in
     # float32; the torch twin must too, not hand back a sum rounded to bf16.
-    from float8.ops.sequential import _run_as_torch
+    from float8.ops.runner import _run_as_torch
 
     torch.manual_seed(0)
     x = torch.randn(512, 64, dtype=torch.bfloat16)
@@ -179,7 +179,7 @@ def test_plain_torch_twin_gives_float32_master_biases_float32_gradients():
 
 
 def test_plain_torch_twin_folds_a_separate_bias_as_the_fused_run_does():
-    from float8.ops.sequential import _run_as_torch
+    from float8.ops.runner import _run_as_torch
 
     torch.manual_seed(0)
     lin, bias = ops.Linear(32, 16, bias=False).to(torch.bfloat16), ops.Bias(16).to(torch.bfloat16)
@@ -198,7 +198,7 @@ def test_plain_torch_twin_folds_a_separate_bias_as_the_fused_run_does():
 
 
 def test_plain_torch_twin_of_attention_gives_the_ops_bits():
-    from float8.ops.sequential import _run_as_torch
+    from float8.ops.runner import _run_as_torch
 
     torch.manual_seed(0)
     attn = ops.Attention(4, 16, num_kv_heads=2)

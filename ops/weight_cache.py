@@ -1,0 +1,69 @@
+"""What an ops.Linear keeps of its weight between calls, derived and never saved: the FP8 copy of a
+high-precision weight (`WeightCache`), and an FP8-only weight's prepared decode-size calls (`InferencePlans`,
+kernels/weight_only.py PreparedMM). When each is made, read and dropped: ops/linear.py."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class WeightCache:
+    """The FP8 copy of a Linear's weight and what it was made from. A plain holder: its fields are written
+    on the hot path without nn.Module's attribute machinery, and it is never saved (pickling or copying a
+    model drops it: it is derived, and its key holds a weak reference)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.key = self.storage = self.w8 = self.wd = None
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state) -> None:
+        self.clear()
+
+    @staticmethod
+    def _key(w: torch.Tensor):
+        # The version counter moves with every in-place update; offset, shape and strides change when
+        # `.data` is pointed at another part of the same storage; the storage itself is compared by identity.
+        return (w._version, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
+
+    def lookup(self, w: torch.Tensor, for_backward: bool):
+        if self.w8 is None or self.key != self._key(w) or self.storage() is not w.untyped_storage():
+            return None
+        if for_backward and self.wd is None:
+            return None
+        return self.w8, (self.wd if for_backward else None)
+
+    def store(self, w: torch.Tensor, w8, wd) -> None:
+        # No callback on the weak reference: one that frees tensors while torch deallocates a storage
+        # crashed the interpreter (segfault in the CPU suite). Replacing `weight` clears the cache at once
+        # (Linear.__setattr__); replacing `weight.data` is seen, and the old copy freed, at the next call.
+        self.key, self.storage, self.w8, self.wd = self._key(w), weakref.ref(w.untyped_storage()), w8, wd
+
+    def tensors(self) -> list:
+        """The FP8 copies held (for float8.memory_footprint)."""
+        return [t for t in (self.w8, self.wd) if t is not None]
+
+
+class InferencePlans(dict):
+    """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
+    dtype). Derived and never saved: pickling or copying a model drops them. Bounded: a model serving many
+    prompt lengths keeps the latest MAX shapes per Linear."""
+
+    MAX = 64
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def add(self, key, prepared) -> None:
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = prepared
