@@ -98,6 +98,13 @@ def inference_compiled(tokens: int, model: str = "llama") -> Row:
     return Row(str(tokens), "inference_compiled", f"model {model}, tokens {tokens}", cells)
 
 
+def inference_graphs(tokens: int, model: str = "llama") -> Row:
+    """benchmarks.inference --area inference_graphs: torch.compile(mode="reduce-overhead") (CUDA graphs)."""
+    cells = [("bf16 eager", "ms", ms), ("bf16 cudagraphs", "ms", ms), ("float8 cudagraphs", "ms", ms),
+             ("bf16 cudagraphs", "vs_bf16_eager", times), ("float8 cudagraphs", "vs_bf16_eager", times)]  # fmt: skip
+    return Row(str(tokens), "inference_graphs", f"model {model}, tokens {tokens}", cells)
+
+
 def lce(label: str, variant: str, reference: bool = False) -> Row:
     """A variant of benchmarks.memory's fused LM head + loss; the reference has no SQNR of its own."""
     sqnr = (None, "ref", None) if reference else (variant, "dw_sqnr_db", db)
@@ -136,6 +143,12 @@ TABLES: Dict[str, Table] = {
         "Inference compiled (torch.compile, default mode), the same model; ratios against bf16 in the same round",
         ["tokens", "bf16 compiled ms", "float8 compiled", "torchao rowwise compiled", "float8 compiled vs bf16 eager"],
         [inference_compiled(16)],
+    ),
+    "inference_graphs": Table(
+        "Inference under CUDA graphs (torch.compile, mode=\"reduce-overhead\"), the same model, each call synchronized",
+        ["tokens", "bf16 eager ms", "bf16 graphed ms", "float8 graphed ms", "bf16 graphed vs bf16 eager",
+         "float8 graphed vs bf16 eager"],
+        [inference_graphs(16)],
     ),
     "lce": Table(
         "Fused linear + cross-entropy, V=128256, H=4096, 16384 tokens; vs naive: time ratio (below 1: faster)",
