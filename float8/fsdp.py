@@ -27,8 +27,7 @@ from torch.utils._pytree import tree_map
 from float8.kernels import amax as amax_kernel
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import scale_from_amax
-from float8.quantizer import all_reduce_amax
-from float8.tensor import Float8Tensor
+from float8.tensor import Float8Tensor, ScaleLayout, all_reduce_amax
 
 aten = torch.ops.aten
 # Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).
@@ -157,8 +156,6 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3
     all-gathers them as FP8; call before fully_shard. Returns the names of the wrapped weights. A Linear
     whose weight cannot be served (row-wise or block weight scaling, an FP8-only weight) keeps the
     high-precision all-gather."""
-    from float8.quantizer import ScaleLayout
-
     wrapped = []
     for name, module in model.named_modules():
         quantizers = getattr(module, "quantizers", ())  # a Linear's three; () for other ops and modules

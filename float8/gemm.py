@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from float8 import dispatch
 from float8.kernels.reference import dequantize_ref
 from float8.kernels.transpose import transpose_fp8
-from float8.quantizer import requantize_into
-from float8.tensor import Float8Tensor, _is_float8
+from float8.tensor import Float8Tensor, _is_float8, _requantize_into
 
 aten = torch.ops.aten
 
@@ -240,7 +239,7 @@ def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, 
 
 
 def _fallback(func, args, kwargs):
-    return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
+    return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
 
 
 def _mixed(a, b) -> bool:

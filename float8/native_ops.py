@@ -16,10 +16,10 @@ import torch
 
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.quantizer import requantize_into
 from float8.tensor import (
     Float8Tensor,
     _is_float8,
+    _requantize_into,
     block_shape,
     check_whole,
     mark_written,
@@ -73,7 +73,7 @@ def _aliases(data: torch.Tensor, src: Float8Tensor) -> bool:
 
 
 def _fallback(func, args, kwargs):
-    return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
+    return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
 
 
 def _shares_versions(handler):
@@ -161,7 +161,7 @@ def _copy_(func, args, kwargs):
                 dst._transpose_raw.copy_(bits.transpose(-2, -1))
         mark_written(dst)
         return dst
-    requantize_into(dst, src.dequantize() if _is_float8(src) else src)
+    _requantize_into(dst, src.dequantize() if _is_float8(src) else src)
     return dst
 
 

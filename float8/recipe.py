@@ -1,10 +1,12 @@
 """Scaling recipes: what granularity and format to quantize with. Frozen, validated, stateless.
 
 A recipe describes how the *next* FP8 tensor is made; it never owns or changes a tensor that exists
-(the scale-inverse travels with the FP8 bits, see float8/tensor.py). It builds the quantizers that do the
-work (`Recipe.quantizers()`, float8/quantizer.py). The one piece of state, the amax history of delayed
-scaling, lives in a `DelayedScalingState` (a quantizer) owned by whoever quantizes (an op), and is
-updated on the device with no host sync.
+(the scale-inverse travels with the FP8 bits, see float8/tensor.py). It names a format and one scaling
+per role (the dataclasses of float8/scaling.py, exported here too) and builds the quantizers that do the
+work (`Recipe.quantizers()`, float8/quantizer.py): the top of the tensor/quantizer/recipe layers, which
+import downwards only. The one piece of state, the amax history of delayed scaling, lives in a
+`DelayedScalingState` (a quantizer) owned by whoever quantizes (an op), and is updated on the device with
+no host sync.
 
     Float8Tensor.quantize(x)                                   # per-tensor current scaling, E4M3
     Float8Tensor.quantize(x, scaling=RowwiseScaling())         # one scale per row
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
 from float8.kernels.reference import fp8_max, max_margin
+from float8.quantizer import LinearQuantizers, quantizer_for
+from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, Scaling, TensorwiseScaling
 
 
 class Format(enum.Enum):
@@ -43,90 +46,6 @@ class Format(enum.Enum):
     def backward_dtype(self) -> torch.dtype:
         """The FP8 dtype of gradients."""
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
-
-
-def _check_margin(margin: int) -> None:
-    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 32:
-        raise ValueError(f"margin must be an int in [0, 32] (scale is divided by 2**margin), got {margin!r}")
-
-
-@dataclass(frozen=True)
-class TensorwiseScaling:
-    """One scale for the whole tensor, from this tensor's own amax (current scaling)."""
-
-    margin: int = 0
-    power_of_2: bool = False
-
-    def __post_init__(self):
-        _check_margin(self.margin)
-
-
-@dataclass(frozen=True)
-class RowwiseScaling:
-    """One scale per row (per slice along the last dim); scale_inv has shape x.shape[:-1] + (1,)."""
-
-    margin: int = 0
-    power_of_2: bool = False
-
-    def __post_init__(self):
-        _check_margin(self.margin)
-
-
-SUPPORTED_BLOCKS = ((1, 128), (128, 128))
-
-
-@dataclass(frozen=True)
-class BlockwiseScaling:
-    """One scale per block: (1, 128) for activations/gradients, (128, 128) for 2-D weights (DeepSeek-V3 style).
-
-    scale_inv has one value per block: shape x.shape[:-1] + (K // 128,) for (1, 128), and
-    (M // 128, K // 128) for (128, 128). The block must tile the tensor exactly.
-    """
-
-    block: tuple = (1, 128)
-    margin: int = 0
-    power_of_2: bool = False
-
-    def __post_init__(self):
-        block = tuple(self.block)
-        if block not in SUPPORTED_BLOCKS:
-            raise ValueError(f"block must be one of {SUPPORTED_BLOCKS}, got {self.block!r}")
-        object.__setattr__(self, "block", block)
-        _check_margin(self.margin)
-
-
-AMAX_ALGOS = ("max", "most_recent")
-
-
-@dataclass(frozen=True)
-class DelayedScaling:
-    """Per-tensor scale from the amax history of earlier steps: the cast needs no amax pass first.
-
-    The scale used for step t comes from amaxes up to step t-1 (`amax_compute_algo` "max" over the last
-    `history_len` steps, or "most_recent"). Non-finite amaxes are not recorded and keep the previous
-    scale; a step with an empty history (the first) uses current scaling. Create a `DelayedScalingState`
-    from it to quantize (an op with a delayed recipe makes its own).
-    """
-
-    # 1024, not 16: in examples/train_gpt.py (4 blocks of d=1024, 1000 steps, H100, one seed each) delayed
-    # scaling ended +2.29% above bf16's held-out loss with a history of 16 and +0.72% with 1024 (the next
-    # day's full run: +1.15%, current scaling +1.23%, bf16 itself 0.3% lower). Likely (not measured per
-    # tensor): a short window forgets the spikes of the gradients' amax and saturates the next.
-    # 1024 floats per tensor, three tensors per Linear: 12 KiB.
-    history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    power_of_2: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(f"history_len must be a positive int, got {self.history_len!r}")
-        if self.amax_compute_algo not in AMAX_ALGOS:
-            raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, got {self.amax_compute_algo!r}")
-        _check_margin(self.margin)
-
-
-Scaling = Union[TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling]
 
 
 @dataclass(frozen=True)
@@ -187,15 +106,19 @@ class Recipe:
                     f"(the largest margin for this format is {max_margin(fp8)})"
                 )
 
-    def quantizers(self, *, device=None, amax_group=None):
+    def quantizers(self, *, device=None, amax_group=None) -> LinearQuantizers:
         """The (input, weight, grad) quantizers this recipe describes (float8.quantizer.LinearQuantizers).
 
-        Delayed scaling gives new DelayedScalingState modules on `device` (the caller owns their history);
-        amax_group: a process group over which per-tensor amaxes are reduced, or None.
+        Delayed scaling gives new DelayedScalingState modules on `device` (default: the CPU; the caller owns
+        their history); amax_group: a process group over which per-tensor amaxes are reduced, or None.
         """
-        from float8.quantizer import recipe_quantizers
-
-        return recipe_quantizers(self, device=device, amax_group=amax_group)
+        fwd, bwd = self.format.forward_dtype, self.format.backward_dtype
+        dev = torch.device("cpu") if device is None else device
+        return LinearQuantizers(
+            quantizer_for(self.input, fwd, device=dev, amax_group=amax_group),
+            quantizer_for(self.weight, fwd, device=dev, amax_group=amax_group),
+            quantizer_for(self.grad, bwd, device=dev, amax_group=amax_group),
+        )
 
     @classmethod
     def tensorwise(cls, format: Format = Format.HYBRID) -> "Recipe":

@@ -22,8 +22,10 @@ The contract
   in-place op, ``fp8_data`` itself) leaves it in step or drops it: `transpose_in_step` below.
 - Non-finite values never come out finite: a tensor quantized from values holding NaN or inf
   dequantizes to non-finite values, and so does every GEMM that reads it (docs/design.md §2, §3).
-- Quantizing goes through a quantizer (float8/quantizer.py); a tensor quantized from one that requires
-  grad requires grad, and gradients pass through quantize and dequantize unchanged.
+- Quantizing goes through a quantizer: `Float8Tensor.quantize` builds one from its arguments, and the
+  protocol and the quantizers without state are defined at the bottom of this module (float8/quantizer.py
+  adds those that keep state and exports them all). A tensor quantized from one that requires grad
+  requires grad, and gradients pass through quantize and dequantize unchanged.
 - Ops: `float8/native_ops.py` and `float8/gemm.py` implement views, transposes, copies, cat/split and
   FP8 GEMMs natively; every other op goes to the one fallback of `float8/dispatch.py` (high precision,
   a warning naming the op; in-place ops re-quantize and keep the type). A view that the scale layout
@@ -35,13 +37,27 @@ The contract
 
 from __future__ import annotations
 
+import enum
+import math
+import numbers
 from typing import Optional, Union
 
 import torch
 
 from float8 import dispatch
+from float8.kernels import amax as amax_kernel
 from float8.kernels import dequantize as dequantize_kernel
-from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, check_fp8_dtype
+from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
+from float8.kernels.reference import (
+    FLOAT32_MAX,
+    FP8_DTYPES,
+    HIGH_PRECISION_DTYPES,
+    check_fp8_dtype,
+    max_margin,
+    min_scale,
+    scale_from_amax,
+)
+from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
 
 Float8FallbackWarning = dispatch.Float8FallbackWarning
 
@@ -103,13 +119,19 @@ class Float8Tensor(torch.Tensor):
         scale: a per-tensor float32 scale (static scaling); the cast kernel writes scale_inv = 1 / scale.
         scaling: TensorwiseScaling() (default: current per-tensor scaling), RowwiseScaling(),
             BlockwiseScaling(block), a DelayedScalingState (whose history is updated on the device), or any
-            quantizer of float8.quantizer. Every form goes through one quantizer (float8/quantizer.py).
+            quantizer of float8.quantizer. Every form goes through one quantizer's `quantize` (below).
         with_transpose: also write the transposed FP8 layout in the same kernel, for a backward pass.
             Ignored under no_grad/inference_mode, where no backward pass can read it.
         If x requires grad, the result does too: gradients pass through the quantization as the identity
         (straight-through estimator), and through dequantize() and FP8 GEMMs as their high-precision ones.
         """
-        return _quantizer.quantizer_from_args(fp8_dtype, scale, scaling).quantize(x, with_transpose=with_transpose)
+        if scale is not None:
+            if scaling is not None:
+                raise ValueError("pass either scale= (static scaling) or scaling=, not both")
+            quantizer = StaticQuantizer(scale, fp8_dtype or torch.float8_e4m3fn)
+        else:
+            quantizer = _quantizer_for(TensorwiseScaling() if scaling is None else scaling, fp8_dtype)
+        return quantizer.quantize(x, with_transpose=with_transpose)
 
     # ---- the public face ----------------------------------------------------------------------
     @property
@@ -161,7 +183,7 @@ class Float8Tensor(torch.Tensor):
         handler = dispatch.lookup(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        return dispatch.fallback(func, args, kwargs, _is_float8, _quantizer.requantize_into)
+        return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
 
     # ---- torch.compile / FSDP / serialization -------------------------------------------------
     def __tensor_flatten__(self):
@@ -350,5 +372,361 @@ class _DequantizeSTE(torch.autograd.Function):
     def backward(ctx, grad):
         return grad.to(ctx.dtype), None
 
+# ---- quantizers: how a high-precision tensor becomes a Float8Tensor ------------------------------------
+# The protocol (`Quantizer`) and the quantizers without state live here, beside the tensor they write,
+# because `Float8Tensor.quantize` builds them; the quantizers that keep state in buffers (StaticScalingState,
+# DelayedScalingState) build on them in float8/quantizer.py, which exports every quantizer. What a quantizer
+# answers is stated at the top of float8/quantizer.py and in docs/design.md §4.
 
-from float8 import quantizer as _quantizer  # noqa: E402  (quantizer.py imports this module)
+
+class ScaleLayout(enum.Enum):
+    """The GEMM operand layout a quantizer produces.
+
+    TENSOR: one scale; the transposed operand is the same bits (the cached transpose), so every GEMM of
+        a Linear runs in FP8 and norms/activations can write it in their own kernels.
+    ROW: one scale per row; the transposed operand needs its own quantization along its rows.
+    BLOCK: one scale per 1x128 or 128x128 block; GEMMs run on dequantized operands (numerics, not speed).
+    """
+
+    TENSOR = "tensor"
+    ROW = "row"
+    BLOCK = "block"
+
+
+def check_dense(x: torch.Tensor, what: str) -> None:
+    """TypeError naming the problem for a sparse or nested tensor (which would otherwise fail deep inside
+    torch, e.g. "NestedTensorImpl doesn't support sizes"): FP8 kernels and GEMMs read dense strided memory."""
+    if x.is_nested:
+        raise TypeError(f"{what} takes a dense tensor, got a nested tensor: pad it (torch.nested.to_padded_tensor) first")
+    if x.layout is not torch.strided:
+        raise TypeError(f"{what} takes a dense tensor, got layout {x.layout}: call .to_dense() first")
+
+
+def check_quantize_input(x) -> None:
+    """TypeError unless x is a plain, dense float32/bfloat16/float16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize needs a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, "quantize")
+    if isinstance(x, Float8Tensor):
+        raise TypeError(
+            "quantize got a Float8Tensor; it is already FP8. Use .dequantize() first to re-quantize with "
+            "another scaling."
+        )
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"quantize needs a float32, bfloat16 or float16 tensor, got {x.dtype}")
+
+
+def check_amax_group(group):
+    """None, or a torch.distributed process group (the amax reduction group of a per-tensor quantizer)."""
+    if group is None:
+        return None
+    if not torch.distributed.is_available() or not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"amax_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _check_margin_for(fp8_dtype, margin: int) -> None:
+    limit = max_margin(fp8_dtype)
+    if margin > limit:
+        raise ValueError(
+            f"margin {margin} is too large for {fp8_dtype}: the scale would be divided by 2**{margin} and "
+            f"every value would round to 0; the largest margin for this format is {limit}"
+        )
+
+
+class Quantizer:
+    """Base of the quantizers. Subclasses set `fp8_dtype`, `layout` and implement `_quantize`."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    layout: ScaleLayout = ScaleLayout.TENSOR
+    margin: int = 0
+    power_of_2: bool = False
+    amax_group = None
+
+    def quantize(self, x: torch.Tensor, *, with_transpose: bool = False) -> Float8Tensor:
+        """x (float32/bfloat16/float16) as a Float8Tensor of this quantizer's format and scaling.
+
+        with_transpose: also write the transposed FP8 layout (for a backward pass); ignored under
+        no_grad/inference_mode, where no backward pass can read it. If x requires grad, so does the
+        result, and gradients pass through the quantization unchanged (straight-through estimator).
+        """
+        check_quantize_input(x)
+        grad = torch.is_grad_enabled()
+        want_t = bool(with_transpose) and grad and x.dim() >= 2
+        if grad and x.requires_grad:
+            return _QuantizeSTE.apply(x, self, want_t)
+        return self._quantize(x, want_t)
+
+    def _quantize(self, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
+        """`quantize` without the grad-mode rule and without autograd: for ops, which run inside their
+        own autograd Function (grad mode off) and know whether a backward pass will read the transpose."""
+        raise NotImplementedError
+
+    # ---- the request a fused kernel honours (per-tensor quantizers only) -----------------------------
+    @property
+    def fuses(self) -> bool:
+        """Whether a norm/activation kernel can write this quantizer's FP8 form in its own launch."""
+        return False
+
+    def kernel_scale(self) -> Optional[torch.Tensor]:
+        """The scale a fused kernel casts with; None: the kernel computes the amax (current scaling)."""
+        return None
+
+    def finish(self, data, data_t, scale_inv, amax, nominal_dtype, with_transpose: bool) -> Float8Tensor:
+        """The Float8Tensor from a kernel's outputs, after the amax bookkeeping (`record`)."""
+        scale_inv = self._after_kernel(scale_inv, amax)
+        t = data_t if with_transpose and data_t.numel() == data.numel() and data.dim() >= 2 else None
+        return Float8Tensor(data, scale_inv, nominal_dtype, t)
+
+    def _after_kernel(self, scale_inv, amax):
+        return scale_inv
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Bookkeeping of one amax written by a kernel (delayed scaling keeps a history); device ops only."""
+
+    def _for_format(self, fp8_dtype) -> "Quantizer":
+        """This quantizer, to write `fp8_dtype` (None: its own format); another format is an error."""
+        if fp8_dtype is not None and fp8_dtype != self.fp8_dtype:
+            raise ValueError(f"the quantizer writes {self.fp8_dtype}, not the requested {fp8_dtype}")
+        return self
+
+
+class _QuantizeSTE(torch.autograd.Function):
+    """Quantization as the identity for gradients (the straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x, quantizer, with_transpose):
+        ctx.dtype = x.dtype
+        return quantizer._quantize(x, with_transpose)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, Float8Tensor):
+            grad = grad.dequantize()
+        return grad.to(ctx.dtype), None, None
+
+
+def _poison_if_non_finite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    # A cast with a given scale saturates +-inf to +-fp8_max; the tensor must still read as non-finite.
+    # scale_inv + 0 * amax: scale_inv itself for a finite amax (>= 0), NaN for inf or NaN. One op, where
+    # isfinite + full_like + where were three (with an allocation): ~25 us of host time per static-scale
+    # quantize on the H100 machine. tests/float8/test_quantizer.py pins the NaN for inf and NaN inputs.
+    return torch.add(scale_inv, amax, alpha=0)
+
+
+def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """MAX of `amax` over `group`, in place. A NaN becomes inf first: a MAX reduction may drop a NaN
+    (whether it does depends on the rank order), an inf it keeps, and both give a non-finite scale."""
+    amax.copy_(torch.where(amax.isnan(), torch.full_like(amax, float("inf")), amax))
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _reduced_amax(x: torch.Tensor, group) -> torch.Tensor:
+    return all_reduce_amax(amax_kernel(x), group)
+
+
+class TensorwiseQuantizer(Quantizer):
+    """One scale for the whole tensor from its own amax (current scaling): scale = fp8_max / amax.
+
+    amax_group: a process group over which the amax is reduced (MAX) first, so all ranks share one scale;
+    a norm or activation then writes high precision and this quantizer casts it (one extra pass).
+    """
+
+    layout = ScaleLayout.TENSOR
+
+    def __init__(self, fp8_dtype=torch.float8_e4m3fn, *, margin: int = 0, power_of_2: bool = False, amax_group=None):
+        check_fp8_dtype(fp8_dtype)
+        TensorwiseScaling(margin, power_of_2)  # validates margin and power_of_2
+        _check_margin_for(fp8_dtype, margin)
+        self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
+        self.amax_group = check_amax_group(amax_group)
+
+    @property
+    def fuses(self) -> bool:
+        """Yes, without an amax group (with one, the amax is reduced before the cast)."""
+        return self.amax_group is None
+
+    def _quantize(self, x, with_transpose):
+        scale = None
+        if self.amax_group is not None:
+            scale = scale_from_amax(_reduced_amax(x, self.amax_group), self.fp8_dtype, self.margin, self.power_of_2)
+        data, data_t, scale_inv, _ = quantize_tensorwise(
+            x, self.fp8_dtype, scale, self.margin, self.power_of_2, with_transpose
+        )
+        return self.finish(data, data_t, scale_inv, None, x.dtype, with_transpose)
+
+    def __repr__(self) -> str:
+        return f"TensorwiseQuantizer({self.fp8_dtype}, margin={self.margin}, power_of_2={self.power_of_2})"
+
+
+class StaticQuantizer(Quantizer):
+    """One given scale (static scaling). The cast kernel writes scale_inv = 1 / scale.
+
+    A number, or a CPU tensor, is checked when the quantizer is made: it must be a float32 value in
+    [min_scale(fp8_dtype), float32 max] (so that 1 / scale and fp8_max / scale are finite), else ValueError.
+    A CUDA tensor is not read on the host (no sync): an invalid value (0, negative, inf, NaN, out of that
+    range) makes every tensor it quantizes NaN instead.
+    """
+
+    layout = ScaleLayout.TENSOR
+
+    def __init__(self, scale: Union[torch.Tensor, float], fp8_dtype=torch.float8_e4m3fn, *, device=None):
+        check_fp8_dtype(fp8_dtype)
+        self.fp8_dtype = fp8_dtype
+        self.scale = _static_scale(scale, fp8_dtype, device)
+
+    @property
+    def fuses(self) -> bool:
+        """Yes: the kernel casts with the given scale."""
+        return True
+
+    def kernel_scale(self):
+        """The given scale (validated, or NaN if a device scale was invalid)."""
+        return self.scale
+
+    def _quantize(self, x, with_transpose):
+        scale = self.kernel_scale()  # StaticScalingState keeps it in a buffer
+        if scale.device != x.device:
+            raise ValueError(f"scale is on {scale.device} but the input is on {x.device}")
+        data, data_t, scale_inv, amax = quantize_tensorwise(x, self.fp8_dtype, scale, 0, False, with_transpose)
+        return self.finish(data, data_t, scale_inv, amax, x.dtype, with_transpose)
+
+    def _after_kernel(self, scale_inv, amax):
+        return _poison_if_non_finite(scale_inv, amax)
+
+
+def _static_scale(scale, fp8_dtype, device) -> torch.Tensor:
+    lo = min_scale(fp8_dtype)
+    valid = f"a finite positive float32 value in [{lo:.3g}, {FLOAT32_MAX:.3g}] for {fp8_dtype}"
+    if isinstance(scale, torch.Tensor):
+        if isinstance(scale, Float8Tensor) or scale.numel() != 1:
+            raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"scale must be float32, got {scale.dtype}")
+        s = scale.detach().reshape(())
+        if s.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not lo <= float(s) <= FLOAT32_MAX:  # NaN fails too
+                raise ValueError(f"scale must be {valid}, got {float(s)!r}")
+            return s.clone()  # the quantizer's own: a later write into the caller's tensor cannot unvalidate it
+        # Not read on the host (a CUDA tensor: no sync; under torch.compile: no guard on its value): an
+        # invalid value turns the output NaN, never finite, never silent.
+        ok = (s >= lo) & (s <= FLOAT32_MAX)
+        return torch.where(ok, s, torch.full_like(s, float("nan")))
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        try:
+            value = float(scale)
+        except OverflowError:
+            value = math.inf
+        f32 = torch.tensor(value, dtype=torch.float32)  # 1e-45 -> a subnormal, 1e39 -> inf
+        if not (math.isfinite(value) and value > 0 and lo <= float(f32) <= FLOAT32_MAX):
+            raise ValueError(f"scale must be {valid}, got {scale!r} (float32: {float(f32)!r})")
+        return f32.to(device) if device is not None else f32
+    raise TypeError(f"scale must be a float32 tensor or a number, got {type(scale).__name__}")
+
+
+class RowwiseQuantizer(Quantizer):
+    """One scale per row (per slice along the last dim): scale_inv has shape x.shape[:-1] + (1,)."""
+
+    layout = ScaleLayout.ROW
+
+    def __init__(self, fp8_dtype=torch.float8_e4m3fn, *, margin: int = 0, power_of_2: bool = False):
+        check_fp8_dtype(fp8_dtype)
+        RowwiseScaling(margin, power_of_2)
+        _check_margin_for(fp8_dtype, margin)
+        self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
+
+    def _quantize(self, x, with_transpose):
+        data, scale_inv = quantize_rowwise(x, self.fp8_dtype, self.margin, self.power_of_2)
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+
+
+class BlockwiseQuantizer(Quantizer):
+    """One scale per block: (1, 128) for activations and gradients, (128, 128) for 2-D weights."""
+
+    layout = ScaleLayout.BLOCK
+
+    def __init__(self, fp8_dtype=torch.float8_e4m3fn, *, block=(1, 128), margin: int = 0, power_of_2: bool = False):
+        check_fp8_dtype(fp8_dtype)
+        self.block = BlockwiseScaling(block, margin, power_of_2).block
+        _check_margin_for(fp8_dtype, margin)
+        self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
+
+    def _quantize(self, x, with_transpose):
+        rows, cols = self.block
+        data, scale_inv = quantize_blockwise(x, rows, cols, self.fp8_dtype, self.margin, self.power_of_2)
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+
+
+def _transpose_copy(data, with_transpose):
+    # Per-row and block layouts have no fused transposing kernel: the copy is made here, once.
+    return data.transpose(-2, -1).clone(memory_format=torch.contiguous_format) if with_transpose else None
+
+
+def _quantizer_for(scaling, fp8_dtype=None, *, amax_group=None) -> Quantizer:
+    """`float8.quantizer.quantizer_for` but for what needs a state module: the quantizer of a stateless
+    scaling dataclass for `fp8_dtype` (default E4M3), or a quantizer given as it is (checked against, or
+    for a delayed state bound to, `fp8_dtype`). A DelayedScaling keeps an amax history, which only a
+    DelayedScalingState (float8/quantizer.py) holds: it is refused here."""
+    if isinstance(scaling, Quantizer):
+        return scaling._for_format(fp8_dtype)
+    fp8_dtype = fp8_dtype or torch.float8_e4m3fn
+    if isinstance(scaling, TensorwiseScaling):
+        return TensorwiseQuantizer(fp8_dtype, margin=scaling.margin, power_of_2=scaling.power_of_2, amax_group=amax_group)
+    if amax_group is not None and not isinstance(scaling, DelayedScaling):
+        raise ValueError(
+            f"amax_group applies to per-tensor scaling; {type(scaling).__name__} scales are local to their rows "
+            "or blocks"
+        )
+    if isinstance(scaling, RowwiseScaling):
+        return RowwiseQuantizer(fp8_dtype, margin=scaling.margin, power_of_2=scaling.power_of_2)
+    if isinstance(scaling, BlockwiseScaling):
+        return BlockwiseQuantizer(fp8_dtype, block=scaling.block, margin=scaling.margin, power_of_2=scaling.power_of_2)
+    if isinstance(scaling, DelayedScaling):
+        raise TypeError(
+            "DelayedScaling is a recipe without state; quantize with scaling=DelayedScalingState(recipe), "
+            "which keeps the amax history"
+        )
+    raise TypeError(
+        f"scaling must be a float8 scaling recipe, a quantizer or a DelayedScalingState, got {type(scaling).__name__}"
+    )
+
+
+def layout_quantizer(t: Float8Tensor) -> Quantizer:
+    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t)."""
+    s, shape, fp8 = t._scale_inv, t._data.shape, t.fp8_dtype
+    if s.dim() == 0:
+        return TensorwiseQuantizer(fp8)
+    blocks = block_shape(shape, s.shape)
+    if s.shape[-1] == 1 and all(b == 1 for b in blocks[:-1]):
+        return RowwiseQuantizer(fp8)
+    if blocks[-1] == 128 and all(b == 1 for b in blocks[:-1]):
+        return BlockwiseQuantizer(fp8, block=(1, 128))
+    if blocks == (128, 128):
+        return BlockwiseQuantizer(fp8, block=(128, 128))
+    if len(shape) >= 2 and blocks[-1] == 1 and (len(blocks) < 2 or blocks[-2] > 1):
+        raise ValueError(
+            f"in-place op on a transposed row-wise or block-scaled Float8Tensor (scale_inv {tuple(s.shape)} for "
+            f"data {tuple(shape)}): its scales run along the columns, and re-quantizing would change its layout. "
+            "Write the untransposed tensor, or work on t.dequantize()"
+        )
+    raise ValueError(f"no quantizer writes a scale_inv of shape {tuple(s.shape)} for data {tuple(shape)}")
+
+
+def _requantize_into(dst: Float8Tensor, src: torch.Tensor) -> None:
+    """Write high-precision `src` into FP8 `dst` in place: same format and layout, fresh scale.
+
+    dst's buffers are written, not replaced, so views and optimizer references stay valid; a cached
+    transpose is re-derived from the new bits. dst must be a whole tensor, not a slice of one.
+    """
+    check_whole(dst)
+    quantizer = layout_quantizer(dst)
+    if tuple(src.shape) != tuple(dst.shape):
+        src = src.expand(dst.shape)
+    with torch.no_grad():
+        fresh = quantizer._quantize(src.to(dst.dtype), False)
+        dst._data.copy_(fresh._data)
+        dst._scale_inv.copy_(fresh._scale_inv)
+        if dst._transpose_raw is not None:
+            dst._transpose_raw.copy_(fresh._data.transpose(-2, -1))
+    mark_written(dst)

@@ -72,7 +72,7 @@ class Activation(BasicOp):
         else:
             y = act_fwd(x, self.kind, bias)
             if r is not None:
-                y = r.quantize(y)
+                y = r._quantize(y)
             saved_x = x
             if lean:
                 saved_x, _, x_scale_inv, _ = quantize_tensorwise(x, SAVED_X_DTYPE)
@@ -93,7 +93,7 @@ class Activation(BasicOp):
         dx = act_bwd(dy, x, self.kind, bias, x_scale_inv)
         dbias = dx.sum(0, dtype=torch.float32) if want_dbias else None
         if r is not None:
-            dx = r.quantize(dx)
+            dx = r._quantize(dx)
         return dx, dbias
 
     has_torch_forward = True

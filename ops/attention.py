@@ -115,4 +115,4 @@ class Attention(BasicOp):
             )
             return r.finish(data, data_t, scale_inv, amax, dy.dtype), []
         dx = pack_heads(grads, self.sequence_first)
-        return (r.quantize(dx) if r is not None else dx), []
+        return (r._quantize(dx) if r is not None else dx), []

@@ -30,7 +30,7 @@ def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]):
         )
         return r.finish(data, data_t, scale_inv, amax, dy2.dtype), dbias
     dbias = dy2.sum(0, dtype=torch.float32)
-    return (dy2 if r is None else r.quantize(dy2)), dbias
+    return (dy2 if r is None else r._quantize(dy2)), dbias
 
 
 class Bias(BasicOp):

@@ -29,14 +29,14 @@ class Quantize(BasicOp):
         if not self.quantize_forward or isinstance(x, Float8Tensor):
             return x
         if out_request is not None:
-            return out_request.quantize(x)
+            return out_request._quantize(x)
         return Float8Tensor.quantize(x, self.recipe.format.forward_dtype)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         if not self.quantize_backward or isinstance(dy, Float8Tensor):
             return dy, []
         if dx_request is not None:
-            return dx_request.quantize(dy), []
+            return dx_request._quantize(dy), []
         return Float8Tensor.quantize(dy, self.recipe.format.backward_dtype).dequantize(), []
 
 

@@ -31,7 +31,7 @@ def norm_forward(x, weight, bias, eps: float, rms: bool, out_request: Optional[Q
     else:
         y, mean, rstd = norm_fwd(x, weight, bias, eps, rms)
         if out_request is not None:
-            y = out_request.quantize(y)
+            y = out_request._quantize(y)
     return y, (None if rms else mean), rstd
 
 

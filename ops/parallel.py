@@ -94,7 +94,7 @@ class AllGather(_RowCollective):
         else:
             y = gather_rows(x, self.group)
             if out_request is not None:
-                y = out_request.quantize(y)
+                y = out_request._quantize(y)
         self._set_lead(ctx, rows, y.shape[0])
         return y
 
@@ -115,7 +115,7 @@ class ReduceScatter(_RowCollective):
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):
         dx = gather_rows(plain(dy), self.group)
-        return (dx_request.quantize(dx) if dx_request is not None else dx), []
+        return (dx_request._quantize(dx) if dx_request is not None else dx), []
 
 
 class AllReduce(_RowCollective):

@@ -83,11 +83,12 @@ def test_delayed_state_is_a_module_with_buffers():
     assert state.amax_history.shape == (5,)
 
 
-def test_delayed_update_compiles_without_graph_breaks():
-    # fullgraph=True fails on any .item() or data-dependent branch: the update is device-only.
+def test_delayed_record_compiles_without_graph_breaks():
+    # fullgraph=True fails on any .item() or data-dependent branch: recording an amax is device-only.
     state = DelayedScalingState(DelayedScaling(history_len=4))
+    state.bind(E4M3)
     torch._dynamo.reset()
-    step = torch.compile(lambda amax: state.update(amax, E4M3), backend="eager", fullgraph=True)
+    step = torch.compile(lambda amax: state.record(amax), backend="eager", fullgraph=True)
     step(torch.tensor(3.0))
     assert state.amax_history[0] == 3.0
 
