@@ -2,7 +2,7 @@
 `save_pretrained` (float8/checkpoint.py enable_save_pretrained sets it as `model.hf_quantizer`).
 
 transformers asks a model's quantizer for the state dict to save; this one gives the hub FP8 layout
-(float8/checkpoint.py hub_state_dict): E4M3 weight bytes with 128x128 block scale-inverses. Without it,
+(float8/hub_layout.py hub_state_dict): E4M3 weight bytes with 128x128 block scale-inverses. Without it,
 save_pretrained reads the storage of each Float8Tensor, which has none ("Attempted to access the data
 pointer on an invalid python storage"). Importing this module needs transformers.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from transformers import FineGrainedFP8Config
 from transformers.quantizers.base import HfQuantizer
 
-from float8.checkpoint import HUB_BLOCK, hub_state_dict
+from float8.hub_layout import HUB_BLOCK, hub_state_dict
 
 
 class Float8HubQuantizer(HfQuantizer):

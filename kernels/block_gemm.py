@@ -3,7 +3,7 @@
 fp8_block_mm(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.bfloat16) -> y
     a (M, K) FP8 with a_scale_inv (M, K / C) float32: one scale per 1 x C block of a row (activations);
     w (N, K) FP8 with w_scale_inv (N / R, K / C) float32: one per R x C block, the grid tiling w exactly
-    (a hub checkpoint's ceil-div grid is refined first: float8/checkpoint.py from_hub_blocks); R and C powers
+    (a hub checkpoint's ceil-div grid is refined first: float8/hub_layout.py from_hub_blocks); R and C powers
     of two, C in 16..128, the same C for both.
     bias (N,) in out_dtype or None. y (M, N) in out_dtype (bfloat16 or float16).
 
@@ -126,7 +126,7 @@ def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
     c, r = k // a_scale_inv.shape[1], n // w_scale_inv.shape[0]
     # Powers of two only: a hub checkpoint's ceil-div grid ((2, 1) for 200 rows) also divides some shapes, and
     # read as blocks of N / rows (100) it would scale rows 100-127 with the wrong block. Refined grids
-    # (float8.checkpoint.from_hub_blocks: gcd(dim, 128)) and the block quantizer's are powers of two.
+    # (float8.hub_layout.from_hub_blocks: gcd(dim, 128)) and the block quantizer's are powers of two.
     return supported_width(c) and _pow2(r) and a_scale_inv.is_contiguous() and w_scale_inv.is_contiguous()
 
 

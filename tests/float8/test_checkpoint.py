@@ -15,7 +15,8 @@ import torch
 import float8
 import float8.ops as ops
 from float8 import Float8Tensor, Recipe
-from float8.checkpoint import QUANTIZATION_CONFIG, SCALE_SUFFIX, read_checkpoint
+from float8.checkpoint import QUANTIZATION_CONFIG, read_checkpoint
+from float8.hub_layout import SCALE_SUFFIX, hub_state_dict
 from tests.tolerances import sqnr_db
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -211,7 +212,7 @@ def _hf_save_pretrained(directory):
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["quantization_config"] == {**QUANTIZATION_CONFIG, "modules_to_not_convert": []}
     assert written["model_type"] == "llama"
-    ours = float8.checkpoint.hub_state_dict(src)
+    ours = hub_state_dict(src)
     assert set(ours) == set(stored)
     for k in ours:
         assert torch.equal(ours[k].view(torch.uint8), stored[k].view(torch.uint8)), k
