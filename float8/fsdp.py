@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_map
 from float8.kernels import amax as amax_kernel
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import scale_from_amax
-from float8.tensor import Float8Tensor, ScaleLayout, all_reduce_amax
+from float8.checks import ScaleLayout, all_reduce_amax
+from float8.tensor import Float8Tensor
 
 aten = torch.ops.aten
 # Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).

@@ -23,7 +23,8 @@ from typing import Dict
 
 import torch
 
-from float8.tensor import Float8Tensor, Quantizer, block_shape
+from float8.checks import block_shape
+from float8.tensor import Float8Tensor, Quantizer
 
 HUB_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"

@@ -16,16 +16,8 @@ import torch
 
 from float8 import dispatch
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import (
-    Float8Tensor,
-    _is_float8,
-    _requantize_into,
-    block_shape,
-    check_whole,
-    mark_written,
-    share_writes,
-    storage_address,
-)
+from float8.checks import block_shape, storage_address
+from float8.tensor import Float8Tensor, _is_float8, _requantize_into, check_whole, mark_written, share_writes
 
 aten = torch.ops.aten
 

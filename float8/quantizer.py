@@ -39,23 +39,25 @@ import torch
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
 from float8.scaling import DelayedScaling
+from float8.checks import (  # ScaleLayout and the checks: exported from here too, where ops import them
+    ScaleLayout,
+    _check_margin_for,
+    _poison_if_non_finite,
+    _reduced_amax,
+    all_reduce_amax,
+    check_amax_group,
+    check_dense,
+)
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
     Float8Tensor,
     Quantizer,
     RowwiseQuantizer,
-    ScaleLayout,
     StaticQuantizer,
     TensorwiseQuantizer,
-    _check_margin_for,
-    _poison_if_non_finite,
     _quantizer_for,
-    _reduced_amax,
     _static_scale,
-    all_reduce_amax,
-    check_amax_group,
 )
-from float8.tensor import check_dense  # noqa: F401  (ops import the input checks from here)
 
 
 class StaticScalingState(torch.nn.Module, StaticQuantizer):
@@ -363,6 +365,8 @@ __all__ = [
     "DelayedScalingState",
     "LinearQuantizers",
     "quantizer_for",
+    "check_amax_group",
+    "check_dense",
 ]
 
 

@@ -1,43 +1,16 @@
-"""Float8Tensor: FP8 bits that carry their own scale-inverse.
+"""Float8Tensor: FP8 bits that carry their own scale-inverse, and the quantizers without state.
 
-The contract
-------------
-- Meaning: ``hp ≈ fp8_data.float() * scale_inv`` (scale_inv broadcast over its blocks), where ``fp8_data``
-  holds ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` values of the tensor's logical shape and
-  ``scale_inv`` is float32. ``.dtype`` reports the nominal dtype: the high-precision dtype the tensor
-  stands for (float32, bfloat16 or float16). ``dequantize()`` returns ``fp8.float() * scale_inv`` cast
-  to the nominal dtype.
-- Scale layout: ``scale_inv`` is 0-d (one scale for the tensor) or has the data's number of dims, each
-  dividing the data's: the block along dim d is ``shape[d] // scale_inv.shape[d]`` long. Per-row scaling
-  is ``(..., 1)``; 1x128 blocks ``(..., K/128)``; 128x128 blocks ``(M/128, K/128)``. Views and
-  transposes move the scale with the data, so the meaning never changes.
-- The scale-inverse belongs to the data: the kernel that writes the FP8 bits writes their scale_inv in
-  the same launch. A recipe may pick a different *next* scale at any time; tensors that exist keep
-  theirs. Nothing clones scales to protect them.
-- Transpose cache: optionally, a contiguous FP8 tensor equal to ``fp8_data.transpose(-2, -1)`` (the
-  other memory layout an FP8 GEMM needs in the backward pass). It exists only when something will read
-  it: ``quantize(..., with_transpose=True)`` with grad mode on. Under ``torch.no_grad()`` or
-  ``torch.inference_mode()`` no transpose is ever allocated. Each op keeps, derives or drops it through
-  one helper, `float8.native_ops.transpose_cache_after`; a write into the bits by any route (a view, an
-  in-place op, ``fp8_data`` itself) leaves it in step or drops it: `transpose_in_step` below.
-- Non-finite values never come out finite: a tensor quantized from values holding NaN or inf
-  dequantizes to non-finite values, and so does every GEMM that reads it (docs/design.md §2, §3).
-- Quantizing goes through a quantizer: `Float8Tensor.quantize` builds one from its arguments, and the
-  protocol and the quantizers without state are defined at the bottom of this module (float8/quantizer.py
-  adds those that keep state and exports them all). A tensor quantized from one that requires grad
-  requires grad, and gradients pass through quantize and dequantize unchanged.
-- Ops: `float8/native_ops.py` and `float8/gemm.py` implement views, transposes, copies, cat/split and
-  FP8 GEMMs natively; every other op goes to the one fallback of `float8/dispatch.py` (high precision,
-  a warning naming the op; in-place ops re-quantize and keep the type). A view that the scale layout
-  cannot follow raises (a view must alias, never copy), and so does an in-place write into part of a
-  tensor, which shares its scale and transpose with the rest.
-- ``.to(dtype)`` with a high-precision dtype changes the nominal dtype and keeps the FP8 bits (no
-  memory blow-up when a model holding FP8 weights is cast); ``.dequantize()`` gives a plain tensor.
+    Float8Tensor.quantize(x, scaling=None, fp8_dtype=E4M3, with_transpose=False) -> Float8Tensor
+    Float8Tensor(data, scale_inv, nominal_dtype, transpose=None); .fp8_data, .scale_inv, .dequantize(dtype)
+    Quantizer (protocol), TensorwiseQuantizer, StaticQuantizer, RowwiseQuantizer, BlockwiseQuantizer
+
+Numerics: hp ≈ fp8_data.float() * scale_inv (scale_inv 0-d or one per block); non-finite values never
+come out finite. The whole contract (scale layouts, the transpose cache, views, in-place writes, .to):
+docs/design.md §2. The quantizers that keep state are in float8/quantizer.py, which exports them all.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 from typing import Optional, Union
@@ -45,17 +18,26 @@ from typing import Optional, Union
 import torch
 
 from float8 import dispatch
-from float8.kernels import amax as amax_kernel
 from float8.kernels import dequantize as dequantize_kernel
 from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
 from float8.kernels.reference import (
     FLOAT32_MAX,
-    FP8_DTYPES,
     HIGH_PRECISION_DTYPES,
     check_fp8_dtype,
-    max_margin,
     min_scale,
     scale_from_amax,
+)
+from float8.checks import (
+    ScaleLayout,
+    _check_margin_for,
+    _check_parts,
+    _describe_scale,
+    _poison_if_non_finite,
+    _reduced_amax,
+    block_shape,
+    check_amax_group,
+    check_dense,
+    is_whole,
 )
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
 
@@ -239,71 +221,6 @@ def _is_float8(t) -> bool:
     return isinstance(t, Float8Tensor)
 
 
-def _describe_scale(s: torch.Tensor) -> str:
-    # Only a CPU scalar is printed by value: reading a CUDA one would sync the host.
-    # Not a fake or functional tensor while torch.compile traces (their values are symbols): plain only.
-    if s.dim() == 0 and s.device.type == "cpu" and type(s) is torch.Tensor and not torch.compiler.is_compiling():
-        return f"{s.item():.6g}"
-    return f"shape {tuple(s.shape)}"
-
-
-def _check_parts(data, scale_inv, nominal_dtype, transpose) -> None:
-    if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
-        raise TypeError(f"Float8Tensor data must be a torch.float8_e4m3fn/e5m2 tensor, got {getattr(data, 'dtype', data)}")
-    if not isinstance(scale_inv, torch.Tensor) or scale_inv.dtype != torch.float32:
-        raise TypeError(f"scale_inv must be a float32 tensor, got {getattr(scale_inv, 'dtype', scale_inv)}")
-    if nominal_dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"nominal dtype must be float32, bfloat16 or float16, got {nominal_dtype}")
-    if scale_inv.device != data.device:
-        raise ValueError(f"scale_inv is on {scale_inv.device} but the data is on {data.device}")
-    block_shape(data.shape, scale_inv.shape)  # raises if the layout is not a block tiling
-    if transpose is not None:
-        expected = tuple(data.shape[:-2]) + (data.shape[-1], data.shape[-2]) if data.dim() >= 2 else None
-        if expected is None or tuple(transpose.shape) != expected or transpose.dtype != data.dtype:
-            raise ValueError(
-                f"transpose cache must be {data.dtype} of shape {expected}, got "
-                f"{transpose.dtype} {tuple(transpose.shape)}"
-            )
-
-
-def block_shape(data_shape, scale_shape) -> tuple:
-    """Block length along each dim of a scale layout; () for one scale per tensor."""
-    if len(scale_shape) == 0:
-        return ()
-    if len(scale_shape) != len(data_shape):
-        raise ValueError(
-            f"scale_inv must be 0-d or have the data's {len(data_shape)} dims, got shape {tuple(scale_shape)} "
-            f"for data {tuple(data_shape)}"
-        )
-    blocks = []
-    for n, s in zip(data_shape, scale_shape):
-        if s == 0 or n == 0:
-            blocks.append(1)
-        elif n % s:
-            raise ValueError(f"scale_inv shape {tuple(scale_shape)} does not tile data shape {tuple(data_shape)}")
-        else:
-            blocks.append(n // s)
-    return tuple(blocks)
-
-
-def is_whole(t: Float8Tensor) -> bool:
-    """Whether t's bits fill their storage: not a part of a larger tensor (whose scale and transpose the
-    part would share)."""
-    d = t._data
-    return d.numel() * d.element_size() == d.untyped_storage().nbytes()
-
-
-def storage_address(t: torch.Tensor):
-    """The address of t's storage, or None where storages have none: fake and functional tensors while
-    torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
-        return None
-
-
 def check_whole(dst: Float8Tensor) -> None:
     """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
     base's transpose) with the rest, which a write through the part would silently corrupt."""
@@ -379,29 +296,6 @@ class _DequantizeSTE(torch.autograd.Function):
 # answers is stated at the top of float8/quantizer.py and in docs/design.md §4.
 
 
-class ScaleLayout(enum.Enum):
-    """The GEMM operand layout a quantizer produces.
-
-    TENSOR: one scale; the transposed operand is the same bits (the cached transpose), so every GEMM of
-        a Linear runs in FP8 and norms/activations can write it in their own kernels.
-    ROW: one scale per row; the transposed operand needs its own quantization along its rows.
-    BLOCK: one scale per 1x128 or 128x128 block; GEMMs run on dequantized operands (numerics, not speed).
-    """
-
-    TENSOR = "tensor"
-    ROW = "row"
-    BLOCK = "block"
-
-
-def check_dense(x: torch.Tensor, what: str) -> None:
-    """TypeError naming the problem for a sparse or nested tensor (which would otherwise fail deep inside
-    torch, e.g. "NestedTensorImpl doesn't support sizes"): FP8 kernels and GEMMs read dense strided memory."""
-    if x.is_nested:
-        raise TypeError(f"{what} takes a dense tensor, got a nested tensor: pad it (torch.nested.to_padded_tensor) first")
-    if x.layout is not torch.strided:
-        raise TypeError(f"{what} takes a dense tensor, got layout {x.layout}: call .to_dense() first")
-
-
 def check_quantize_input(x) -> None:
     """TypeError unless x is a plain, dense float32/bfloat16/float16 tensor."""
     if not isinstance(x, torch.Tensor):
@@ -414,24 +308,6 @@ def check_quantize_input(x) -> None:
         )
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"quantize needs a float32, bfloat16 or float16 tensor, got {x.dtype}")
-
-
-def check_amax_group(group):
-    """None, or a torch.distributed process group (the amax reduction group of a per-tensor quantizer)."""
-    if group is None:
-        return None
-    if not torch.distributed.is_available() or not isinstance(group, torch.distributed.ProcessGroup):
-        raise TypeError(f"amax_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    return group
-
-
-def _check_margin_for(fp8_dtype, margin: int) -> None:
-    limit = max_margin(fp8_dtype)
-    if margin > limit:
-        raise ValueError(
-            f"margin {margin} is too large for {fp8_dtype}: the scale would be divided by 2**{margin} and "
-            f"every value would round to 0; the largest margin for this format is {limit}"
-        )
 
 
 class Quantizer:
@@ -504,26 +380,6 @@ class _QuantizeSTE(torch.autograd.Function):
         if isinstance(grad, Float8Tensor):
             grad = grad.dequantize()
         return grad.to(ctx.dtype), None, None
-
-
-def _poison_if_non_finite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    # A cast with a given scale saturates +-inf to +-fp8_max; the tensor must still read as non-finite.
-    # scale_inv + 0 * amax: scale_inv itself for a finite amax (>= 0), NaN for inf or NaN. One op, where
-    # isfinite + full_like + where were three (with an allocation): ~25 us of host time per static-scale
-    # quantize on the H100 machine. tests/float8/test_quantizer.py pins the NaN for inf and NaN inputs.
-    return torch.add(scale_inv, amax, alpha=0)
-
-
-def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
-    """MAX of `amax` over `group`, in place. A NaN becomes inf first: a MAX reduction may drop a NaN
-    (whether it does depends on the rank order), an inf it keeps, and both give a non-finite scale."""
-    amax.copy_(torch.where(amax.isnan(), torch.full_like(amax, float("inf")), amax))
-    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    return amax
-
-
-def _reduced_amax(x: torch.Tensor, group) -> torch.Tensor:
-    return all_reduce_amax(amax_kernel(x), group)
 
 
 class TensorwiseQuantizer(Quantizer):

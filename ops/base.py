@@ -4,7 +4,7 @@ Ops tell each other what they want, so an FP8 tensor is written once, by the ker
 - forward: `input_request()` of the next op is a `QuantRequest` (float8/quantizer.py): "give me FP8 from
   this quantizer (with its transpose, if my backward will read it)". An op with a fused kernel (norms,
   activations) writes FP8 directly when the quantizer `fuses`; otherwise it writes high precision and
-  calls `request.quantize`.
+  calls `request._quantize`.
 - backward: `grad_request()` of the previous op says the same of the gradient it receives; activation and
   bias backwards then fuse dact/dbias with the FP8 cast-transpose of the gradient.
 
