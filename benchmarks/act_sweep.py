@@ -55,7 +55,9 @@ def sweep(tokens: int, ffn: int, device: str, variants=VARIANTS) -> list:
 
     # forward: pass 1 reads x (2 bytes x 2 ffn); pass 2 reads x and writes data and data_t (1 + 1 per output)
     amax, scale_inv = zeros(), empty()
-    t = bench(lambda: act.launch_fwd(x, "swiglu", None, None, None, None, amax, scale_inv, mode="amax", transpose=False))
+    t = bench(
+        lambda: act.launch_fwd(x, "swiglu", None, None, None, None, amax, scale_inv, mode="amax", transpose=False)
+    )
     rows.append(("fwd pass 1 (amax)", None, t, frac(4 * n_out, t)))
     ref = act.act_fp8_triton(x, "swiglu", None, E4M3, with_transpose=True)
     for cfg in [None, *variants]:
@@ -63,26 +65,62 @@ def sweep(tokens: int, ffn: int, device: str, variants=VARIANTS) -> list:
         if not all(_same(o, r) for o, r in zip(out, ref)):
             raise AssertionError(f"forward variant {cfg} wrote different bits than the default")
         data, data_t = empty(tokens, ffn, dt=E4M3), empty(ffn, tokens, dt=E4M3)
-        t = bench(lambda: act.launch_fwd(x, "swiglu", None, data, data_t, None, ref[3], scale_inv, mode="current",
-                                         transpose=True, fp8_dtype=E4M3, config=cfg))
+        t = bench(
+            lambda: act.launch_fwd(
+                x,
+                "swiglu",
+                None,
+                data,
+                data_t,
+                None,
+                ref[3],
+                scale_inv,
+                mode="current",
+                transpose=True,
+                fp8_dtype=E4M3,
+                config=cfg,
+            )
+        )
         rows.append(("fwd pass 2 (cast + transpose)", cfg, t, frac(6 * n_out, t)))
     # backward: pass 1 reads dy and x (2 + 4 per output); pass 2 the same and writes dx, dx_t (2 + 2)
     # (no bias: the MLP block's case, with_dbias=False)
     ref = act.dact_fp8_triton(dy, x, "swiglu", None, E5M2, with_dbias=False)
-    t = bench(lambda: act.launch_bwd(dy, x, "swiglu", None, None, None, None, None, amax, scale_inv, mode="amax",
-                                     transpose=False))
+    t = bench(
+        lambda: act.launch_bwd(
+            dy, x, "swiglu", None, None, None, None, None, amax, scale_inv, mode="amax", transpose=False
+        )
+    )
     rows.append(("bwd pass 1 (amax)", None, t, frac(6 * n_out, t)))
     parts = act.dbias_partials(dy, 2 * ffn)
-    t = bench(lambda: act.launch_bwd(dy, x, "swiglu", None, None, None, parts, None, amax, scale_inv, mode="amax",
-                                     transpose=False))
+    t = bench(
+        lambda: act.launch_bwd(
+            dy, x, "swiglu", None, None, None, parts, None, amax, scale_inv, mode="amax", transpose=False
+        )
+    )
     rows.append(("bwd pass 1 (amax, dbias)", None, t, frac(6 * n_out, t)))
     for cfg in [None, *variants]:
         out = act.dact_fp8_triton(dy, x, "swiglu", None, E5M2, with_dbias=False, config=cfg)
         if not all(_same(o, r) for o, r in zip(out[:4], ref[:4])):
             raise AssertionError(f"backward variant {cfg} wrote different bits than the default")
         dx, dx_t = empty(tokens, 2 * ffn, dt=E5M2), empty(2 * ffn, tokens, dt=E5M2)
-        t = bench(lambda: act.launch_bwd(dy, x, "swiglu", None, dx, dx_t, None, None, ref[3], scale_inv,
-                                         mode="current", transpose=True, fp8_dtype=E5M2, config=cfg))
+        t = bench(
+            lambda: act.launch_bwd(
+                dy,
+                x,
+                "swiglu",
+                None,
+                dx,
+                dx_t,
+                None,
+                None,
+                ref[3],
+                scale_inv,
+                mode="current",
+                transpose=True,
+                fp8_dtype=E5M2,
+                config=cfg,
+            )
+        )
         rows.append(("bwd pass 2 (cast + transpose)", cfg, t, frac(10 * n_out, t)))
     return rows
 

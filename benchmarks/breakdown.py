@@ -80,8 +80,10 @@ def host_and_wall(step, n: int = 3) -> str:
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     med = do_bench(step, warmup=10, rep=200, return_mode="median")
-    return (f"host {1e3 * (t1 - t0) / n:.3f} ms/step to enqueue, wall {1e3 * (t2 - t0) / n:.3f} ms/step, "
-            f"do_bench median {med:.3f} ms")
+    return (
+        f"host {1e3 * (t1 - t0) / n:.3f} ms/step to enqueue, wall {1e3 * (t2 - t0) / n:.3f} ms/step, "
+        f"do_bench median {med:.3f} ms"
+    )
 
 
 def compare(title: str, ref, ours, x, dy, steps: int) -> None:

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from benchmarks.harness import figures_from_rows, record, results_dir
 
-
 # ---- the bf16 model in plain PyTorch (also torchao's input) ------------------------------------------------
 
 
@@ -51,8 +50,17 @@ class Block(torch.nn.Module):
 
     def forward(self, x):  # x: (B, S, d)
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, self.h + 2 * self.kv, self.hd).transpose(1, 2).split([self.h, self.kv, self.kv], dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h).transpose(1, 2).reshape(b, s, -1)
+        q, k, v = (
+            self.qkv(self.norm1(x))
+            .view(b, s, self.h + 2 * self.kv, self.hd)
+            .transpose(1, 2)
+            .split([self.h, self.kv, self.kv], dim=1)
+        )
+        a = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+            .transpose(1, 2)
+            .reshape(b, s, -1)
+        )
         x = x + self.o(a)
         g, u = self.up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u)
@@ -64,10 +72,14 @@ def ops_block(d, heads, kv_heads, head_dim, ffn, recipe=None, **tp):
 
     group, sp = tp.get("group"), tp.get("sp", False)
     world = group.size() if group is not None else 1
-    par = {"column": {}, "row": {}} if group is None else {
-        "column": {"parallel": "column", "tp_group": group, "sequence_parallel": sp},
-        "row": {"parallel": "row", "tp_group": group, "sequence_parallel": sp},
-    }  # fmt: skip
+    par = (
+        {"column": {}, "row": {}}
+        if group is None
+        else {
+            "column": {"parallel": "column", "tp_group": group, "sequence_parallel": sp},
+            "row": {"parallel": "row", "tp_group": group, "sequence_parallel": sp},
+        }
+    )
     spg = group if sp else None
     return ops.Sequential(
         ops.Residual(),
@@ -132,7 +144,11 @@ def _fsdp_model(kind, cfg, dev):
         f8fsdp.enable_fp8_all_gather(model)
         after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
     elif kind == "torchao":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
@@ -175,7 +191,9 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
             loss.backward()
             opt.step()
             after_step()
-            res["peak_above_held_gib"] = max(res.get("peak_above_held_gib", 0.0), (torch.cuda.max_memory_allocated() - held) / gib)
+            res["peak_above_held_gib"] = max(
+                res.get("peak_above_held_gib", 0.0), (torch.cuda.max_memory_allocated() - held) / gib
+            )
             res["losses"].append(round(float(loss), 5))
 
         return step
@@ -329,8 +347,17 @@ class TPBlockBf16(torch.nn.Module):
         s, b, _ = x.shape
         h = _GatherSeq.apply(self.norm1(x), self.group)  # (S, B, d)
         S = h.shape[0]
-        q, k, v = self.qkv(h).view(S, b, self.h + 2 * self.kv, self.hd).permute(1, 2, 0, 3).split([self.h, self.kv, self.kv], dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h).permute(2, 0, 1, 3).reshape(S, b, -1)
+        q, k, v = (
+            self.qkv(h)
+            .view(S, b, self.h + 2 * self.kv, self.hd)
+            .permute(1, 2, 0, 3)
+            .split([self.h, self.kv, self.kv], dim=1)
+        )
+        a = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+            .permute(2, 0, 1, 3)
+            .reshape(S, b, -1)
+        )
         x = x + _ScatterSeq.apply(self.o(a), self.group)
         g, u = self.up(_GatherSeq.apply(self.norm2(x), self.group)).chunk(2, dim=-1)
         return x + _ScatterSeq.apply(self.down(F.silu(g) * u), self.group)
@@ -356,13 +383,14 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
     }
     steps_of = {}
     for name, layer in layers.items():
+
         def fwd_bwd(layer=layer):
             layer(x).sum().backward()
 
         steps_of[name] = fwd_bwd
         results[name] = {"rounds_ms": []}
     for rnd in range(rounds + 1):  # interleaved; the first round warms up, untimed
-        for name in (list(layers) if rnd % 2 == 0 else list(layers)[::-1]):
+        for name in list(layers) if rnd % 2 == 0 else list(layers)[::-1]:
             torch.cuda.reset_peak_memory_stats()
             times = _step_times(steps_of[name], warm if rnd == 0 else 1, steps if rnd else 0)
             if rnd:
@@ -436,7 +464,10 @@ def _exposed_comm(model_step, trace_dir, name, steps=2):
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
         with open(os.path.join(trace_dir, "profile_fsdp.txt"), "a") as f:
             f.write(f"## {name}: {steps} steps\n{table}\n")
-    return {"nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps, "exposed_nccl_ms_per_step": exposed / 1e3 / steps}
+    return {
+        "nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps,
+        "exposed_nccl_ms_per_step": exposed / 1e3 / steps,
+    }
 
 
 def main() -> None:
@@ -447,7 +478,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
     p.add_argument("--only", choices=["fsdp", "tp"], default=None)
     p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
-    p.add_argument("--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles")
+    p.add_argument(
+        "--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles"
+    )
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     folder = str(results_dir(args.out))
@@ -464,11 +497,20 @@ def main() -> None:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    out = {"config": cfg, "world": world, "device": torch.cuda.get_device_name(), "versions": versions,
-           "date": time.strftime("%Y-%m-%d"), "command": "torchrun --nproc_per_node 2 -m benchmarks.distributed " + " ".join(sys.argv[1:]), "fsdp": {}, "tp": {}}  # fmt: skip
+    out = {
+        "config": cfg,
+        "world": world,
+        "device": torch.cuda.get_device_name(),
+        "versions": versions,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "torchrun --nproc_per_node 2 -m benchmarks.distributed " + " ".join(sys.argv[1:]),
+        "fsdp": {},
+        "tp": {},
+    }
     if args.only in (None, "fsdp"):
-        out["fsdp"] = _fsdp(cfg, rank, world, dev, args.steps, args.rounds, args.variants,
-                            folder if args.profile else None)
+        out["fsdp"] = _fsdp(
+            cfg, rank, world, dev, args.steps, args.rounds, args.variants, folder if args.profile else None
+        )
         if rank == 0:
             for name, r in out["fsdp"].items():
                 print(name, {k: v for k, v in r.items() if k not in ("losses", "rounds_ms")}, flush=True)

@@ -61,7 +61,14 @@ def gpu_gaps(step: Callable[[], None], device: torch.device, min_us: float = 20.
         inner = max(before, key=lambda e: e.time_range.start) if before else None
         where = _where(inner.stack) if inner is not None else "?"
         by_line[where] = by_line.get(where, 0.0) + (b - a)
-        rows.append({"idle_us": round(b - a, 1), "before_kernel": name[:80], "host_op": inner.name if inner else "?", "where": where})
+        rows.append(
+            {
+                "idle_us": round(b - a, 1),
+                "before_kernel": name[:80],
+                "host_op": inner.name if inner else "?",
+                "where": where,
+            }
+        )
     span = busy_until - kernels[0].time_range.start
     return {
         "span_ms": round(span / 1e3, 2),
@@ -80,8 +87,13 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="float8 ops eager", help="comma-separated step_llama variants")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the default without CUDA)")
     p.add_argument("--min-us", type=float, default=20.0, help="shortest idle interval counted, in microseconds")
-    p.add_argument("--out", "--json", dest="out", default=None,
-                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
+    p.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=None,
+        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if args.tiny or device.type == "cpu" else LlamaShape()

@@ -123,18 +123,36 @@ def gemm_epilogue_triton(a, sa, b, sb, bias, kind, config=None):
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
     grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
     _gemm_epilogue_kernel[grid](
-        a, b, y, bias if bias is not None else y, sa, sb, amax, m, n, k,
-        KIND=kind, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        a,
+        b,
+        y,
+        bias if bias is not None else y,
+        sa,
+        sb,
+        amax,
+        m,
+        n,
+        k,
+        KIND=kind,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group,
         PROMOTE_K=min(PROMOTE_EVERY_K, bk),  # at most one dot's K (Triton requires it)
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y, amax
 
 
 def _check(a, sa, b, sb, bias, kind):
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm_epilogue: shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
-    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ):
         raise TypeError(f"gemm_epilogue: a and b must be FP8, got {a.dtype} and {b.dtype}")
     if not a.is_contiguous() or not b.mT.is_contiguous():
         raise ValueError("gemm_epilogue: a must be row-major and b column-major (a weight (N, K) viewed .t())")
@@ -178,7 +196,9 @@ def pipelines(a, sa, b, sb, bias, kind, config):
     def cublas():
         y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=BF16)
         if kind == "identity":  # amax pass + cast pass
-            data, _, scale_inv, _ = (quantize.quantize_tensorwise_triton if cuda else quantize.quantize_tensorwise_ref)(y, E4M3)
+            data, _, scale_inv, _ = (quantize.quantize_tensorwise_triton if cuda else quantize.quantize_tensorwise_ref)(
+                y, E4M3
+            )
         else:  # act recomputed in both passes of the fused activation kernel
             data, _, scale_inv, _ = (act.act_fp8_triton if cuda else act.act_fp8_ref)(y, kind, None, E4M3)
         return data, scale_inv
@@ -239,16 +259,20 @@ def figures(records: list) -> list:
         shape = "x".join(map(str, r["shape"]))
         best = min(r["triton_gemm_ms"].values())
         for variant, ms in (("cuBLASLt", r["cublas_gemm_ms"]), ("Triton, best tile", best)):
-            out += [figure(f"{shape} GEMM alone", variant, "ms", ms),
-                    figure(f"{shape} GEMM alone", variant, "TFLOP/s", r["gemm_flops"] / ms / 1e9)]  # fmt: skip
+            out += [
+                figure(f"{shape} GEMM alone", variant, "ms", ms),
+                figure(f"{shape} GEMM alone", variant, "TFLOP/s", r["gemm_flops"] / ms / 1e9),
+            ]
         for kind in KINDS:
             case = f"{shape} bias{'' if kind == 'identity' else ' + ' + kind} + amax"
             c, t = r[f"{kind}_cublas_ms"], r[f"{kind}_triton_ms"]
-            out += [figure(case, "cuBLASLt + separate kernel", "ms", c),
-                    figure(case, "cuBLASLt + separate kernel", "sqnr_db", r[f"{kind}_cublas_sqnr_db"]),
-                    figure(case, "Triton fused + cast", "ms", t),
-                    figure(case, "Triton fused + cast", "sqnr_db", r[f"{kind}_triton_sqnr_db"]),
-                    figure(case, "Triton fused + cast", "speedup_vs_cublaslt", c / t)]  # fmt: skip
+            out += [
+                figure(case, "cuBLASLt + separate kernel", "ms", c),
+                figure(case, "cuBLASLt + separate kernel", "sqnr_db", r[f"{kind}_cublas_sqnr_db"]),
+                figure(case, "Triton fused + cast", "ms", t),
+                figure(case, "Triton fused + cast", "sqnr_db", r[f"{kind}_triton_sqnr_db"]),
+                figure(case, "Triton fused + cast", "speedup_vs_cublaslt", c / t),
+            ]
     return out
 
 
@@ -261,24 +285,31 @@ def main(argv=None) -> list:
     bench = make_timer(cuda)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     records = [run_shape(*s, args.device, bench) for s in SHAPES["cuda" if cuda else "cpu"]]
-    meta = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": command_line(None if argv is None else ["", *argv], module="benchmarks.gemm_epilogue")}
+    meta = {
+        "device": name,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command_line(None if argv is None else ["", *argv], module="benchmarks.gemm_epilogue"),
+    }
     meta["triton"] = triton.__version__
-    lines = [f"FP8 GEMM + bias (+ act) -> E4M3, current scaling; {name}, torch {meta['torch']}, "
-             f"triton {meta['triton']}",
-             "",
-             "| M x K x N | epilogue | cuBLASLt + separate kernel ms | Triton fused + cast ms | fused vs cuBLASLt | "
-             "SQNR dB (cuBLASLt / Triton) | GEMM alone TFLOP/s (cuBLASLt / best Triton) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"FP8 GEMM + bias (+ act) -> E4M3, current scaling; {name}, torch {meta['torch']}, triton {meta['triton']}",
+        "",
+        "| M x K x N | epilogue | cuBLASLt + separate kernel ms | Triton fused + cast ms | fused vs cuBLASLt | "
+        "SQNR dB (cuBLASLt / Triton) | GEMM alone TFLOP/s (cuBLASLt / best Triton) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in records:
         tf = lambda ms: r["gemm_flops"] / ms / 1e9  # noqa: E731
         rates = f"{tf(r['cublas_gemm_ms']):.0f} / {tf(min(r['triton_gemm_ms'].values())):.0f}"
         for kind in KINDS:
             c, t = r[f"{kind}_cublas_ms"], r[f"{kind}_triton_ms"]
             epilogue = "bias" + ("" if kind == "identity" else " + " + kind) + " + amax"
-            lines.append(f"| {'x'.join(map(str, r['shape']))} | {epilogue} | "
-                  f"{c:.3f} | {t:.3f} ({r[f'{kind}_triton_config']}) | {c / t:.2f}x | "
-                  f"{r[f'{kind}_cublas_sqnr_db']:.1f} / {r[f'{kind}_triton_sqnr_db']:.1f} | {rates} |")  # fmt: skip
+            lines.append(
+                f"| {'x'.join(map(str, r['shape']))} | {epilogue} | "
+                f"{c:.3f} | {t:.3f} ({r[f'{kind}_triton_config']}) | {c / t:.2f}x | "
+                f"{r[f'{kind}_cublas_sqnr_db']:.1f} / {r[f'{kind}_triton_sqnr_db']:.1f} | {rates} |"
+            )
         r.update(meta)
     print("\n".join(lines))
     record("gemm_epilogue", args.out, meta, figures(records), "\n".join(lines) + "\n", {"records": records})

@@ -69,7 +69,10 @@ KERNEL_GROUPS = [
     ("optimizer (foreach)", ("multi_tensor_apply",)),
     ("float8: activations", ("_act_",)),
     ("float8: norms", ("_norm_",)),
-    ("float8: casts, amax, transposes", ("_cast", "_amax", "_multi_", "_quantize", "_transpose", "_rowwise", "_block2d", "_pack_heads")),
+    (
+        "float8: casts, amax, transposes",
+        ("_cast", "_amax", "_multi_", "_quantize", "_transpose", "_rowwise", "_block2d", "_pack_heads"),
+    ),
     ("float8: cross-entropy", ("_ce_",)),
     ("copies and cat", ("CatArray", "copy", "Copy")),
     ("elementwise (ATen)", ("elementwise",)),
@@ -255,9 +258,19 @@ def section(env: dict, figures: List[dict], markdown: Optional[str] = None, deta
 
 def history_rows(area: str, s: dict) -> List[List[str]]:
     """The history.csv rows of one section, a row per figure."""
-    return [[s["date"], s.get("commit") or "unknown", s["device"], area, f["case"], f["variant"], f["metric"],
-             f"{f['value']:.6g}" if isinstance(f["value"], float) else str(f["value"])]
-            for f in s["figures"]]  # fmt: skip
+    return [
+        [
+            s["date"],
+            s.get("commit") or "unknown",
+            s["device"],
+            area,
+            f["case"],
+            f["variant"],
+            f["metric"],
+            f"{f['value']:.6g}" if isinstance(f["value"], float) else str(f["value"]),
+        ]
+        for f in s["figures"]
+    ]
 
 
 def _csv_lines(rows: List[List[str]]) -> List[str]:
@@ -303,9 +316,12 @@ def _demote(markdown: str, levels: int = 2) -> str:
 
 
 def latest_markdown(latest: dict) -> str:
-    lines = ["# Benchmark results, latest run of each area", "",
-             "Written by the benchmarks (benchmarks/harness.py `record`) from latest.json; every figure of every",
-             "run is also a row of history.csv (README tables: `python -m benchmarks.readme_tables`)."]  # fmt: skip
+    lines = [
+        "# Benchmark results, latest run of each area",
+        "",
+        "Written by the benchmarks (benchmarks/harness.py `record`) from latest.json; every figure of every",
+        "run is also a row of history.csv (README tables: `python -m benchmarks.readme_tables`).",
+    ]
     for area, s in latest.items():
         env = ", ".join(f"{k} {s[k]}" for k in ("torch", "triton", "torchao") if s.get(k))
         where = f"{s['device']}, {s['date']}, {env}; commit {s.get('commit')}; `{s['command']}`"
@@ -314,8 +330,9 @@ def latest_markdown(latest: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(area: str, out: Optional[str], env: dict, figures: List[dict], markdown: Optional[str] = None,
-           detail=None, files=()) -> pathlib.Path:  # fmt: skip
+def record(
+    area: str, out: Optional[str], env: dict, figures: List[dict], markdown: Optional[str] = None, detail=None, files=()
+) -> pathlib.Path:
     """Record one area's run in the results folder `out` (benchmarks/results/ when None): its section of
     latest.json replaced (the other areas kept), latest.md regenerated, its figures appended to history.csv.
     Written again by the same process (a report rewritten as a run goes), the area's rows of the earlier
@@ -337,9 +354,16 @@ def record(area: str, out: Optional[str], env: dict, figures: List[dict], markdo
 
 
 def write_report(
-    name: str, out: Optional[str], env: dict, rows: List[dict], columns: List[str], extra: Optional[dict] = None,
-    markdown: str = "", keys: Optional[List[str]] = None, case: str = "",
-) -> pathlib.Path:  # fmt: skip
+    name: str,
+    out: Optional[str],
+    env: dict,
+    rows: List[dict],
+    columns: List[str],
+    extra: Optional[dict] = None,
+    markdown: str = "",
+    keys: Optional[List[str]] = None,
+    case: str = "",
+) -> pathlib.Path:
     """`record` for a benchmark whose result is a list of rows: the area `name` gets the table of `columns`
     (then `markdown`), a figure per number of each row (its case named by `keys`, by default the columns
     before "variant", or `case`), and rows plus `extra` as its detail. Returns latest.md."""

@@ -99,7 +99,9 @@ def measure(rounds: int = 5, calls: int = 100) -> list:
         base = times["bf16 eager"]
         for name, t in times.items():
             ratio = statistics.median(a / b for a, b in zip(t, base))
-            rows.append({"case": case, "variant": name, "us": round(statistics.median(t), 1), "vs_bf16": round(ratio, 2)})
+            rows.append(
+                {"case": case, "variant": name, "us": round(statistics.median(t), 1), "vs_bf16": round(ratio, 2)}
+            )
     return rows
 
 
@@ -126,8 +128,13 @@ def profile(step, calls=200) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", "--json", dest="out", default=None,
-                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
+    p.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=None,
+        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
+    )
     args = p.parse_args(argv)
     from float8 import Recipe
 
@@ -137,8 +144,10 @@ def main(argv=None):
     profiles = {}
     if args.profile:
         forced = Recipe(min_fp8_gemm_flops=0)
-        for name, make, recipe in (("sequential, policy", tiny_sequential_steps, None),
-                                   ("sequential, forced FP8", tiny_sequential_steps, forced)):
+        for name, make, recipe in (
+            ("sequential, policy", tiny_sequential_steps, None),
+            ("sequential, forced FP8", tiny_sequential_steps, forced),
+        ):
             step = make(recipe=recipe)[1]
             for _ in range(20):
                 step()

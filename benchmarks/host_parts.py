@@ -46,35 +46,47 @@ def measure() -> dict:
     w = torch.randn(64, device=dev, dtype=bf16)
     xg = x.clone().requires_grad_()
     norm, gelu = ops.RMSNorm(64).to(dev, bf16), ops.GELU()
-    torch_seq = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.RMSNorm(64), torch.nn.GELU()).to(dev, bf16)
+    torch_seq = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.RMSNorm(64), torch.nn.GELU()).to(
+        dev, bf16
+    )
     ours_seq = ops.Sequential(ops.Linear(64, 64, bias=False), ops.RMSNorm(64), ops.GELU()).to(dev, bf16)
     pieces = {
         "torch.empty": lambda: torch.empty((16, 64), dtype=bf16, device=dev),
         "torch.zeros(())": lambda: torch.zeros((), dtype=torch.float32, device=dev),
         "x.add_(0)": lambda: x.add_(0),
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (64,), w, 1e-6),
-        "Triton launch, 12 arguments": lambda: _scale_shift[(1,)](x, y, 1024, 1.0, 0.0, 1, 2, 3, 4, 5, BLOCK=1024, FLAG=True),
+        "Triton launch, 12 arguments": lambda: _scale_shift[(1,)](
+            x, y, 1024, 1.0, 0.0, 1, 2, 3, 4, 5, BLOCK=1024, FLAG=True
+        ),
         "autograd Function apply": lambda: _Identity.apply(xg),
     }
     from float8 import Recipe
 
-    forced = ops.Sequential(ops.Linear(64, 64, bias=False), ops.RMSNorm(64), ops.GELU(),
-                            recipe=Recipe(min_fp8_gemm_flops=0)).to(dev, bf16)
+    forced = ops.Sequential(
+        ops.Linear(64, 64, bias=False), ops.RMSNorm(64), ops.GELU(), recipe=Recipe(min_fp8_gemm_flops=0)
+    ).to(dev, bf16)
     with torch.no_grad():
-        pieces.update({
-            "ops.RMSNorm forward (no grad)": lambda: norm(x),
-            "ops.GELU forward (no grad)": lambda: gelu(x),
-            "torch.nn Linear->RMSNorm->GELU forward (no grad)": lambda: torch_seq(x),
-            "ops.Sequential of the same, default recipe, forward (no grad)": lambda: ours_seq(x),
-            "ops.Sequential of the same, FP8 forced, forward (no grad)": lambda: forced(x),
-        })
+        pieces.update(
+            {
+                "ops.RMSNorm forward (no grad)": lambda: norm(x),
+                "ops.GELU forward (no grad)": lambda: gelu(x),
+                "torch.nn Linear->RMSNorm->GELU forward (no grad)": lambda: torch_seq(x),
+                "ops.Sequential of the same, default recipe, forward (no grad)": lambda: ours_seq(x),
+                "ops.Sequential of the same, FP8 forced, forward (no grad)": lambda: forced(x),
+            }
+        )
         return {name: round(host_us(fn, n=2000, warmup=50), 1) for name, fn in pieces.items()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", "--json", dest="out", default=None,
-                   help="results folder (default benchmarks/results/; a file path given stands for its folder)")
+    p.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=None,
+        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
+    )
     args = p.parse_args(argv)
     result = measure()
     for name, us in result.items():

@@ -51,19 +51,47 @@ from benchmarks.llama import TINY, Block, LlamaShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
-    "bf16 eager": ("bf16", None), "bf16 compiled": ("bf16", "default"), "bf16 cudagraphs": ("bf16", "reduce-overhead"),
-    "float8 eager": ("float8", None), "float8 compiled": ("float8", "default"),
+    "bf16 eager": ("bf16", None),
+    "bf16 compiled": ("bf16", "default"),
+    "bf16 cudagraphs": ("bf16", "reduce-overhead"),
+    "float8 eager": ("float8", None),
+    "float8 compiled": ("float8", "default"),
     "float8 cudagraphs": ("float8", "reduce-overhead"),
     # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
     "float8 blockwise eager": ("float8-block", None),
-    "torchao rowwise eager": ("torchao", None), "torchao rowwise compiled": ("torchao", "default"),
-}  # fmt: skip
-GENERATE_VARIANTS = ["bf16 eager", "bf16 compiled", "float8 eager", "float8 compiled", "torchao rowwise eager",
-                     "torchao rowwise compiled"]  # fmt: skip
-COMPILE_PRIORITY = ["float8 cudagraphs", "bf16 cudagraphs", "float8 compiled", "bf16 compiled", "torchao rowwise compiled"]
+    "torchao rowwise eager": ("torchao", None),
+    "torchao rowwise compiled": ("torchao", "default"),
+}
+GENERATE_VARIANTS = [
+    "bf16 eager",
+    "bf16 compiled",
+    "float8 eager",
+    "float8 compiled",
+    "torchao rowwise eager",
+    "torchao rowwise compiled",
+]
+COMPILE_PRIORITY = [
+    "float8 cudagraphs",
+    "bf16 cudagraphs",
+    "float8 compiled",
+    "bf16 compiled",
+    "torchao rowwise compiled",
+]
 PROMPT, BATCHES, PROFILE_CALLS = 16, (1, 16), 50
-COLUMNS = ["model", "tokens", "variant", "ms", "vs_bf16_eager", "vs_bf16_compiled", "pct_of_floor", "peak_MiB",
-           "fullgraph", "warmup_s", "error", "skipped"]  # fmt: skip
+COLUMNS = [
+    "model",
+    "tokens",
+    "variant",
+    "ms",
+    "vs_bf16_eager",
+    "vs_bf16_compiled",
+    "pct_of_floor",
+    "peak_MiB",
+    "fullgraph",
+    "warmup_s",
+    "error",
+    "skipped",
+]
 GEN_COLUMNS = ["variant", "batch", "new_tokens", "cache", "ms", "tokens_per_s", "vs_bf16", "note", "error", "skipped"]
 
 
@@ -122,8 +150,15 @@ class Run:
     def save(self) -> pathlib.Path:
         """Rewrite the JSON and markdown report with everything measured so far; returns the .md path."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
-        return write_report(self.args.area, self.args.out, self.env, self.rows, COLUMNS, self.report,
-                            markdown=markdown_sections(self.report))
+        return write_report(
+            self.args.area,
+            self.args.out,
+            self.env,
+            self.rows,
+            COLUMNS,
+            self.report,
+            markdown=markdown_sections(self.report),
+        )
 
 
 def build_bf16(model: str, s: LlamaShape, device: torch.device) -> torch.nn.Module:
@@ -132,16 +167,26 @@ def build_bf16(model: str, s: LlamaShape, device: torch.device) -> torch.nn.Modu
     with torch.device(device):
         if model == "llama":  # ids (batch, tokens) -> logits; a block maps (batch, tokens, d) to the same
             blocks = [Block(s) for _ in range(s.blocks)]
-            llama = torch.nn.Sequential(torch.nn.Embedding(s.vocab, s.d), *blocks, torch.nn.RMSNorm(s.d, eps=1e-6),
-                                        torch.nn.Linear(s.d, s.vocab, bias=False))  # fmt: skip
+            llama = torch.nn.Sequential(
+                torch.nn.Embedding(s.vocab, s.d),
+                *blocks,
+                torch.nn.RMSNorm(s.d, eps=1e-6),
+                torch.nn.Linear(s.d, s.vocab, bias=False),
+            )
             return llama.to(torch.bfloat16).eval()
         import transformers
 
         cfg = transformers.LlamaConfig(
-            vocab_size=s.vocab, hidden_size=s.d, intermediate_size=s.ffn, num_hidden_layers=s.blocks,
-            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-            max_position_embeddings=8192, tie_word_embeddings=False,  # tied, the head could not be FP8-only
-        )  # fmt: skip
+            vocab_size=s.vocab,
+            hidden_size=s.d,
+            intermediate_size=s.ffn,
+            num_hidden_layers=s.blocks,
+            num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads,
+            head_dim=s.head_dim,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,  # tied, the head could not be FP8-only
+        )
         hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
         return hf.to(device).eval()
 
@@ -159,7 +204,9 @@ def quantize_weights(model: torch.nn.Module, weights: str, device: torch.device)
         ops.convert(model, fp8_weights=True, recipe=Recipe.blockwise())
     elif weights == "torchao":
         if device.type != "cuda":
-            raise Skip("torchao's Float8DynamicActivationFloat8WeightConfig needs a CUDA GPU (compute capability >= 8.9)")
+            raise Skip(
+                "torchao's Float8DynamicActivationFloat8WeightConfig needs a CUDA GPU (compute capability >= 8.9)"
+            )
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
@@ -332,11 +379,21 @@ def forward_rows(run: Run, model_name: str, variants: List[Variant]) -> List[dic
     rows = []
     for t in run.args.tokens:
         for v in variants:
-            row = {"model": model_name, "tokens": t, "variant": v.name, "fullgraph": v.fullgraph, "note": v.note,
-                   "warmup_s": v.warmup_s.get(t), **v.failed, **v.status.get(t, {})}  # fmt: skip
+            row = {
+                "model": model_name,
+                "tokens": t,
+                "variant": v.name,
+                "fullgraph": v.fullgraph,
+                "note": v.note,
+                "warmup_s": v.warmup_s.get(t),
+                **v.failed,
+                **v.status.get(t, {}),
+            }
             times = v.times.get(t, {})
             if times:
-                row.update(ms=round(statistics.median(times.values()), 3), ms_rounds=[round(x, 3) for x in times.values()])
+                row.update(
+                    ms=round(statistics.median(times.values()), 3), ms_rounds=[round(x, 3) for x in times.values()]
+                )
                 row["vs_bf16_eager"] = median_ratio(by_name.get("bf16 eager"), t, times)
                 row["vs_bf16_compiled"] = median_ratio(by_name.get("bf16 compiled"), t, times)
                 if bandwidth and t <= 16:
@@ -354,7 +411,9 @@ def generate_row(run: Run, model: torch.nn.Module, name: str, batch: int) -> dic
     which transformers compiles nothing); the row says which ran and why."""
     n, gen = run.args.decode_tokens, torch.Generator(device=run.device).manual_seed(0)
     prompt = torch.randint(0, run.shape.vocab, (batch, PROMPT), device=run.device, generator=gen)
-    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    kw = dict(
+        attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
     if VARIANTS[name][1] is None:
         kw["disable_compile"] = True
     else:
@@ -454,20 +513,34 @@ def profile_stage(run: Run, md: pathlib.Path) -> None:
         torch.cuda.synchronize()  # the GPU work the host queued belongs to these calls
     prof.disable()
     text, groups = profile_summary(prof, PROFILE_CALLS)
-    run.report["profile"] = {"model": "llama", "variant": "float8 eager", "tokens": 16, "calls": PROFILE_CALLS,
-                             "groups_ms_per_forward": groups, "text": text}  # fmt: skip
+    run.report["profile"] = {
+        "model": "llama",
+        "variant": "float8 eager",
+        "tokens": 16,
+        "calls": PROFILE_CALLS,
+        "groups_ms_per_forward": groups,
+        "text": text,
+    }
 
 
 def markdown_sections(report: dict) -> str:
     """What follows the forward table: generate(), the floors, the stages, the profile."""
-    lines = ["", "## generate() (HF model, prompt 16 tokens)", "", "| " + " | ".join(GEN_COLUMNS) + " |",
-             "|" + " --- |" * len(GEN_COLUMNS)]  # fmt: skip
+    lines = [
+        "",
+        "## generate() (HF model, prompt 16 tokens)",
+        "",
+        "| " + " | ".join(GEN_COLUMNS) + " |",
+        "|" + " --- |" * len(GEN_COLUMNS),
+    ]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in GEN_COLUMNS) + " |" for r in report["generate"]]
     floors = report["floors"]
     if "copy_Bps" in floors:
         lines += ["", f"## weight-read floor: copy bandwidth {floors['copy_Bps'] / 1e9:.0f} GB/s", ""]
-        lines += [f"- {m}: {f['linear_params'] / 1e6:.1f}M Linear weights; floor ms by tokens {f['floor_ms']}"
-                  for m, f in floors.items() if isinstance(f, dict)]  # fmt: skip
+        lines += [
+            f"- {m}: {f['linear_params'] / 1e6:.1f}M Linear weights; floor ms by tokens {f['floor_ms']}"
+            for m, f in floors.items()
+            if isinstance(f, dict)
+        ]
     lines += ["", "## stages", ""] + [f"- {k}: {v}" for k, v in report["stages"].items()]
     if report.get("profile"):
         lines += ["", "## profile (float8 eager llama, 16 tokens)", "", "```", report["profile"]["text"], "```"]
@@ -477,8 +550,12 @@ def markdown_sections(report: dict) -> str:
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
-    p.add_argument("--area", default="inference", help="the results area this run replaces (default inference): "
-                   "a run of some variants or token counts names its own, e.g. inference_compiled")
+    p.add_argument(
+        "--area",
+        default="inference",
+        help="the results area this run replaces (default inference): "
+        "a run of some variants or token counts names its own, e.g. inference_compiled",
+    )
     p.add_argument("--models", default="llama,hf", help="comma-separated: llama, hf")
     p.add_argument("--variants", default=None, help="comma-separated names or substrings (default: all)")
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,16,128,4096; tiny 1,16)")
@@ -536,7 +613,9 @@ def main(argv=None) -> dict:
         nbytes = 2**30 if run.cuda else 2**24
         stage(run, "bandwidth", lambda: run.report["floors"].update(copy_Bps=copy_bandwidth(device, nbytes)))
         for i, m in enumerate(args.models):
-            stage(run, f"forward {m}", lambda m=m, left=compiling - i: forward_stage(run, m, run.compile_deadline(left)))
+            stage(
+                run, f"forward {m}", lambda m=m, left=compiling - i: forward_stage(run, m, run.compile_deadline(left))
+            )
         if args.profile:
             stage(run, "profile", lambda: profile_stage(run, run.save()))
         if "hf" in args.models:

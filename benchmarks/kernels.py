@@ -47,13 +47,28 @@ def cases(x: torch.Tensor, scale: torch.Tensor, fp8: torch.Tensor, fp8_scale_inv
         ("cast (given scale, + amax)", 3, _cast.cast_triton, _cast.cast_ref, (x, scale, E4M3)),
         ("quantize tensorwise (current)", 5, _quant.quantize_tensorwise_triton, K.quantize_tensorwise_ref, (x, E4M3)),
         ("cast + transpose (given scale)", 4, _ct.cast_transpose_triton, _ct.cast_transpose_ref, (x, scale, E4M3)),
-        ("quantize + transpose (current)", 6, _ct.quantize_transpose_tensorwise_triton,
-         _ct.quantize_transpose_tensorwise_ref, (x, E4M3)),
+        (
+            "quantize + transpose (current)",
+            6,
+            _ct.quantize_transpose_tensorwise_triton,
+            _ct.quantize_transpose_tensorwise_ref,
+            (x, E4M3),
+        ),
         ("quantize rowwise", 3, _row.quantize_rowwise_triton, K.quantize_rowwise_ref, (x, E4M3)),
-        ("quantize blockwise 1x128", blk_bytes, _block.quantize_blockwise_triton, K.quantize_blockwise_ref,
-         (x, 1, 128, E4M3)),
-        ("quantize blockwise 128x128", 3, _block.quantize_blockwise_triton, K.quantize_blockwise_ref,
-         (x, 128, 128, E4M3)),
+        (
+            "quantize blockwise 1x128",
+            blk_bytes,
+            _block.quantize_blockwise_triton,
+            K.quantize_blockwise_ref,
+            (x, 1, 128, E4M3),
+        ),
+        (
+            "quantize blockwise 128x128",
+            3,
+            _block.quantize_blockwise_triton,
+            K.quantize_blockwise_ref,
+            (x, 128, 128, E4M3),
+        ),
         ("dequantize (per tensor)", 3, _dq.dequantize_triton, K.dequantize_ref, (fp8, fp8_scale_inv, torch.bfloat16)),
     ]
 
@@ -125,12 +140,18 @@ def run(args) -> dict:
         ms = {k: bench(lambda f=f: f(*cargs)) for k, f in impls.items()}
         for impl, t in ms.items():
             gbps = bpe * numel / t / 1e6
-            records.append({
-                "kernel": name, "impl": impl, "ms": t, "bytes_per_elem": bpe, "gbps": gbps,
-                "frac_of_copy": gbps / copy_gbps,
-                "speedup_vs_eager": ms["eager"] / t,
-                "speedup_vs_compiled": ms["compiled"] / t if "compiled" in ms else None,
-            })
+            records.append(
+                {
+                    "kernel": name,
+                    "impl": impl,
+                    "ms": t,
+                    "bytes_per_elem": bpe,
+                    "gbps": gbps,
+                    "frac_of_copy": gbps / copy_gbps,
+                    "speedup_vs_eager": ms["eager"] / t,
+                    "speedup_vs_compiled": ms["compiled"] / t if "compiled" in ms else None,
+                }
+            )
     small = torch.randn((256, 256), device=device).to(torch.bfloat16)
     host = []
     if not cpu:
@@ -165,8 +186,14 @@ def run_sweep(x, scale, bench, numel, copy_gbps):
         for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]:
             _cast.BLOCK, _cast.NUM_WARPS = block, warps
             t = bench(lambda: _cast.cast_triton(x, scale, E4M3))
-            out.append({"kernel": "cast", "config": {"BLOCK": block, "num_warps": warps}, "ms": t,
-                        "frac_of_copy": 3 * numel / t / 1e6 / copy_gbps})
+            out.append(
+                {
+                    "kernel": "cast",
+                    "config": {"BLOCK": block, "num_warps": warps},
+                    "ms": t,
+                    "frac_of_copy": 3 * numel / t / 1e6 / copy_gbps,
+                }
+            )
     finally:
         _cast.BLOCK, _cast.NUM_WARPS = saved
     return out
@@ -203,10 +230,17 @@ def markdown(result: dict) -> str:
         lines += ["", "Host time per call, 256x256 bf16 (launch overhead):", "", "| call | us |", "| --- | ---: |"]
         lines += [f"| {h['what']} | {h['us_per_call']:.1f} |" for h in result["host"]]
     if result["sweep"]:
-        lines += ["", "Sweep of our kernels' configurations:", "", "| kernel | config | ms | of copy |",
-                  "| --- | --- | ---: | ---: |"]
-        lines += [f"| {s['kernel']} | {s['config']} | {s['ms']:.4f} | {100 * s['frac_of_copy']:.0f}% |"
-                  for s in result["sweep"]]
+        lines += [
+            "",
+            "Sweep of our kernels' configurations:",
+            "",
+            "| kernel | config | ms | of copy |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        lines += [
+            f"| {s['kernel']} | {s['config']} | {s['ms']:.4f} | {100 * s['frac_of_copy']:.0f}% |"
+            for s in result["sweep"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -215,18 +249,27 @@ def figures(result: dict) -> list:
     fraction of the copy bandwidth and speedups over the baselines; host time per call; the sweep."""
     m = result["meta"]
     shape = "x".join(map(str, m["shape"]))
-    out = [figure(f"copy {shape}", "x.clone()", "ms", m["copy_ms"]),
-           figure(f"copy {shape}", "x.clone()", "GB/s", m["copy_gbps"])]  # fmt: skip
-    metrics = (("ms", "ms"), ("GB/s", "gbps"), ("fraction_of_copy", "frac_of_copy"),
-               ("speedup_vs_eager", "speedup_vs_eager"), ("speedup_vs_compiled", "speedup_vs_compiled"))  # fmt: skip
+    out = [
+        figure(f"copy {shape}", "x.clone()", "ms", m["copy_ms"]),
+        figure(f"copy {shape}", "x.clone()", "GB/s", m["copy_gbps"]),
+    ]
+    metrics = (
+        ("ms", "ms"),
+        ("GB/s", "gbps"),
+        ("fraction_of_copy", "frac_of_copy"),
+        ("speedup_vs_eager", "speedup_vs_eager"),
+        ("speedup_vs_compiled", "speedup_vs_compiled"),
+    )
     for r in result["records"]:
         for metric, key in metrics:
             if r.get(key) is not None and not key.endswith(r["impl"]):  # not a baseline against itself
                 out.append(figure(f"{r['kernel']} {shape}", r["impl"], metric, r[key]))
     out += [figure("host time per call, 256x256", h["what"], "us", h["us_per_call"]) for h in result["host"]]
     for w in result["sweep"]:
-        out += [figure(f"sweep: {w['kernel']} {shape}", str(w["config"]), metric, w[key])
-                for metric, key in (("ms", "ms"), ("fraction_of_copy", "frac_of_copy"))]  # fmt: skip
+        out += [
+            figure(f"sweep: {w['kernel']} {shape}", str(w["config"]), metric, w[key])
+            for metric, key in (("ms", "ms"), ("fraction_of_copy", "frac_of_copy"))
+        ]
     return out
 
 

@@ -132,6 +132,7 @@ def bench_lce(dev, tiny):
     grad_bytes = (x.numel() + w.numel()) * 2
     rows, ref = [], None
     for name, fn in _lce_variants().items():
+
         def step():
             x.grad = w.grad = None
             fn(x, w, t).backward()
@@ -149,10 +150,14 @@ def bench_lce(dev, tiny):
         if ref is None:
             ref = got
         row = {
-            "variant": name, "ms": round(ms, 2), "peak_MiB": round(peak / MiB, 1),
-            "peak_above_grads_MiB": round((peak - grad_bytes) / MiB, 1), "loss": round(float(loss), 5),
-            "dx_sqnr_db": _sqnr(ref[1], got[1]), "dw_sqnr_db": _sqnr(ref[2], got[2]),
-        }  # fmt: skip
+            "variant": name,
+            "ms": round(ms, 2),
+            "peak_MiB": round(peak / MiB, 1),
+            "peak_above_grads_MiB": round((peak - grad_bytes) / MiB, 1),
+            "loss": round(float(loss), 5),
+            "dx_sqnr_db": _sqnr(ref[1], got[1]),
+            "dw_sqnr_db": _sqnr(ref[2], got[2]),
+        }
         rows.append(row)
         print(row)
         x.grad = w.grad = None
@@ -169,15 +174,17 @@ def bench_lce(dev, tiny):
 
 def _stack(dev, cfg, fp8):
     import float8.ops as ops
-    from float8 import Recipe
     from benchmarks.distributed import Block, ops_block
+    from float8 import Recipe
 
     d, heads, kv, hd, ffn, blocks = cfg
     torch.manual_seed(0)
     with torch.device(dev):
         if not fp8:
             return torch.nn.Sequential(*[Block(d, heads, kv, hd, ffn) for _ in range(blocks)]).to(torch.bfloat16)
-        model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn, recipe=Recipe()) for _ in range(blocks)]).to(torch.bfloat16)
+        model = torch.nn.Sequential(*[ops_block(d, heads, kv, hd, ffn, recipe=Recipe()) for _ in range(blocks)]).to(
+            torch.bfloat16
+        )
     return ops.convert(model, fp8_weights=True)
 
 
@@ -194,8 +201,12 @@ def bench_inference(dev, tiny):
         model = _stack(dev, cfg, fp8)
         gc.collect()
         held = (torch.cuda.memory_allocated() - before) if dev.type == "cuda" else 0
-        row = {"variant": name, "params": sum(p.numel() for p in model.parameters()),
-               "allocated_MiB": round(held / MiB, 1), "footprint_MiB": round(memory_footprint(model) / MiB, 1)}  # fmt: skip
+        row = {
+            "variant": name,
+            "params": sum(p.numel() for p in model.parameters()),
+            "allocated_MiB": round(held / MiB, 1),
+            "footprint_MiB": round(memory_footprint(model) / MiB, 1),
+        }
         with torch.inference_mode():
             for m in token_counts:
                 x = torch.randn(1, m, cfg[0], device=dev, dtype=torch.bfloat16)
@@ -204,7 +215,7 @@ def bench_inference(dev, tiny):
                 times[(name, m)] = ms
         out["rows"].append(row)
         print(row)
-        del model
+        model = None  # freed before the next variant (a del would unbind what the timing lambda reads)
     out["host_profile"] = _host_profile(dev, cfg)
     bf, f8 = out["rows"]
     if bf["allocated_MiB"]:
@@ -247,8 +258,13 @@ def bench_train(dev, tiny):
     import float8.ops as ops
 
     rows = []
-    variants = ["bf16 eager", "float8 eager", "float8 eager, lean activations", "float8 eager + requantize_weights",
-                "torchao tensorwise + compile"]  # fmt: skip
+    variants = [
+        "bf16 eager",
+        "float8 eager",
+        "float8 eager, lean activations",
+        "float8 eager + requantize_weights",
+        "torchao tensorwise + compile",
+    ]
     for name in variants:
         gc.collect()
         if dev.type == "cuda":
@@ -274,7 +290,7 @@ def bench_train(dev, tiny):
             except Exception as e:  # noqa: BLE001 - a peer that does not run is reported, not fatal
                 rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(f"{name}: not measured: {e}")
-                del model, opt
+                model = opt = None
                 continue
         requantize = name.endswith("requantize_weights")
         x = torch.randn(batch, seq, d, device=dev, dtype=torch.bfloat16)
@@ -299,12 +315,15 @@ def bench_train(dev, tiny):
                 torch.cuda.synchronize()
                 peak.append(torch.cuda.max_memory_allocated())
         ms = _time_ms(step, dev, warm=1, reps=2 if tiny else 5)
-        row = {"variant": name, "ms_per_step": round(ms, 1),
-               "between_steps_GiB": round(max(between) / 2**30, 2) if between else None,
-               "step_peak_GiB": round(max(peak) / 2**30, 2) if peak else None}  # fmt: skip
+        row = {
+            "variant": name,
+            "ms_per_step": round(ms, 1),
+            "between_steps_GiB": round(max(between) / 2**30, 2) if between else None,
+            "step_peak_GiB": round(max(peak) / 2**30, 2) if peak else None,
+        }
         rows.append(row)
         print(row)
-        del model, opt, x, run
+        model = opt = x = run = None  # freed before the next variant
     return {"config": {"d": d, "ffn": ffn, "blocks": blocks, "tokens": batch * seq}, "rows": rows}
 
 
@@ -338,11 +357,20 @@ def seed1119_ops(d, ffn, heads, kv, hd, recipe=None):
     import float8.ops as ops
 
     return ops.Sequential(
-        ops.Residual(), ops.LayerNorm(d), ops.Linear(d, (heads + 2 * kv) * hd),
-        ops.Attention(heads, hd, num_kv_heads=kv, causal=False), ops.Linear(heads * hd, d), ops.AddResidual(),
-        ops.Residual(), ops.LayerNorm(d), ops.Linear(d, ffn), ops.GELU(), ops.Linear(ffn, d), ops.AddResidual(),
+        ops.Residual(),
+        ops.LayerNorm(d),
+        ops.Linear(d, (heads + 2 * kv) * hd),
+        ops.Attention(heads, hd, num_kv_heads=kv, causal=False),
+        ops.Linear(heads * hd, d),
+        ops.AddResidual(),
+        ops.Residual(),
+        ops.LayerNorm(d),
+        ops.Linear(d, ffn),
+        ops.GELU(),
+        ops.Linear(ffn, d),
+        ops.AddResidual(),
         recipe=recipe,
-    )  # fmt: skip
+    )
 
 
 def _step_peaks(model, x, dev):
@@ -371,7 +399,7 @@ def _step_peaks(model, x, dev):
             torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() / MiB if dev.type == "cuda" else 0.0)
     ms = _time_ms(step, dev, warm=1, reps=3)
-    del opt
+    opt = None
     return peaks[0], peaks[1], ms
 
 
@@ -382,14 +410,22 @@ def bench_activations(dev, tiny):
     layer_tokens = (2, 32) if tiny else (32, 1024)
     mlp_cfg, mlp_tokens = ((64, 96), (2, 32)) if tiny else ((4096, 14336), (8, 2048))
     cases = {
-        "seed #1119 layer": (lambda: Seed1119Layer(*layer_cfg), lambda r: seed1119_ops(*layer_cfg, recipe=r), layer_cfg[0], layer_tokens),
+        "seed #1119 layer": (
+            lambda: Seed1119Layer(*layer_cfg),
+            lambda r: seed1119_ops(*layer_cfg, recipe=r),
+            layer_cfg[0],
+            layer_tokens,
+        ),
         "MLP block": (lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, recipe=r), mlp_cfg[0], mlp_tokens),
     }
     out = {}
     for case, (make_bf16, make_ours, d, (b, s)) in cases.items():
         rows = []
-        variants = (("bf16 eager", make_bf16), ("float8 eager", lambda: make_ours(None)),
-                    ("float8 eager, lean activations", lambda: make_ours(_lean())))  # fmt: skip
+        variants = (
+            ("bf16 eager", make_bf16),
+            ("float8 eager", lambda: make_ours(None)),
+            ("float8 eager, lean activations", lambda: make_ours(_lean())),
+        )
         for name, make in variants:
             gc.collect()
             if dev.type == "cuda":
@@ -399,7 +435,14 @@ def bench_activations(dev, tiny):
                 model = make().to(torch.bfloat16)
             x = torch.randn(b, s, d, device=dev, dtype=torch.bfloat16)
             fb, st, ms = _step_peaks(model, x, dev)
-            rows.append({"variant": name, "fwd_bwd_peak_MiB": round(fb, 1), "step_peak_MiB": round(st, 1), "ms_per_step": round(ms, 2)})
+            rows.append(
+                {
+                    "variant": name,
+                    "fwd_bwd_peak_MiB": round(fb, 1),
+                    "step_peak_MiB": round(st, 1),
+                    "ms_per_step": round(ms, 2),
+                }
+            )
             print(case, rows[-1])
             del model, x
         bf = rows[0]
@@ -416,8 +459,12 @@ def figures(case: str, part: dict) -> list:
     table per model)."""
     if "rows" in part:
         return figures_from_rows(part["rows"], case)
-    return [f for name, sub in part.items() if isinstance(sub, dict) and "rows" in sub
-            for f in figures_from_rows(sub["rows"], f"{case}: {name}")]  # fmt: skip
+    return [
+        f
+        for name, sub in part.items()
+        if isinstance(sub, dict) and "rows" in sub
+        for f in figures_from_rows(sub["rows"], f"{case}: {name}")
+    ]
 
 
 def main(argv=None):
@@ -428,9 +475,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
-    }  # fmt: skip
+    }
     try:
         import triton
 
@@ -440,7 +488,12 @@ def main(argv=None):
     env = environment(dev)
     for case in args.only.split(","):
         t0 = time.perf_counter()
-        result[case] = {"lce": bench_lce, "inference": bench_inference, "train": bench_train, "activations": bench_activations}[case](dev, args.tiny)
+        result[case] = {
+            "lce": bench_lce,
+            "inference": bench_inference,
+            "train": bench_train,
+            "activations": bench_activations,
+        }[case](dev, args.tiny)
         print(f"== {case}: {time.perf_counter() - t0:.0f} s", flush=True)
         record(f"memory_{case}", args.out, env, figures(case, result[case]), None, result[case])
         gc.collect()

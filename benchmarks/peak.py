@@ -82,8 +82,10 @@ def profile_step(model, x) -> str:
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     peak, sites = live_at_peak(trace, before)
-    lines = [f"max_memory_allocated {torch.cuda.max_memory_allocated() / MiB:.0f} MiB; replayed peak {peak / MiB:.0f} MiB",
-             f"  {before / MiB:9.1f} MiB  before the step (weights, AdamW states, caches)"]
+    lines = [
+        f"max_memory_allocated {torch.cuda.max_memory_allocated() / MiB:.0f} MiB; replayed peak {peak / MiB:.0f} MiB",
+        f"  {before / MiB:9.1f} MiB  before the step (weights, AdamW states, caches)",
+    ]
     for site, (n, size) in sorted(sites.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {size / MiB:9.1f} MiB  x{n:<3d} {site}")
     del opt
@@ -98,9 +100,11 @@ def figures(texts) -> list:
     allocator counts it and as replayed, and what was allocated before the step."""
     out = []
     for case, variant, peak, replayed, before in REPORT.findall("\n".join(texts)):
-        out += [figure(case, variant, "max_allocated_MiB", int(peak)),
-                figure(case, variant, "replayed_peak_MiB", int(replayed)),
-                figure(case, variant, "before_step_MiB", float(before))]  # fmt: skip
+        out += [
+            figure(case, variant, "max_allocated_MiB", int(peak)),
+            figure(case, variant, "replayed_peak_MiB", int(replayed)),
+            figure(case, variant, "before_step_MiB", float(before)),
+        ]
     return out
 
 
@@ -119,31 +123,56 @@ def main(argv=None):
     layer_cfg = (64, 256, 4, 2, 16) if args.tiny else (4096, 16384, 32, 8, 128)
     mlp_cfg = (64, 96) if args.tiny else (4096, 14336)
     block_cfg = (64, 4, 2, 16, 128) if args.tiny else (4096, 32, 8, 128, 14336)
+    import float8.ops as ops
     from benchmarks.distributed import Block, ops_block
     from float8 import Recipe
-    import float8.ops as ops
 
     cases = {
-        "seed1119": ((2, 32) if args.tiny else (32, 1024), layer_cfg[0],
-                     lambda: Seed1119Layer(*layer_cfg), lambda r: seed1119_ops(*layer_cfg, recipe=r)),
-        "mlp": ((2, 32) if args.tiny else (8, 2048), mlp_cfg[0], lambda: Bf16MLP(*mlp_cfg), lambda r: fp8_mlp(*mlp_cfg, r)),
-        "train": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], None, lambda r: torch.nn.Sequential(
-            *[ops_block(*block_cfg, recipe=r) for _ in range(2 if args.tiny else 8)])),
-        "converted": ((2, 32) if args.tiny else (8, 2048), block_cfg[0], lambda: torch.nn.Sequential(
-            *[Block(*block_cfg) for _ in range(2 if args.tiny else 8)]), None),
+        "seed1119": (
+            (2, 32) if args.tiny else (32, 1024),
+            layer_cfg[0],
+            lambda: Seed1119Layer(*layer_cfg),
+            lambda r: seed1119_ops(*layer_cfg, recipe=r),
+        ),
+        "mlp": (
+            (2, 32) if args.tiny else (8, 2048),
+            mlp_cfg[0],
+            lambda: Bf16MLP(*mlp_cfg),
+            lambda r: fp8_mlp(*mlp_cfg, r),
+        ),
+        "train": (
+            (2, 32) if args.tiny else (8, 2048),
+            block_cfg[0],
+            None,
+            lambda r: torch.nn.Sequential(*[ops_block(*block_cfg, recipe=r) for _ in range(2 if args.tiny else 8)]),
+        ),
+        "converted": (
+            (2, 32) if args.tiny else (8, 2048),
+            block_cfg[0],
+            lambda: torch.nn.Sequential(*[Block(*block_cfg) for _ in range(2 if args.tiny else 8)]),
+            None,
+        ),
     }
     env = environment(torch.device("cuda"))
-    for case in (["seed1119", "mlp"] if args.case == "both" else [args.case]):
+    for case in ["seed1119", "mlp"] if args.case == "both" else [args.case]:
         (b, s), d, make_bf16, make_ours = cases[case]
+
         def converted(recipe, make_bf16=make_bf16):
             return ops.convert(make_bf16().to(torch.bfloat16), recipe=recipe)
 
-        variants = (("bf16", make_bf16), ("float8", lambda: make_ours(None)),
-                    ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))),
-                    ("ops.convert", lambda: converted(None)),
-                    ("ops.convert lean", lambda: converted(Recipe(lean_activations=True))))  # fmt: skip
-        variants = [(n, m) for n, m in variants if (make_ours is not None or not n.startswith("float8"))
-                    and (make_bf16 is not None or n.startswith("float8"))]  # fmt: skip
+        variants = (
+            ("bf16", make_bf16),
+            ("float8", lambda: make_ours(None)),
+            ("float8 lean", lambda: make_ours(Recipe(lean_activations=True))),
+            ("ops.convert", lambda: converted(None)),
+            ("ops.convert lean", lambda: converted(Recipe(lean_activations=True))),
+        )
+        variants = [
+            (n, m)
+            for n, m in variants
+            if (make_ours is not None or not n.startswith("float8"))
+            and (make_bf16 is not None or n.startswith("float8"))
+        ]
         report = []
         for name, make in variants:
             gc.collect()

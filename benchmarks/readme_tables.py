@@ -93,15 +93,24 @@ def inference(tokens: int, model: str = "llama") -> Row:
 
 def inference_compiled(tokens: int, model: str = "llama") -> Row:
     """benchmarks.inference --area inference_compiled at one token count: torch.compile (default mode)."""
-    cells = [("bf16 compiled", "ms", ms), ("float8 compiled", "vs_bf16_compiled", times),
-             ("torchao rowwise compiled", "vs_bf16_compiled", times), ("float8 compiled", "vs_bf16_eager", times)]  # fmt: skip
+    cells = [
+        ("bf16 compiled", "ms", ms),
+        ("float8 compiled", "vs_bf16_compiled", times),
+        ("torchao rowwise compiled", "vs_bf16_compiled", times),
+        ("float8 compiled", "vs_bf16_eager", times),
+    ]
     return Row(str(tokens), "inference_compiled", f"model {model}, tokens {tokens}", cells)
 
 
 def inference_graphs(tokens: int, model: str = "llama") -> Row:
     """benchmarks.inference --area inference_graphs: torch.compile(mode="reduce-overhead") (CUDA graphs)."""
-    cells = [("bf16 eager", "ms", ms), ("bf16 cudagraphs", "ms", ms), ("float8 cudagraphs", "ms", ms),
-             ("bf16 cudagraphs", "vs_bf16_eager", times), ("float8 cudagraphs", "vs_bf16_eager", times)]  # fmt: skip
+    cells = [
+        ("bf16 eager", "ms", ms),
+        ("bf16 cudagraphs", "ms", ms),
+        ("float8 cudagraphs", "ms", ms),
+        ("bf16 cudagraphs", "vs_bf16_eager", times),
+        ("float8 cudagraphs", "vs_bf16_eager", times),
+    ]
     return Row(str(tokens), "inference_graphs", f"model {model}, tokens {tokens}", cells)
 
 
@@ -145,9 +154,15 @@ TABLES: Dict[str, Table] = {
         [inference_compiled(16)],
     ),
     "inference_graphs": Table(
-        "Inference under CUDA graphs (torch.compile, mode=\"reduce-overhead\"), the same model, each call synchronized",
-        ["tokens", "bf16 eager ms", "bf16 graphed ms", "float8 graphed ms", "bf16 graphed vs bf16 eager",
-         "float8 graphed vs bf16 eager"],
+        'Inference under CUDA graphs (torch.compile, mode="reduce-overhead"), the same model, each call synchronized',
+        [
+            "tokens",
+            "bf16 eager ms",
+            "bf16 graphed ms",
+            "float8 graphed ms",
+            "bf16 graphed vs bf16 eager",
+            "float8 graphed vs bf16 eager",
+        ],
         [inference_graphs(16)],
     ),
     "lce": Table(
@@ -181,9 +196,11 @@ def caption(table: Table, latest: dict) -> str:
             continue
         versions = ", ".join(f"{k} {s[k]}" for k in ("torch", "triton", "torchao") if s.get(k))
         runs.setdefault(f"{s['device']} ({versions})", {}).setdefault(s["date"], []).append(area)
-    where = "; ".join(f"{machine}: " + ", ".join(f"{date} ({', '.join(areas)})" if date else ", ".join(areas)
-                                                 for date, areas in dates.items())
-                      for machine, dates in runs.items())  # fmt: skip
+    where = "; ".join(
+        f"{machine}: "
+        + ", ".join(f"{date} ({', '.join(areas)})" if date else ", ".join(areas) for date, areas in dates.items())
+        for machine, dates in runs.items()
+    )
     return f"{table.title}. {where}."
 
 
@@ -191,8 +208,12 @@ def render(name: str, latest: dict) -> str:
     """The text between a table's markers: its caption, a blank line, the table."""
     table = TABLES[name]
     figures = _lookup(latest)
-    lines = [caption(table, latest), "", "| " + " | ".join(table.header) + " |",
-             "| --- |" + " ---: |" * (len(table.header) - 1)]  # fmt: skip
+    lines = [
+        caption(table, latest),
+        "",
+        "| " + " | ".join(table.header) + " |",
+        "| --- |" + " ---: |" * (len(table.header) - 1),
+    ]
     for row in table.rows:
         cells = []
         for variant, metric, fmt in row.cells:

@@ -10,16 +10,30 @@ from typing import List
 
 import torch
 
-from benchmarks.harness import (environment, free_memory, kernel_breakdown, markdown_table, step_peak_bytes, time_steps,
-                                write_report)
+from benchmarks.harness import (
+    environment,
+    free_memory,
+    kernel_breakdown,
+    markdown_table,
+    step_peak_bytes,
+    time_steps,
+    write_report,
+)
 from benchmarks.llama import TINY, LlamaShape, build, compile_blocks
-from float8 import Recipe, RowwiseScaling
+from float8 import Recipe
 
 VARIANTS = [
-    "bf16 eager", "bf16 compiled", "float8 ops eager", "float8 ops eager lean", "float8 ops compiled",
-    "float8 ops compiled lean", "float8 converted eager", "float8 converted compiled", "torchao tensorwise compiled",
+    "bf16 eager",
+    "bf16 compiled",
+    "float8 ops eager",
+    "float8 ops eager lean",
+    "float8 ops compiled",
+    "float8 ops compiled lean",
+    "float8 converted eager",
+    "float8 converted compiled",
+    "torchao tensorwise compiled",
     "torchao rowwise compiled",
-]  # fmt: skip
+]
 BREAKDOWN = {"float8 converted compiled", "torchao tensorwise compiled", "float8 ops eager", "float8 ops compiled"}
 
 
@@ -108,8 +122,17 @@ def run(device, tiny: bool, variants=None) -> List[dict]:
     return rows
 
 
-COLUMNS = ["variant", "ms_per_step", "tokens_per_s", "peak_GiB", "speed_vs_bf16_eager", "speed_vs_bf16_compiled",
-           "speed_vs_torchao_tensorwise_compiled", "final_loss", "error"]  # fmt: skip
+COLUMNS = [
+    "variant",
+    "ms_per_step",
+    "tokens_per_s",
+    "peak_GiB",
+    "speed_vs_bf16_eager",
+    "speed_vs_bf16_compiled",
+    "speed_vs_torchao_tensorwise_compiled",
+    "final_loss",
+    "error",
+]
 
 
 def main(argv=None) -> None:

@@ -83,13 +83,22 @@ SIZES = {
     "full": dict(
         kernels=(16384, 8192),
         gemm=[(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336)],
-        linear=[(1024, 4096, 4096), (2048, 4096, 4096), (4096, 8192, 8192), (8192, 8192, 8192),
-                (16384, 4096, 14336), (16384, 14336, 4096)],
+        linear=[
+            (1024, 4096, 4096),
+            (2048, 4096, 4096),
+            (4096, 8192, 8192),
+            (8192, 8192, 8192),
+            (16384, 4096, 14336),
+            (16384, 14336, 4096),
+        ],
         mlp=(16384, 4096, 14336),
         layer=dict(batch=8, seq=1024, d=4096, heads=32, kv_heads=8, head_dim=128, ffn=16384),
         step_linear=[(1024, 4096, 4096), (2048, 4096, 4096), (8192, 8192, 8192)],
         step_mlp=[(1024, 4096, 14336), (2048, 4096, 14336), (16384, 4096, 14336)],
-        tiny=(16, 64, 64), copy_bytes=2**30, rate=8192, budget_s=420.0,
+        tiny=(16, 64, 64),
+        copy_bytes=2**30,
+        rate=8192,
+        budget_s=420.0,
     ),
     "quick": dict(
         kernels=(8192, 8192),
@@ -99,7 +108,10 @@ SIZES = {
         layer=dict(batch=2, seq=1024, d=2048, heads=16, kv_heads=4, head_dim=128, ffn=8192),
         step_linear=[(2048, 4096, 4096)],
         step_mlp=[(2048, 2048, 8192)],
-        tiny=(16, 64, 64), copy_bytes=2**30, rate=8192, budget_s=90.0,
+        tiny=(16, 64, 64),
+        copy_bytes=2**30,
+        rate=8192,
+        budget_s=90.0,
     ),
     "smoke": dict(
         kernels=None,  # benchmarks.kernels --cpu-smoke picks its own tiny shape
@@ -109,7 +121,10 @@ SIZES = {
         layer=dict(batch=2, seq=8, d=64, heads=4, kv_heads=2, head_dim=16, ffn=64),
         step_linear=[(32, 64, 48)],
         step_mlp=[(32, 64, 96)],
-        tiny=(16, 64, 64), copy_bytes=2**20, rate=64, budget_s=math.inf,
+        tiny=(16, 64, 64),
+        copy_bytes=2**20,
+        rate=64,
+        budget_s=math.inf,
     ),
 }
 
@@ -178,8 +193,9 @@ def load_torchao():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as e:  # ImportError, or an install that fails on import
         return None, f"torchao not importable ({type(e).__name__}: {str(e)[:200]})"
-    return SimpleNamespace(version=torchao.__version__, config=Float8LinearConfig,
-                           convert=convert_to_float8_training), None
+    return SimpleNamespace(
+        version=torchao.__version__, config=Float8LinearConfig, convert=convert_to_float8_training
+    ), None
 
 
 def _triton_version() -> Optional[str]:
@@ -205,8 +221,11 @@ def make_env(args) -> Env:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mode": mode,
-        "timer": ("wall clock, no torch.compile (cpu smoke)" if device == "cpu"
-                  else f"triton.testing.do_bench(warmup=25, rep={REP}; {BLOCK_REP} for blocks, median)"),
+        "timer": (
+            "wall clock, no torch.compile (cpu smoke)"
+            if device == "cpu"
+            else f"triton.testing.do_bench(warmup=25, rep={REP}; {BLOCK_REP} for blocks, median)"
+        ),
     }
     sizes = SIZES[mode]
     budget = args.budget_s if args.budget_s is not None else sizes["budget_s"]
@@ -219,14 +238,14 @@ def calibrate(env: Env) -> dict:
     x = env.randn(env.sizes["copy_bytes"] // 2)
     copy_ms = env.bench(lambda: x.clone())
     copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
-    del x
+    x = None  # freed before the GEMMs
     s = env.sizes["rate"]
     a8, b8 = env.randn(s, s).to(E4M3), env.randn(s, s).to(E4M3).t()  # B column-major, as cuBLASLt wants
     one = torch.ones((), device=env.device)
     fp8_ms = env.bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=BF16))
     a, b = env.randn(s, s), env.randn(s, s)
     bf16_ms = env.bench(lambda: a @ b.t())
-    del a8, b8, a, b
+    a8 = b8 = a = b = None
     env.cleanup()
     flops = 2 * s**3
     return {"copy_gbps": copy_gbps, "fp8_tflops": flops / fp8_ms / 1e9, "bf16_tflops": flops / bf16_ms / 1e9}
@@ -250,10 +269,22 @@ def new_record(env: Env, letter: str, case: str, label: str, shape, **extra) -> 
     rec["scaled_mm_ms"] = None
     for key in VARIANTS:
         rec[f"peak_mem_{key}"] = None
-    rec.update(gemm_flops=None, floor_bytes=None, floor_ms=None, fraction_of_floor=None,
-               speedup_vs_bf16=None, speedup_vs_bf16_compiled=None, speedup_vs_torchao=None,
-               speedup_vs_torchao_rowwise=None, compiled_speedup_vs_bf16_compiled=None,
-               compiled_speedup_vs_torchao=None, skipped={}, errors={}, error=None, notes=[])
+    rec.update(
+        gemm_flops=None,
+        floor_bytes=None,
+        floor_ms=None,
+        fraction_of_floor=None,
+        speedup_vs_bf16=None,
+        speedup_vs_bf16_compiled=None,
+        speedup_vs_torchao=None,
+        speedup_vs_torchao_rowwise=None,
+        compiled_speedup_vs_bf16_compiled=None,
+        compiled_speedup_vs_torchao=None,
+        skipped={},
+        errors={},
+        error=None,
+        notes=[],
+    )
     rec.update(extra)
     rec.update(env.meta)
     rec.update(env.calib)
@@ -496,11 +527,18 @@ def fp8_transformer_layer(d, heads, kv_heads, head_dim, ffn):
     import float8.ops as ops
 
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(d), ops.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False),
-        ops.Attention(heads, head_dim, num_kv_heads=kv_heads, causal=True), ops.Linear(heads * head_dim, d, bias=False),
+        ops.Residual(),
+        ops.RMSNorm(d),
+        ops.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False),
+        ops.Attention(heads, head_dim, num_kv_heads=kv_heads, causal=True),
+        ops.Linear(heads * head_dim, d, bias=False),
         ops.AddResidual(),
-        ops.Residual(), ops.RMSNorm(d), ops.Linear(d, 2 * ffn, bias=False), ops.SwiGLU(),
-        ops.Linear(ffn, d, bias=False), ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(d),
+        ops.Linear(d, 2 * ffn, bias=False),
+        ops.SwiGLU(),
+        ops.Linear(ffn, d, bias=False),
+        ops.AddResidual(),
     )
 
 
@@ -527,9 +565,17 @@ def case_kernels(env: Env) -> list:
     records = []
     for name, impls in by_kernel.items():
         bpe = impls["ours"]["bytes_per_elem"]
-        rec = new_record(env, "a", "kernels", f"a {name}", shape, kernel=name, bytes_per_elem=bpe,
-                         kernels_frac_of_copy=impls["ours"]["frac_of_copy"],
-                         notes=["bf16 = eager torch of the same math (the *_ref), bf16 compiled = its torch.compile"])
+        rec = new_record(
+            env,
+            "a",
+            "kernels",
+            f"a {name}",
+            shape,
+            kernel=name,
+            bytes_per_elem=bpe,
+            kernels_frac_of_copy=impls["ours"]["frac_of_copy"],
+            notes=["bf16 = eager torch of the same math (the *_ref), bf16 compiled = its torch.compile"],
+        )
         rec["ours_ms"] = impls["ours"]["ms"]
         rec["bf16_ms"] = impls["eager"]["ms"]
         rec["bf16_compiled_ms"] = impls.get("compiled", {}).get("ms")
@@ -619,8 +665,9 @@ def _mlp(env, rec, tokens, d, f, step_cls=None):
     x, dy = env.randn(tokens, d, requires_grad=True), env.randn(tokens, d)
     ref = Bf16MLP(d, f).to(env.device, BF16)
     ours = fp8_mlp(d, f).to(env.device, BF16)
-    copy_weights([(ours[0].weight, ref.norm.weight), (ours[1].weight, ref.up.weight),
-                  (ours[3].weight, ref.down.weight)])
+    copy_weights(
+        [(ours[0].weight, ref.norm.weight), (ours[1].weight, ref.up.weight), (ours[3].weight, ref.down.weight)]
+    )
     rec["output_sqnr_db_vs_bf16"] = sqnr_db(ref, ours, x)
     fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP, step_cls=step_cls)
     params = d + 2 * f * d + f * d
@@ -631,8 +678,14 @@ def case_layer(env: Env) -> list:
     """(e) transformer layer forward+backward (causal GQA attention, SwiGLU FFN); time and memory."""
     c = env.sizes["layer"]
     shape = [c[k] for k in ["batch", "seq", "d", "heads", "kv_heads", "head_dim", "ffn"]]
-    rec = new_record(env, "e", "transformer_layer", "e transformer layer fwd+bwd", shape,
-                     shape_names=["batch", "seq", "d", "heads", "kv_heads", "head_dim", "ffn"])
+    rec = new_record(
+        env,
+        "e",
+        "transformer_layer",
+        "e transformer layer fwd+bwd",
+        shape,
+        shape_names=["batch", "seq", "d", "heads", "kv_heads", "head_dim", "ffn"],
+    )
     return [guarded(rec, lambda: _layer(env, rec, **c))]
 
 
@@ -640,9 +693,16 @@ def _layer(env, rec, batch, seq, d, heads, kv_heads, head_dim, ffn):
     x, dy = env.randn(batch, seq, d, requires_grad=True), env.randn(batch, seq, d)
     ref = Bf16TransformerLayer(d, heads, kv_heads, head_dim, ffn).to(env.device, BF16)
     ours = fp8_transformer_layer(d, heads, kv_heads, head_dim, ffn).to(env.device, BF16)
-    copy_weights([(ours[1].weight, ref.norm1.weight), (ours[2].weight, ref.qkv.weight),
-                  (ours[4].weight, ref.proj.weight), (ours[7].weight, ref.norm2.weight),
-                  (ours[8].weight, ref.up.weight), (ours[10].weight, ref.down.weight)])
+    copy_weights(
+        [
+            (ours[1].weight, ref.norm1.weight),
+            (ours[2].weight, ref.qkv.weight),
+            (ours[4].weight, ref.proj.weight),
+            (ours[7].weight, ref.norm2.weight),
+            (ours[8].weight, ref.up.weight),
+            (ours[10].weight, ref.down.weight),
+        ]
+    )
     rec["output_sqnr_db_vs_bf16"] = sqnr_db(ref, ours, x)
     fwd_bwd_variants(env, rec, standard_builders(env, ref, ours), x, dy, BLOCK_REP)
     tokens, qkv = batch * seq, (heads + 2 * kv_heads) * head_dim
@@ -657,11 +717,19 @@ def _layer(env, rec, batch, seq, d, heads, kv_heads, head_dim, ffn):
 def case_host(env: Env) -> list:
     """(f) host time per tiny Linear forward+backward (benchmarks.host, reused) + compiled peers."""
     m, k, n = env.sizes["tiny"]
-    rec = new_record(env, "f", "host", "f host time, tiny Linear fwd+bwd", (m, k, n),
-                     notes=["ms per call from a stream of calls (host-bound); ours and bf16 eager from "
-                            "benchmarks.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
-                            "it keeps its cached FP8 weight there); *_graphed: the same steps captured with "
-                            "torch.cuda.make_graphed_callables (ours re-quantizes its weight in the graph)"])
+    rec = new_record(
+        env,
+        "f",
+        "host",
+        "f host time, tiny Linear fwd+bwd",
+        (m, k, n),
+        notes=[
+            "ms per call from a stream of calls (host-bound); ours and bf16 eager from "
+            "benchmarks.host.tiny_linear_steps (ours forced onto its FP8 path, small-layer policy off; "
+            "it keeps its cached FP8 weight there); *_graphed: the same steps captured with "
+            "torch.cuda.make_graphed_callables (ours re-quantizes its weight in the graph)"
+        ],
+    )
     return [guarded(rec, lambda: _host(env, rec, m, k, n))]
 
 
@@ -682,8 +750,11 @@ def _host(env, rec, m, k, n):
     steps = {
         "bf16": lambda: bf16_step,
         "ours": lambda: ours_step,
-        **({"ours_graphed": lambda: ours_step.graphed(), "bf16_graphed": lambda: bf16_step.graphed()}
-           if env.cuda else {}),
+        **(
+            {"ours_graphed": lambda: ours_step.graphed(), "bf16_graphed": lambda: bf16_step.graphed()}
+            if env.cuda
+            else {}
+        ),
         "bf16_compiled": lambda: FwdBwd(env.compile(lin), x, dy, bump=False),
         "torchao": lambda: FwdBwd(torchao_model(env, lin, "tensorwise"), x, dy, bump=False),
     }
@@ -786,9 +857,13 @@ def _gemm_table(records) -> list:
     rows = [r for r in records if r["case"] == "gemm"]
     if not rows:
         return []
-    lines = ["", "FP8 GEMM rates (operands pre-quantized):", "",
-             "| M x K x N | ours TFLOP/s | _scaled_mm TFLOP/s | bf16 TFLOP/s | ours == _scaled_mm bits |",
-             "| --- | ---: | ---: | ---: | --- |"]
+    lines = [
+        "",
+        "FP8 GEMM rates (operands pre-quantized):",
+        "",
+        "| M x K x N | ours TFLOP/s | _scaled_mm TFLOP/s | bf16 TFLOP/s | ours == _scaled_mm bits |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         rates = " | ".join(_fmt(r.get(f"tflops_{k}"), ".0f") for k in ["ours", "scaled_mm", "bf16"])
         lines.append(f"| {_shape(r)} | {rates} | {r.get('ours_matches_scaled_mm', '—')} |")
@@ -800,18 +875,24 @@ def _block_notes(records) -> list:
     for r in records:
         if r["case"] == "host" and r.get("ours_graphed_ms") and r["bf16_ms"]:
             eager = f"; ours eager (above) {r['ours_ms'] / r['bf16_ms']:.2f}x the time of bf16" if r["ours_ms"] else ""
-            lines.append(f"- {r['label']} {_shape(r)}: in CUDA graphs (make_graphed_callables) ours "
-                         f"{r['ours_graphed_ms']:.4f} ms, {r['ours_graphed_ms'] / r['bf16_ms']:.2f}x the time of bf16 "
-                         f"eager (speedup {r['bf16_ms'] / r['ours_graphed_ms']:.2f}x), bf16 graphed "
-                         f"{_fmt(r.get('bf16_graphed_ms'), '.4f')} ms{eager}")
+            lines.append(
+                f"- {r['label']} {_shape(r)}: in CUDA graphs (make_graphed_callables) ours "
+                f"{r['ours_graphed_ms']:.4f} ms, {r['ours_graphed_ms'] / r['bf16_ms']:.2f}x the time of bf16 "
+                f"eager (speedup {r['bf16_ms'] / r['ours_graphed_ms']:.2f}x), bf16 graphed "
+                f"{_fmt(r.get('bf16_graphed_ms'), '.4f')} ms{eager}"
+            )
         if r.get("compiled_speedup_vs_bf16_compiled") is not None:
-            lines.append(f"- {r['label']} {_shape(r)}: ours compiled {r['compiled_speedup_vs_bf16_compiled']:.2f}x bf16 "
-                         f"compiled, {_fmt(r['compiled_speedup_vs_torchao'], '.2f', 'x')} torchao tensorwise; peak "
-                         f"MiB ours compiled {_mib(r['peak_mem_ours_compiled'])}")
+            lines.append(
+                f"- {r['label']} {_shape(r)}: ours compiled {r['compiled_speedup_vs_bf16_compiled']:.2f}x bf16 "
+                f"compiled, {_fmt(r['compiled_speedup_vs_torchao'], '.2f', 'x')} torchao tensorwise; peak "
+                f"MiB ours compiled {_mib(r['peak_mem_ours_compiled'])}"
+            )
         if r.get("output_sqnr_db_vs_bf16") is not None:
-            lines.append(f"- {r['label']} {_shape(r)}: ours' output against bf16 on the same weights, "
-                         f"SQNR {r['output_sqnr_db_vs_bf16']:.1f} dB; peak MiB bf16 compiled "
-                         f"{_mib(r['peak_mem_bf16_compiled'])}, torchao rowwise {_mib(r['peak_mem_torchao_rowwise'])}")
+            lines.append(
+                f"- {r['label']} {_shape(r)}: ours' output against bf16 on the same weights, "
+                f"SQNR {r['output_sqnr_db_vs_bf16']:.1f} dB; peak MiB bf16 compiled "
+                f"{_mib(r['peak_mem_bf16_compiled'])}, torchao rowwise {_mib(r['peak_mem_torchao_rowwise'])}"
+            )
     return ["", *lines] if lines else []
 
 
@@ -841,8 +922,13 @@ def plot(records: list, path: str) -> Optional[str]:
         print("matplotlib is not installed: no PNG written")
         return None
     rows = [r for r in records if r["bf16_ms"]]
-    series = [("ours", "ours (float8)"), ("ours_compiled", "ours compiled"), ("bf16_compiled", "bf16 compiled"),
-              ("torchao", "torchao tensorwise"), ("torchao_rowwise", "torchao rowwise")]
+    series = [
+        ("ours", "ours (float8)"),
+        ("ours_compiled", "ours compiled"),
+        ("bf16_compiled", "bf16 compiled"),
+        ("torchao", "torchao tensorwise"),
+        ("torchao_rowwise", "torchao rowwise"),
+    ]
     width = 0.16
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows) + 2), 5))
     for i, (key, name) in enumerate(series):
@@ -850,8 +936,9 @@ def plot(records: list, path: str) -> Optional[str]:
         ax.bar([j + (i - 2) * width for j in range(len(rows))], ys, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{textwrap.shorten(r['label'], 34)}\n{_shape(r)}" for r in rows], rotation=60, ha="right",
-                       fontsize=7)
+    ax.set_xticklabels(
+        [f"{textwrap.shorten(r['label'], 34)}\n{_shape(r)}" for r in rows], rotation=60, ha="right", fontsize=7
+    )
     ax.set_yscale("log")
     ax.set_ylabel("speedup over bf16 eager (log)")
     ax.set_title(f"float8 benchmark suite, {rows[0]['device'] if rows else ''}")
@@ -872,18 +959,25 @@ def figures(records: list) -> list:
     for r in records:
         case = f"{r['label']} {_shape(r)}"
         for key in FIGURE_VARIANTS:
-            for metric, key_, scale in (("ms", f"{key}_ms", 1), ("peak_MiB", f"peak_mem_{key}", 2**-20),
-                                         ("TFLOP/s", f"tflops_{key}", 1)):  # fmt: skip
+            for metric, key_, scale in (
+                ("ms", f"{key}_ms", 1),
+                ("peak_MiB", f"peak_mem_{key}", 2**-20),
+                ("TFLOP/s", f"tflops_{key}", 1),
+            ):
                 if r.get(key_) is not None:
                     out.append(figure(case, key, metric, r[key_] * scale))
         for variant, metric, key_ in [
-            *[("ours", f"speedup_vs_{k}", f"speedup_vs_{k}")
-              for k in ("bf16", "bf16_compiled", "torchao", "torchao_rowwise")],
+            *[
+                ("ours", f"speedup_vs_{k}", f"speedup_vs_{k}")
+                for k in ("bf16", "bf16_compiled", "torchao", "torchao_rowwise")
+            ],
             ("ours_compiled", "speedup_vs_bf16_compiled", "compiled_speedup_vs_bf16_compiled"),
             ("ours_compiled", "speedup_vs_torchao", "compiled_speedup_vs_torchao"),
-            ("ours", "fraction_of_floor", "fraction_of_floor"), ("ours", "fraction_of_copy", "kernels_frac_of_copy"),
-            ("ours", "sqnr_db_vs_bf16", "output_sqnr_db_vs_bf16"), ("floor", "ms", "floor_ms"),
-        ]:  # fmt: skip
+            ("ours", "fraction_of_floor", "fraction_of_floor"),
+            ("ours", "fraction_of_copy", "kernels_frac_of_copy"),
+            ("ours", "sqnr_db_vs_bf16", "output_sqnr_db_vs_bf16"),
+            ("floor", "ms", "floor_ms"),
+        ]:
             if r.get(key_) is not None:
                 out.append(figure(case, variant, metric, r[key_]))
     return out
@@ -915,17 +1009,28 @@ def _printed_progress(items):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/): latest.json/.md, "
-                                               "history.csv, bench.png")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default benchmarks/results/): latest.json/.md, history.csv, bench.png",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes (under ~2 minutes)")
     p.add_argument("--cases", default="a,b,c,d,e,f,g", help="comma-separated letters among a..g")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, wall-clock timer, no compile")
     p.add_argument("--no-rowwise", action="store_true", help="skip the torchao rowwise variants")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help=f"interleaved timing rounds per variant in cases c-e and g (default {ROUNDS}; more where the "
-                        "host's drift shows: host-bound steps)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="skip torchao rowwise once the run has taken this long (default 420 full, 90 quick)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help=f"interleaved timing rounds per variant in cases c-e and g (default {ROUNDS}; more where the "
+        "host's drift shows: host-bound steps)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip torchao rowwise once the run has taken this long (default 420 full, 90 quick)",
+    )
     args = p.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in args.cases if c not in CASES]

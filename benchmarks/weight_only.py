@@ -24,19 +24,24 @@ import json
 
 import torch
 import torch.nn.functional as F
-
 from triton.runtime.errors import OutOfResources
 
 import float8.ops as ops
+from benchmarks.harness import environment, figure, host_us, make_timer, markdown_table, record, results_dir
 from float8 import Float8Tensor
 from float8.kernels import weight_only
-from benchmarks.harness import environment, figure, host_us, make_timer, markdown_table, record, results_dir
 
 # (K, N) of the Linears of the benchmark models: benchmarks/llama.py (fused QKV and gate/up) and Hugging Face's
 # LlamaForCausalLM (separate q, k, v, gate, up).
-SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 4096->1024": (4096, 1024), "qkv 4096->6144": (4096, 6144),
-          "gate/up 4096->14336": (4096, 14336), "gate+up 4096->28672": (4096, 28672),
-          "down 14336->4096": (14336, 4096), "head 4096->32768": (4096, 32768)}  # fmt: skip
+SHAPES = {
+    "q/o 4096x4096": (4096, 4096),
+    "k/v 4096->1024": (4096, 1024),
+    "qkv 4096->6144": (4096, 6144),
+    "gate/up 4096->14336": (4096, 14336),
+    "gate+up 4096->28672": (4096, 28672),
+    "down 14336->4096": (14336, 4096),
+    "head 4096->32768": (4096, 32768),
+}
 TOKENS = (1, 16, 32, 64, 128)
 L2_FLUSH_BYTES = 256 * 2**20
 
@@ -82,10 +87,17 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
         def per_call(fn):  # ms of one call, each call on the next weight copy
             return timer(lambda: [fn(i) for i in range(copies)]) / copies
 
-        row = {"layer": name, "K": k, "N": n, "tokens": m, "weight_copies": copies,
-               "bf16_ms": per_call(lambda i: F.linear(x, ws[i])),
-               "fp8xfp8_ms": per_call(lambda i: Float8Tensor.quantize(x) @ w8s[i].t()),
-               "floor_ms": n * k / bandwidth, "tiles": {}}  # fmt: skip
+        row = {
+            "layer": name,
+            "K": k,
+            "N": n,
+            "tokens": m,
+            "weight_copies": copies,
+            "bf16_ms": per_call(lambda i: F.linear(x, ws[i])),
+            "fp8xfp8_ms": per_call(lambda i: Float8Tensor.quantize(x) @ w8s[i].t()),
+            "floor_ms": n * k / bandwidth,
+            "tiles": {},
+        }
 
         def run(tile, i=0):
             w8 = w8s[i]
@@ -103,8 +115,12 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
                 raise AssertionError(f"tile {tile} at {name}, {m} tokens: {bad} outputs off")
             row["tiles"][str(tile)] = per_call(lambda i: run(tile, i))
         best_tile = min(row["tiles"], key=row["tiles"].get)
-        row.update(best_ms=row["tiles"][best_tile], best_tile=best_tile, table_tile=str(weight_only.config_for(m)),
-                   table_ms=per_call(lambda i: weight_only.fp8_weight_mm(x, w8s[i].fp8_data, w8s[i].scale_inv)))  # fmt: skip
+        row.update(
+            best_ms=row["tiles"][best_tile],
+            best_tile=best_tile,
+            table_tile=str(weight_only.config_for(m)),
+            table_ms=per_call(lambda i: weight_only.fp8_weight_mm(x, w8s[i].fp8_data, w8s[i].scale_inv)),
+        )
         row["of_floor"] = row["floor_ms"] / row["table_ms"]
         row["vs_bf16"] = row["bf16_ms"] / row["table_ms"]
         row["vs_fp8xfp8"] = row["fp8xfp8_ms"] / row["table_ms"]
@@ -112,9 +128,12 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
         if log is not None:
             log.write(json.dumps(row) + "\n")
             log.flush()
-        print(f"{name:22s} M={m:4d} bf16 {row['bf16_ms']*1e3:7.1f} us  fp8xfp8 {row['fp8xfp8_ms']*1e3:7.1f}  "
-              f"table {row['table_ms']*1e3:7.1f}  best {row['best_ms']*1e3:7.1f} {best_tile}  "
-              f"floor {row['floor_ms']*1e3:6.1f}  best at {row['floor_ms'] / row['best_ms']:.0%} of floor", flush=True)  # fmt: skip
+        print(
+            f"{name:22s} M={m:4d} bf16 {row['bf16_ms'] * 1e3:7.1f} us  fp8xfp8 {row['fp8xfp8_ms'] * 1e3:7.1f}  "
+            f"table {row['table_ms'] * 1e3:7.1f}  best {row['best_ms'] * 1e3:7.1f} {best_tile}  "
+            f"floor {row['floor_ms'] * 1e3:6.1f}  best at {row['floor_ms'] / row['best_ms']:.0%} of floor",
+            flush=True,
+        )
     return rows
 
 
@@ -127,15 +146,22 @@ def best_per_bucket(rows):
         common = set.intersection(*(set(r["tiles"]) for r in at))
         total = {t: sum(r["tiles"][t] for r in at) for t in common}
         tile = min(total, key=total.get)
-        out[m] = {"tile": tile, "sum_ms": total[tile], "per_layer_best_sum_ms": sum(r["best_ms"] for r in at),
-                  "floor_sum_ms": sum(r["floor_ms"] for r in at), "bf16_sum_ms": sum(r["bf16_ms"] for r in at)}  # fmt: skip
+        out[m] = {
+            "tile": tile,
+            "sum_ms": total[tile],
+            "per_layer_best_sum_ms": sum(r["best_ms"] for r in at),
+            "floor_sum_ms": sum(r["floor_ms"] for r in at),
+            "bf16_sum_ms": sum(r["bf16_ms"] for r in at),
+        }
     return out
 
 
 def host_rows(device, k=4096, n=4096, m=16):
     """Host microseconds per call at m tokens: nn.Linear in bf16, and a converted Linear with an FP8 weight."""
     lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device, torch.bfloat16)
-    conv = ops.convert(torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device, torch.bfloat16), fp8_weights=True)
+    conv = ops.convert(
+        torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device, torch.bfloat16), fp8_weights=True
+    )
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         return {"nn.Linear bf16 us": host_us(lambda: lin(x)), "float8 FP8-only weight us": host_us(lambda: conv(x))}
@@ -147,16 +173,32 @@ def figures(rows, buckets, host, copy_gbps) -> list:
     out = [figure("copy", "dst.copy_(src)", "GB/s", copy_gbps)]
     for r in rows:
         case = f"{r['layer']}, tokens {r['tokens']}"
-        out += [figure(case, "bf16 F.linear", "ms", r["bf16_ms"]), figure(case, "FP8 x FP8", "ms", r["fp8xfp8_ms"]),
-                figure(case, "weight-only, best tile", "ms", r["best_ms"]), figure(case, "floor", "ms", r["floor_ms"])]
-        out += [figure(case, "weight-only", metric, r[key]) for metric, key in
-                (("ms", "table_ms"), ("fraction_of_floor", "of_floor"), ("speedup_vs_bf16", "vs_bf16"),
-                 ("speedup_vs_fp8xfp8", "vs_fp8xfp8"))]  # fmt: skip
+        out += [
+            figure(case, "bf16 F.linear", "ms", r["bf16_ms"]),
+            figure(case, "FP8 x FP8", "ms", r["fp8xfp8_ms"]),
+            figure(case, "weight-only, best tile", "ms", r["best_ms"]),
+            figure(case, "floor", "ms", r["floor_ms"]),
+        ]
+        out += [
+            figure(case, "weight-only", metric, r[key])
+            for metric, key in (
+                ("ms", "table_ms"),
+                ("fraction_of_floor", "of_floor"),
+                ("speedup_vs_bf16", "vs_bf16"),
+                ("speedup_vs_fp8xfp8", "vs_fp8xfp8"),
+            )
+        ]
     for m, b in buckets.items():
         case = f"all layers, tokens {m}"
-        out += [figure(case, variant, "ms", b[key]) for variant, key in
-                (("weight-only", "sum_ms"), ("weight-only, best tile per layer", "per_layer_best_sum_ms"),
-                 ("floor", "floor_sum_ms"), ("bf16 F.linear", "bf16_sum_ms"))]  # fmt: skip
+        out += [
+            figure(case, variant, "ms", b[key])
+            for variant, key in (
+                ("weight-only", "sum_ms"),
+                ("weight-only, best tile per layer", "per_layer_best_sum_ms"),
+                ("floor", "floor_sum_ms"),
+                ("bf16 F.linear", "bf16_sum_ms"),
+            )
+        ]
     out += [figure("host time per call, 16 tokens", name.removesuffix(" us"), "us", us) for name, us in host.items()]
     return out
 
@@ -164,17 +206,42 @@ def figures(rows, buckets, host, copy_gbps) -> list:
 def markdown(rows, buckets, host, copy_gbps) -> str:
     """The sweep's table (GPU time in us), the per-token-count sums and the host times."""
     us = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
-    table = [{"layer": r["layer"], "tokens": r["tokens"], "bf16": us(r["bf16_ms"]), "FP8 x FP8": us(r["fp8xfp8_ms"]),
-              "weight-only": us(r["table_ms"]), "best tile": us(r["best_ms"]), "floor": us(r["floor_ms"]),
-              "of floor": f"{r['of_floor']:.0%}", "vs bf16": f"{r['vs_bf16']:.2f}x"} for r in rows]  # fmt: skip
-    sums = [{"tokens": m, "tile": b["tile"], "weight-only": us(b["sum_ms"]), "bf16": us(b["bf16_sum_ms"]),
-             "floor": us(b["floor_sum_ms"])} for m, b in buckets.items()]  # fmt: skip
-    return "\n".join([
-        f"GPU time per call, us (do_bench_cudagraph median; copy bandwidth {copy_gbps:.0f} GB/s):", "",
-        markdown_table(table, list(table[0]) if table else ["layer"]),
-        "Summed over the layers, the tile per token count:", "",
-        markdown_table(sums, ["tokens", "tile", "weight-only", "bf16", "floor"]),
-        "Host time per call, 16 tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()), ""])  # fmt: skip
+    table = [
+        {
+            "layer": r["layer"],
+            "tokens": r["tokens"],
+            "bf16": us(r["bf16_ms"]),
+            "FP8 x FP8": us(r["fp8xfp8_ms"]),
+            "weight-only": us(r["table_ms"]),
+            "best tile": us(r["best_ms"]),
+            "floor": us(r["floor_ms"]),
+            "of floor": f"{r['of_floor']:.0%}",
+            "vs bf16": f"{r['vs_bf16']:.2f}x",
+        }
+        for r in rows
+    ]
+    sums = [
+        {
+            "tokens": m,
+            "tile": b["tile"],
+            "weight-only": us(b["sum_ms"]),
+            "bf16": us(b["bf16_sum_ms"]),
+            "floor": us(b["floor_sum_ms"]),
+        }
+        for m, b in buckets.items()
+    ]
+    return "\n".join(
+        [
+            f"GPU time per call, us (do_bench_cudagraph median; copy bandwidth {copy_gbps:.0f} GB/s):",
+            "",
+            markdown_table(table, list(table[0]) if table else ["layer"]),
+            "Summed over the layers, the tile per token count:",
+            "",
+            markdown_table(sums, ["tokens", "tile", "weight-only", "bf16", "floor"]),
+            "Host time per call, 16 tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()),
+            "",
+        ]
+    )
 
 
 def main(argv=None):

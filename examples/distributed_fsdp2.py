@@ -44,17 +44,21 @@ def main() -> None:
     shared = TensorwiseQuantizer(amax_group=dist.group.WORLD).quantize(x)  # one scale across the ranks
     gathered = Float8Tensor.quantize(torch.zeros(256 * world, 512, device=device, dtype=torch.bfloat16))
     dist.all_gather_into_tensor(gathered, shared)
-    say(f"all_gather_into_tensor: {gathered.fp8_data.numel()} FP8 bytes + one scale, "
+    say(
+        f"all_gather_into_tensor: {gathered.fp8_data.numel()} FP8 bytes + one scale, "
         f"against {2 * gathered.numel()} bytes of bf16; values equal: "
-        f"{torch.equal(gathered.dequantize()[:256], shared.dequantize())}")  # fmt: skip
+        f"{torch.equal(gathered.dequantize()[:256], shared.dequantize())}"
+    )
 
     # 2. FSDP2: blocks sharded, weights all-gathered as FP8 (CPU), FP8 GEMMs, AdamW, one scale all-reduce a step.
     recipe = Recipe(input=RowwiseScaling(), weight=TensorwiseScaling(), grad=RowwiseScaling(), min_fp8_gemm_flops=0)
     torch.manual_seed(0)
     model = ops.Sequential(
-        *[ops.Sequential(ops.RMSNorm(128), ops.Linear(128, 256), ops.GELU(), ops.Linear(256, 128), recipe=recipe)
-          for _ in range(2)]
-    )  # fmt: skip
+        *[
+            ops.Sequential(ops.RMSNorm(128), ops.Linear(128, 256), ops.GELU(), ops.Linear(256, 128), recipe=recipe)
+            for _ in range(2)
+        ]
+    )
     say(f"FP8 all-gather for {float8.fsdp.enable_fp8_all_gather(model)}")
     model.to(device)
     for block in model:

@@ -40,7 +40,9 @@ x = torch.randn(4, 128, D, device=device, dtype=torch.bfloat16)
 with torch.inference_mode():
     y_bf16_weights = model(x)  # FP8 GEMMs already; the FP8 weight copies are made from bf16 masters
     norm, up, _, down = model
-    a, b = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (D,), norm.weight, norm.eps), up.weight).chunk(2, -1)
+    a, b = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (D,), norm.weight, norm.eps), up.weight).chunk(
+        2, -1
+    )
     y_plain_bf16 = torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down.weight)  # no FP8 at all
 before = model_bytes(model)
 
@@ -50,7 +52,9 @@ with torch.no_grad():
         if isinstance(op, ops.Linear):
             op.weight = torch.nn.Parameter(Float8Tensor.quantize(op.weight), requires_grad=False)
 after = model_bytes(model)
-print(f"parameters: {before / 2**20:.2f} MiB in bf16 -> {after / 2**20:.2f} MiB with FP8 weights ({before / after:.2f}x smaller)")
+print(
+    f"parameters: {before / 2**20:.2f} MiB in bf16 -> {after / 2**20:.2f} MiB with FP8 weights ({before / after:.2f}x smaller)"
+)
 
 with torch.inference_mode():
     y = model(x)
@@ -66,4 +70,6 @@ torch.save(model.state_dict(), buf)
 print(f"state_dict on disk: {buf.tell() / 2**20:.2f} MiB; loads with torch.load(weights_only=True)")
 buf.seek(0)
 state = torch.load(buf, weights_only=True)
-assert all(isinstance(state[f"ops.{i}.weight"], Float8Tensor) for i, op in enumerate(model) if isinstance(op, ops.Linear))
+assert all(
+    isinstance(state[f"ops.{i}.weight"], Float8Tensor) for i, op in enumerate(model) if isinstance(op, ops.Linear)
+)

@@ -68,4 +68,7 @@ for name, fn in variants.items():
         memory = probe.nbytes / 2**20  # the largest single tensor
     ms = (time.perf_counter() - t0) * 1e3
     print(f"{name:52s} {loss.item():8.4f} {ms:8.1f} {memory:11.1f}")
-print("memory: " + ("peak allocated above the inputs, during forward+backward" if cuda else "largest tensor created (CPU)"))
+print(
+    "memory: "
+    + ("peak allocated above the inputs, during forward+backward" if cuda else "largest tensor created (CPU)")
+)

@@ -32,7 +32,9 @@ target = (x.float() @ teacher).tanh()
 
 def torch_mlp(dtype):
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(D, FFN, bias=False), torch.nn.GELU(), torch.nn.Linear(FFN, D, bias=False)).to(device, dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(D, FFN, bias=False), torch.nn.GELU(), torch.nn.Linear(FFN, D, bias=False)
+    ).to(device, dtype)
 
 
 def fp8_mlp():
@@ -40,8 +42,14 @@ def fp8_mlp():
 
 
 def run(name):
-    model = fp8_mlp() if name == "FP8 compute" else torch_mlp(torch.bfloat16 if name in ("pure bf16", "both copies") else torch.float32)
-    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()] if name == "both copies" else None
+    model = (
+        fp8_mlp()
+        if name == "FP8 compute"
+        else torch_mlp(torch.bfloat16 if name in ("pure bf16", "both copies") else torch.float32)
+    )
+    master = (
+        [p.detach().float().clone().requires_grad_(True) for p in model.parameters()] if name == "both copies" else None
+    )
     opt = torch.optim.AdamW(master or model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
 
@@ -71,7 +79,9 @@ def run(name):
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / (STEPS - 1)
     held = memory_footprint(model) + (sum(m.numel() * m.element_size() for m in master) if master else 0)
-    states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    states = sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    )
     return {"losses": losses, "ms": ms, "param_MiB": held / 2**20, "state_MiB": states / 2**20}
 
 
@@ -79,7 +89,9 @@ results = {name: run(name) for name in ("pure bf16", "fp32 master + bf16 compute
 print(f"MLP {D}->{FFN}->{D}, {TOKENS} tokens, AdamW lr {LR}, {STEPS} steps, {device}")
 print(f"{'option':28s} {'params MiB':>10s} {'Adam MiB':>9s} {'ms/step':>8s} {'loss first':>11s} {'loss last':>10s}")
 for name, r in results.items():
-    print(f"{name:28s} {r['param_MiB']:10.2f} {r['state_MiB']:9.2f} {r['ms']:8.2f} {r['losses'][0]:11.5f} {r['losses'][-1]:10.5f}")
+    print(
+        f"{name:28s} {r['param_MiB']:10.2f} {r['state_MiB']:9.2f} {r['ms']:8.2f} {r['losses'][0]:11.5f} {r['losses'][-1]:10.5f}"
+    )
 print("params: the weights held (both copies: bf16 model + fp32 masters); Adam: the optimizer's two moments")
 try:
     import matplotlib

@@ -1,6 +1,6 @@
 """float8 in five minutes, on a CPU or a GPU: quantize, multiply, save, train a block.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 import io
@@ -29,7 +29,9 @@ print(f"  quantize -> dequantize SQNR: {sqnr_db(x, x8.dequantize()):.1f} dB")
 # 2. Products of Float8Tensors are FP8 GEMMs (cuBLASLt through torch._scaled_mm), output in bfloat16.
 w8 = Float8Tensor.quantize(torch.randn(1024, 512, device=device, dtype=torch.bfloat16), scaling=RowwiseScaling())
 y = x8 @ w8.t()
-print(f"x8 @ w8.t(): {tuple(y.shape)} {y.dtype}, SQNR against bf16: {sqnr_db(x.float() @ w8.dequantize().float().t(), y):.1f} dB")
+print(
+    f"x8 @ w8.t(): {tuple(y.shape)} {y.dtype}, SQNR against bf16: {sqnr_db(x.float() @ w8.dequantize().float().t(), y):.1f} dB"
+)
 
 # 3. Views, slices and transposes stay FP8; a transpose is cached only when a backward pass will read it.
 with torch.no_grad():
@@ -41,7 +43,9 @@ buf = io.BytesIO()
 torch.save({"w": w8}, buf)
 buf.seek(0)
 loaded = torch.load(buf, weights_only=True)["w"]
-print(f"saved and loaded: {type(loaded).__name__}, identical bits: {torch.equal(loaded.fp8_data.view(torch.uint8), w8.fp8_data.view(torch.uint8))}")
+print(
+    f"saved and loaded: {type(loaded).__name__}, identical bits: {torch.equal(loaded.fp8_data.view(torch.uint8), w8.fp8_data.view(torch.uint8))}"
+)
 
 # 5. Ops: an MLP block whose norm and activation write FP8 for the next Linear, trained a few steps.
 mlp = ops.Sequential(

@@ -36,9 +36,11 @@ import float8.ops as ops
 from float8 import DelayedScaling, Recipe
 
 # Small layers: without this the small-layer policy would (rightly, for speed) run them in bf16 on a GPU.
-FP8 = {"fp8 current": Recipe(min_fp8_gemm_flops=0),
-       "fp8 delayed": Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling(), min_fp8_gemm_flops=0),
-       "fp8 current + fp8 head": Recipe(min_fp8_gemm_flops=0)}  # fmt: skip
+FP8 = {
+    "fp8 current": Recipe(min_fp8_gemm_flops=0),
+    "fp8 delayed": Recipe(input=DelayedScaling(), weight=DelayedScaling(), grad=DelayedScaling(), min_fp8_gemm_flops=0),
+    "fp8 current + fp8 head": Recipe(min_fp8_gemm_flops=0),
+}
 
 
 VARIANTS = ["bf16", "bf16 fp32 residual", *FP8]
@@ -78,12 +80,20 @@ def fp8_block(d, heads, kv, ffn, recipe):
     """The same block from float8 ops."""
     hd = d // heads
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(d), ops.Linear(d, (heads + 2 * kv) * hd, bias=False),
-        ops.Attention(heads, hd, num_kv_heads=kv), ops.Linear(d, d, bias=False), ops.AddResidual(),
-        ops.Residual(), ops.RMSNorm(d), ops.Linear(d, 2 * ffn, bias=False), ops.SwiGLU(),
-        ops.Linear(ffn, d, bias=False), ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(d),
+        ops.Linear(d, (heads + 2 * kv) * hd, bias=False),
+        ops.Attention(heads, hd, num_kv_heads=kv),
+        ops.Linear(d, d, bias=False),
+        ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(d),
+        ops.Linear(d, 2 * ffn, bias=False),
+        ops.SwiGLU(),
+        ops.Linear(ffn, d, bias=False),
+        ops.AddResidual(),
         recipe=recipe,
-    )  # fmt: skip
+    )
 
 
 class GPT(torch.nn.Module):
@@ -157,7 +167,9 @@ def train(variant, cfg, train_data, val_data, device, seed=0):
             raise FloatingPointError(f"{variant}: the loss is {curve[-1]} at step {step}")
         _progress(f"{variant} s{seed}", step + 1, cfg["steps"], curve[-1], time.perf_counter() - start)
     with torch.no_grad():
-        val = [model(x, y).item() for x, y in batches(val_data, cfg["val_batches"], cfg["batch"], cfg["seq"], 99, device)]
+        val = [
+            model(x, y).item() for x, y in batches(val_data, cfg["val_batches"], cfg["batch"], cfg["seq"], 99, device)
+        ]
     return {"curve": curve, "val_loss": sum(val) / len(val), "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -167,7 +179,11 @@ def _progress(variant, step, steps, loss, elapsed):
         return
     done = int(30 * step / steps)
     line = f"{variant:>22} [{'#' * done}{'.' * (30 - done)}] {step}/{steps} loss {loss:.3f} {elapsed:.0f}s"
-    print("\r" + line if sys.stdout.isatty() else line, end="" if sys.stdout.isatty() and step != steps else "\n", flush=True)
+    print(
+        "\r" + line if sys.stdout.isatty() else line,
+        end="" if sys.stdout.isatty() and step != steps else "\n",
+        flush=True,
+    )
 
 
 def plot(results, path):
@@ -183,7 +199,9 @@ def plot(results, path):
     for variant, r in results.items():
         c = torch.tensor(r["curves"]).mean(0)  # the mean over seeds
         smooth = c.unfold(0, 20, 1).mean(1) if len(c) >= 20 else c
-        label = f"{variant} (held-out {r['val_loss']:.3f}, {len(r['curves'])} seed{'s' if len(r['curves']) > 1 else ''})"
+        label = (
+            f"{variant} (held-out {r['val_loss']:.3f}, {len(r['curves'])} seed{'s' if len(r['curves']) > 1 else ''})"
+        )
         ax.plot(range(len(c) - len(smooth) + 1, len(c) + 1), smooth, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats per byte)")
@@ -201,12 +219,17 @@ def main(argv=None):
     p.add_argument("--out", default=".", help="folder for train_gpt.json and train_gpt.png")
     p.add_argument("--seeds", type=int, default=1, help="runs per variant; the verdict is on the mean gap")
     p.add_argument("--first-seed", type=int, default=0, help="the seeds are first-seed .. first-seed + seeds - 1")
-    p.add_argument("--variants", default=None, help=f"comma-separated, from {VARIANTS} (bf16, the baseline, always runs)")
+    p.add_argument(
+        "--variants", default=None, help=f"comma-separated, from {VARIANTS} (bf16, the baseline, always runs)"
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type == "cpu"
-    cfg = (dict(d=64, heads=4, kv=2, ffn=128, blocks=2, batch=4, seq=32, steps=30, val_batches=2) if tiny
-           else dict(d=1024, heads=16, kv=4, ffn=2816, blocks=4, batch=16, seq=512, steps=1000, val_batches=20))  # fmt: skip
+    cfg = (
+        dict(d=64, heads=4, kv=2, ffn=128, blocks=2, batch=4, seq=32, steps=30, val_batches=2)
+        if tiny
+        else dict(d=1024, heads=16, kv=4, ffn=2816, blocks=4, batch=16, seq=512, steps=1000, val_batches=20)
+    )
     cfg["steps"] = args.steps or cfg["steps"]
     data = load_text()
     split = int(0.9 * len(data))
@@ -223,10 +246,13 @@ def main(argv=None):
         # Paired: each seed's FP8 run against the bf16 run of the same seed (same initial weights, same batches).
         gaps = [r["val_loss"] / b["val_loss"] - 1 for r, b in zip(rs, runs["bf16"])]
         results[variant] = {
-            "val_loss": sum(vals) / len(vals), "val_losses": vals, "vs_bf16_per_seed": [round(g, 4) for g in gaps],
-            "vs_bf16": round(sum(gaps) / len(gaps), 4), "curves": [r["curve"] for r in rs],
+            "val_loss": sum(vals) / len(vals),
+            "val_losses": vals,
+            "vs_bf16_per_seed": [round(g, 4) for g in gaps],
+            "vs_bf16": round(sum(gaps) / len(gaps), 4),
+            "curves": [r["curve"] for r in rs],
             "seconds": [r["seconds"] for r in rs],
-        }  # fmt: skip
+        }
     for variant, r in results.items():
         if variant.startswith("bf16"):
             verdict = ""
@@ -241,7 +267,12 @@ def main(argv=None):
         )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": cfg, "seeds": list(seeds), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    meta = {
+        "config": cfg,
+        "seeds": list(seeds),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     (out / "train_gpt.json").write_text(json.dumps({**meta, "results": results}))
     png = plot(results, out / "train_gpt.png")
     print(f"wrote {out / 'train_gpt.json'}" + (f" and {png}" if png else " (no matplotlib: no plot)"))

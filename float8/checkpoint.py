@@ -38,9 +38,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 __all__ = [
-    "QUANTIZATION_CONFIG", "enable_save_pretrained", "load_checkpoint", "quantization_config", "read_checkpoint",
+    "QUANTIZATION_CONFIG",
+    "enable_save_pretrained",
+    "load_checkpoint",
+    "quantization_config",
+    "read_checkpoint",
     "save_checkpoint",
-]  # fmt: skip
+]
 
 
 def _safetensors():
@@ -102,10 +106,13 @@ def quantization_config(model: torch.nn.Module) -> dict:
     the file: without the list, transformers keeps its default skips (the LM head) in high precision and
     reads FP8 bytes as bf16 values where the head is FP8."""
     skip = [
-        name for name, m in model.named_modules()
-        if hasattr(m, "in_features") and hasattr(m, "out_features")
-        and isinstance(getattr(m, "weight", None), torch.Tensor) and not isinstance(m.weight, Float8Tensor)
-    ]  # fmt: skip
+        name
+        for name, m in model.named_modules()
+        if hasattr(m, "in_features")
+        and hasattr(m, "out_features")
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and not isinstance(m.weight, Float8Tensor)
+    ]
     return {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
 
 
@@ -150,7 +157,11 @@ def _check_quantization_config(directory: str) -> None:
         q = json.load(f).get("quantization_config")
     if q is None:
         return
-    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or list(q.get("weight_block_size") or []) != [128, 128]:
+    if (
+        q.get("quant_method") != "fp8"
+        or q.get("fmt", "e4m3") != "e4m3"
+        or list(q.get("weight_block_size") or []) != [128, 128]
+    ):
         raise ValueError(
             f"{path}: quantization_config {q} is not the layout float8 reads (quant_method 'fp8', fmt 'e4m3', "
             "weight_block_size [128, 128])"
@@ -170,7 +181,9 @@ def load_checkpoint(model: torch.nn.Module, directory: str, *, strict: bool = Tr
     that does not fit raises ValueError and leaves the model as it was."""
     _check_quantization_config(directory)
     tensors = read_checkpoint(directory)
-    fp8_names = {n[: -len(SCALE_SUFFIX)] for n in tensors if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in tensors}
+    fp8_names = {
+        n[: -len(SCALE_SUFFIX)] for n in tensors if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in tensors
+    }
     bare = [n for n, t in tensors.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and n not in fp8_names]
     if bare:
         raise ValueError(

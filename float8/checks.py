@@ -69,7 +69,9 @@ def check_dense(x: torch.Tensor, what: str) -> None:
     """TypeError naming the problem for a sparse or nested tensor (which would otherwise fail deep inside
     torch, e.g. "NestedTensorImpl doesn't support sizes"): FP8 kernels and GEMMs read dense strided memory."""
     if x.is_nested:
-        raise TypeError(f"{what} takes a dense tensor, got a nested tensor: pad it (torch.nested.to_padded_tensor) first")
+        raise TypeError(
+            f"{what} takes a dense tensor, got a nested tensor: pad it (torch.nested.to_padded_tensor) first"
+        )
     if x.layout is not torch.strided:
         raise TypeError(f"{what} takes a dense tensor, got layout {x.layout}: call .to_dense() first")
 
@@ -114,7 +116,9 @@ def _reduced_amax(x: torch.Tensor, group) -> torch.Tensor:
 
 def _check_parts(data, scale_inv, nominal_dtype, transpose) -> None:
     if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
-        raise TypeError(f"Float8Tensor data must be a torch.float8_e4m3fn/e5m2 tensor, got {getattr(data, 'dtype', data)}")
+        raise TypeError(
+            f"Float8Tensor data must be a torch.float8_e4m3fn/e5m2 tensor, got {getattr(data, 'dtype', data)}"
+        )
     if not isinstance(scale_inv, torch.Tensor) or scale_inv.dtype != torch.float32:
         raise TypeError(f"scale_inv must be a float32 tensor, got {getattr(scale_inv, 'dtype', scale_inv)}")
     if nominal_dtype not in HIGH_PRECISION_DTYPES:

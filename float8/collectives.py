@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops it defines)
 
 from float8 import dispatch
-from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.checks import block_shape, is_whole, storage_address
+from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.tensor import Float8Tensor, _is_float8, layout_quantizer, mark_written, share_writes
 
 c10d = torch.ops.c10d
@@ -213,8 +213,9 @@ def _all_gather(func, args, kwargs):
     g = _group(pg)
     works = [
         dist.all_gather([_parts(o)[i] for o in outs], _parts(x)[i].contiguous(), group=g, async_op=True)
-        for outs, x in zip(outputs, inputs) for i in range(2)
-    ]  # fmt: skip
+        for outs, x in zip(outputs, inputs)
+        for i in range(2)
+    ]
     work = _last(works)
     work.wait()
     for outs in outputs:
@@ -225,18 +226,22 @@ def _all_gather(func, args, kwargs):
 @dispatch.implements([c10d._allgather_base_.default])
 def _all_gather_into_tensor(func, args, kwargs):
     out, x, pg = args[0], args[1], args[2]
-    rest = args[3:]
     _check_float8([out, x], "all_gather_into_tensor")
     world, _ = _size_rank(pg)
     s = x._scale_inv
     fits = (
-        out.fp8_dtype == x.fp8_dtype and out.shape[0] == world * x.shape[0] and out.shape[1:] == x.shape[1:]
+        out.fp8_dtype == x.fp8_dtype
+        and out.shape[0] == world * x.shape[0]
+        and out.shape[1:] == x.shape[1:]
         and (s.dim() == 0) == (out._scale_inv.dim() == 0)
-        and (s.dim() == 0 or (
-            tuple(out._scale_inv.shape) == (world * s.shape[0],) + tuple(s.shape[1:])
-            and block_shape(out._data.shape, out._scale_inv.shape) == block_shape(x._data.shape, s.shape)
-        ))
-    )  # fmt: skip
+        and (
+            s.dim() == 0
+            or (
+                tuple(out._scale_inv.shape) == (world * s.shape[0],) + tuple(s.shape[1:])
+                and block_shape(out._data.shape, out._scale_inv.shape) == block_shape(x._data.shape, s.shape)
+            )
+        )
+    )
     agree([x], pg, "all_gather_into_tensor", 1 if not fits else problem_of([out]))
     g = _group(pg)
     if s.dim() == 0:
@@ -339,10 +344,16 @@ def _scatter(func, args, kwargs):
     agree(outputs, pg, "scatter", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
     works = [
-        dist.scatter(_parts(o)[i], [_parts(x)[i].contiguous() for x in inputs[k]] if is_root else None, group=g, group_src=root,
-                     async_op=True)
-        for k, o in enumerate(outputs) for i in range(2)
-    ]  # fmt: skip
+        dist.scatter(
+            _parts(o)[i],
+            [_parts(x)[i].contiguous() for x in inputs[k]] if is_root else None,
+            group=g,
+            group_src=root,
+            async_op=True,
+        )
+        for k, o in enumerate(outputs)
+        for i in range(2)
+    ]
     work = _last(works)
     work.wait()
     _received(outputs)
@@ -359,10 +370,16 @@ def _gather(func, args, kwargs):
     agree(inputs, pg, "gather", problem)
     g, is_root = _group(pg), _size_rank(pg)[1] == root
     works = [
-        dist.gather(_parts(x)[i].contiguous(), [_parts(o)[i] for o in outputs[k]] if is_root else None, group=g, group_dst=root,
-                    async_op=True)
-        for k, x in enumerate(inputs) for i in range(2)
-    ]  # fmt: skip
+        dist.gather(
+            _parts(x)[i].contiguous(),
+            [_parts(o)[i] for o in outputs[k]] if is_root else None,
+            group=g,
+            group_dst=root,
+            async_op=True,
+        )
+        for k, x in enumerate(inputs)
+        for i in range(2)
+    ]
     work = _last(works)
     work.wait()
     for outs in outputs:
@@ -405,7 +422,10 @@ def _refuse(reason: str):
 def _register_refusals() -> None:
     """Every op of the collective namespaces not handled above raises (listed from the registered schemas,
     so a torch version's new collectives are covered too)."""
-    reasons = {**{f"c10d::{k}": v for k, v in _REFUSED.items()}, **{f"_c10d_functional::{k}": v for k, v in _FUNCTIONAL_REFUSED.items()}}
+    reasons = {
+        **{f"c10d::{k}": v for k, v in _REFUSED.items()},
+        **{f"_c10d_functional::{k}": v for k, v in _FUNCTIONAL_REFUSED.items()},
+    }
     for schema in torch._C._jit_get_all_schemas():
         namespace, _, name = schema.name.partition("::")
         if namespace not in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
@@ -414,7 +434,9 @@ def _register_refusals() -> None:
         op = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
         if op is None or dispatch.lookup(op) is not None:
             continue
-        dispatch.implements([op])(_refuse(reasons.get(schema.name, "this collective of Float8Tensors is not handled; dequantize first")))
+        dispatch.implements([op])(
+            _refuse(reasons.get(schema.name, "this collective of Float8Tensors is not handled; dequantize first"))
+        )
 
 
 # ---- functional collectives (torch.compile, DTensor): a new Float8Tensor out, waited by wait_tensor ----

@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-import torch
 from torch.utils._pytree import tree_map
 
 

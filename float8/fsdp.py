@@ -24,21 +24,35 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from float8.checks import ScaleLayout, all_reduce_amax
 from float8.kernels import amax as amax_kernel
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import scale_from_amax
-from float8.checks import ScaleLayout, all_reduce_amax
 from float8.tensor import Float8Tensor
 
 aten = torch.ops.aten
 # Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).
 _KEEP_WRAPPED = {
-    aten.detach.default, aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
-    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-    aten.narrow.default, aten.clone.default, aten._to_copy.default, aten.empty_like.default,
-    aten.new_zeros.default, aten.new_empty.default, aten.zeros_like.default, aten.t.default,
-    aten.alias.default, aten.reshape.default, aten._pin_memory.default,
-}  # fmt: skip
+    aten.detach.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.narrow.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.zeros_like.default,
+    aten.t.default,
+    aten.alias.default,
+    aten.reshape.default,
+    aten._pin_memory.default,
+}
 
 
 class Float8TrainingWeight(torch.Tensor):
@@ -52,9 +66,14 @@ class Float8TrainingWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, master: torch.Tensor, fp8_dtype=torch.float8_e4m3fn):
         self = torch.Tensor._make_wrapper_subclass(
-            cls, master.shape, strides=master.stride(), storage_offset=master.storage_offset(), dtype=master.dtype,
-            device=master.device, requires_grad=master.requires_grad,
-        )  # fmt: skip
+            cls,
+            master.shape,
+            strides=master.stride(),
+            storage_offset=master.storage_offset(),
+            dtype=master.dtype,
+            device=master.device,
+            requires_grad=master.requires_grad,
+        )
         self.master = master
         self.fp8_dtype = fp8_dtype
         self.precomputed_scale: Optional[torch.Tensor] = None
@@ -165,7 +184,9 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3
             continue
         if quantizers.weight.layout is not ScaleLayout.TENSOR or isinstance(weight.data, Float8TrainingWeight):
             continue
-        module.weight = torch.nn.Parameter(Float8TrainingWeight(weight.data, fp8_dtype), requires_grad=weight.requires_grad)
+        module.weight = torch.nn.Parameter(
+            Float8TrainingWeight(weight.data, fp8_dtype), requires_grad=weight.requires_grad
+        )
         wrapped.append(f"{name}.weight" if name else "weight")
     return wrapped
 

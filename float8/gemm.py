@@ -213,7 +213,13 @@ def _dequantized(t) -> torch.Tensor:
 def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, fast_accum=False):
     cuda_rowwise = device.type == "cuda" and out_dtype == torch.bfloat16 and fp8_a == fp8_b == torch.float8_e4m3fn
     if not rowwise or cuda_rowwise:
-        fused_bias = bias is not None and not rowwise and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype != torch.float32
+        fused_bias = (
+            bias is not None
+            and not rowwise
+            and bias.dim() == 1
+            and bias.dtype == out_dtype
+            and out_dtype != torch.float32
+        )
         out = torch._scaled_mm(
             mat_a,
             mat_b,

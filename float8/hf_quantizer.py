@@ -22,7 +22,8 @@ class Float8HubQuantizer(HfQuantizer):
 
     def __init__(self):
         super().__init__(
-            FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=(HUB_BLOCK, HUB_BLOCK)), pre_quantized=True
+            FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=(HUB_BLOCK, HUB_BLOCK)),
+            pre_quantized=True,
         )
 
     def get_state_dict_and_metadata(self, model):

@@ -39,7 +39,9 @@ def hub_blocks(t: Float8Tensor, name: str = "weight") -> tuple:
     """(data, scale_inv): t's E4M3 bytes (N, K) and its scale-inverse per 128x128 block (ceil-div grid).
     Exact: raises ValueError where t's scales are not constant over each 128x128 block."""
     if not isinstance(t, Float8Tensor) or t.dim() != 2:
-        raise ValueError(f"{name}: the hub layout holds 2-D Float8Tensor weights, got {type(t).__name__} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name}: the hub layout holds 2-D Float8Tensor weights, got {type(t).__name__} {tuple(t.shape)}"
+        )
     if t.fp8_dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name}: the hub layout is E4M3 ('fmt': 'e4m3'); this weight is {t.fp8_dtype}")
     n, k = t.shape
@@ -71,7 +73,9 @@ def _index_pairs(length: int, block: int) -> torch.Tensor:
     return torch.unique(torch.stack([pos // block, pos // HUB_BLOCK], dim=1), dim=0)
 
 
-def from_hub_blocks(data: torch.Tensor, scale_inv: torch.Tensor, nominal_dtype: torch.dtype, name: str = "weight") -> Float8Tensor:
+def from_hub_blocks(
+    data: torch.Tensor, scale_inv: torch.Tensor, nominal_dtype: torch.dtype, name: str = "weight"
+) -> Float8Tensor:
     """A Float8Tensor of E4M3 `data` (N, K) with hub block scale-inverses (ceil(N/128), ceil(K/128)).
 
     Ragged dims are tiled by blocks of gcd(dim, 128), each with the scale of its 128-block (exact)."""

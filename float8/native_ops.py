@@ -15,8 +15,8 @@ import functools
 import torch
 
 from float8 import dispatch
-from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.checks import block_shape, storage_address
+from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.tensor import Float8Tensor, _is_float8, _requantize_into, check_whole, mark_written, share_writes
 
 aten = torch.ops.aten
@@ -275,8 +275,11 @@ def _as_strided(func, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     data = func(src._data, size, stride, offset)
     s = src._scale_inv
-    if s.dim() and (tuple(data.shape) != tuple(src.shape) or data.stride() != src._data.stride()
-                    or data.storage_offset() != src._data.storage_offset()):  # fmt: skip
+    if s.dim() and (
+        tuple(data.shape) != tuple(src.shape)
+        or data.stride() != src._data.stride()
+        or data.storage_offset() != src._data.storage_offset()
+    ):
         raise ValueError(
             f"as_strided{tuple(size), tuple(stride), offset} of a Float8Tensor with scale_inv {tuple(s.shape)}: its "
             "scale blocks cannot follow a view other than the identity; dequantize() first"

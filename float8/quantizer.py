@@ -36,9 +36,6 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from float8.kernels import quantize_tensorwise
-from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
-from float8.scaling import DelayedScaling
 from float8.checks import (  # ScaleLayout and the checks: exported from here too, where ops import them
     ScaleLayout,
     _check_margin_for,
@@ -48,6 +45,9 @@ from float8.checks import (  # ScaleLayout and the checks: exported from here to
     check_amax_group,
     check_dense,
 )
+from float8.kernels import quantize_tensorwise
+from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
+from float8.scaling import DelayedScaling
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
     Float8Tensor,

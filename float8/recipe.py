@@ -126,7 +126,9 @@ class Recipe:
         return cls(format)
 
     @classmethod
-    def delayed(cls, format: Format = Format.HYBRID, history_len: int = 1024, amax_compute_algo: str = "max") -> "Recipe":
+    def delayed(
+        cls, format: Format = Format.HYBRID, history_len: int = 1024, amax_compute_algo: str = "max"
+    ) -> "Recipe":
         """Per-tensor delayed scaling (an amax history per role, kept by the op that quantizes) everywhere."""
         d = DelayedScaling(history_len, amax_compute_algo)
         return cls(format, d, d, d)

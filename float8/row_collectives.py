@@ -87,7 +87,9 @@ def gather_rows(x: torch.Tensor, group, *, with_transpose: bool = False, one_sca
             scale_inv = scales[0].clone()
     else:
         if x.shape[0] % s.shape[0]:
-            raise ValueError(f"all-gather of FP8 rows: a scale block spans {x.shape[0]} rows unevenly ({tuple(s.shape)})")
+            raise ValueError(
+                f"all-gather of FP8 rows: a scale block spans {x.shape[0]} rows unevenly ({tuple(s.shape)})"
+            )
         scale_inv = _gather(s, group)
     transpose = None
     if with_transpose and torch.is_grad_enabled() and bits.dim() == 2:

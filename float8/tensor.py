@@ -18,15 +18,6 @@ from typing import Optional, Union
 import torch
 
 from float8 import dispatch
-from float8.kernels import dequantize as dequantize_kernel
-from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
-from float8.kernels.reference import (
-    FLOAT32_MAX,
-    HIGH_PRECISION_DTYPES,
-    check_fp8_dtype,
-    min_scale,
-    scale_from_amax,
-)
 from float8.checks import (
     ScaleLayout,
     _check_margin_for,
@@ -38,6 +29,15 @@ from float8.checks import (
     check_amax_group,
     check_dense,
     is_whole,
+)
+from float8.kernels import dequantize as dequantize_kernel
+from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
+from float8.kernels.reference import (
+    FLOAT32_MAX,
+    HIGH_PRECISION_DTYPES,
+    check_fp8_dtype,
+    min_scale,
+    scale_from_amax,
 )
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
 
@@ -190,7 +190,10 @@ class Float8Tensor(torch.Tensor):
             return memo[id(self)]
         cache = self._transpose
         out = Float8Tensor(
-            self._data.clone(), self._scale_inv.clone(), self.dtype, None if cache is None else cache.clone(),
+            self._data.clone(),
+            self._scale_inv.clone(),
+            self.dtype,
+            None if cache is None else cache.clone(),
             self.requires_grad,
         )
         memo[id(self)] = out
@@ -288,6 +291,7 @@ class _DequantizeSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.dtype), None
+
 
 # ---- quantizers: how a high-precision tensor becomes a Float8Tensor ------------------------------------
 # The protocol (`Quantizer`) and the quantizers without state live here, beside the tensor they write,
@@ -528,7 +532,9 @@ def _quantizer_for(scaling, fp8_dtype=None, *, amax_group=None) -> Quantizer:
         return scaling._for_format(fp8_dtype)
     fp8_dtype = fp8_dtype or torch.float8_e4m3fn
     if isinstance(scaling, TensorwiseScaling):
-        return TensorwiseQuantizer(fp8_dtype, margin=scaling.margin, power_of_2=scaling.power_of_2, amax_group=amax_group)
+        return TensorwiseQuantizer(
+            fp8_dtype, margin=scaling.margin, power_of_2=scaling.power_of_2, amax_group=amax_group
+        )
     if amax_group is not None and not isinstance(scaling, DelayedScaling):
         raise ValueError(
             f"amax_group applies to per-tensor scaling; {type(scaling).__name__} scales are local to their rows "

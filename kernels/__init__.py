@@ -11,12 +11,12 @@ CPU tensor its reference (`*_ref`); `reference.py` states the semantics they sha
 
 from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
 from .amax import amax, amax_ref
+from .block_gemm import fp8_block_mm, fp8_block_mm_ref
 from .blockwise import quantize_blockwise, quantize_blockwise_ref
 from .dequantize import dequantize, dequantize_ref
-from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
-from .block_gemm import fp8_block_mm, fp8_block_mm_ref
 from .quantize import quantize_tensorwise, quantize_tensorwise_ref
 from .rowwise import quantize_rowwise, quantize_rowwise_ref
+from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
 
 __all__ = [
     "activation",

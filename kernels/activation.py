@@ -233,9 +233,12 @@ def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_tra
 
 @custom_op("float8::act_bwd")
 def act_bwd(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor] = None,
     x_scale_inv: Optional[torch.Tensor] = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """dx = dy * act'(x + bias), x's shape (2H columns for swiglu), in x.dtype (dy.dtype for an FP8 x).
 
     x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv."""
@@ -280,14 +283,25 @@ def dact_fp8(
         return dact_fp8_triton(
             dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv=x_scale_inv
         )
-    return dact_fp8_ref(dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv)
+    return dact_fp8_ref(
+        dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv
+    )
 
 
 @dact_fp8.register_fake
 def _(
-    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
+    dy,
+    x,
+    kind,
+    bias,
+    fp8_dtype,
+    scale=None,
+    margin=0,
+    power_of_2=False,
+    with_transpose=True,
+    with_dbias=True,
     x_scale_inv=None,
-):  # fmt: skip
+):
     _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy, x_scale_inv)
     check_flag(with_dbias, "with_dbias", "dact_fp8")
     dbias = dy.new_empty((x.shape[-1] if with_dbias else 0,))

@@ -115,9 +115,15 @@ def _act_bwd_kernel(
                 # rows cols (and, for swiglu, N + cols) of dx_t, contiguous along S
                 t_row = b * n_in + cols.to(tl.int64)
                 mask_t = col_ok[:, None] & (rows[None, :] < S)
-                tl.store(dx_t_ptr + t_row[:, None] * S + rows[None, :], _fp8_t(qa, da, scale, FP8_MAX, T_MODE), mask=mask_t)
+                tl.store(
+                    dx_t_ptr + t_row[:, None] * S + rows[None, :], _fp8_t(qa, da, scale, FP8_MAX, T_MODE), mask=mask_t
+                )
                 if KIND == "swiglu":
-                    tl.store(dx_t_ptr + (t_row + N)[:, None] * S + rows[None, :], _fp8_t(qb, db, scale, FP8_MAX, T_MODE), mask=mask_t)
+                    tl.store(
+                        dx_t_ptr + (t_row + N)[:, None] * S + rows[None, :],
+                        _fp8_t(qb, db, scale, FP8_MAX, T_MODE),
+                        mask=mask_t,
+                    )
 
     if MODE == "amax":
         atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))

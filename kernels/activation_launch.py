@@ -64,9 +64,23 @@ def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool, config=None):
 
 
 def launch_fwd(
-    x, kind, bias, y, y_t, scale, amax, scale_inv, *,
-    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None, saved_x=None,
-):  # fmt: skip
+    x,
+    kind,
+    bias,
+    y,
+    y_t,
+    scale,
+    amax,
+    scale_inv,
+    *,
+    mode,
+    transpose,
+    fp8_dtype=None,
+    margin=0,
+    power_of_2=False,
+    config=None,
+    saved_x=None,
+):
     """One pass of _act_fwd_kernel over x (contiguous) in `mode`; None for what the mode does not use.
     saved_x: (xq, x_amax, x_scale_inv) to quantize x itself as well (x_amax zeroed before the "amax" pass)."""
     xq, x_amax, x_scale_inv = saved_x if saved_x is not None else (x, amax, amax)
@@ -101,9 +115,25 @@ def launch_fwd(
 
 
 def launch_bwd(
-    dy, x, kind, bias, dx, dx_t, dbias_parts, scale, amax, scale_inv, *,
-    mode, transpose, fp8_dtype=None, margin=0, power_of_2=False, config=None, x_scale_inv=None,
-):  # fmt: skip
+    dy,
+    x,
+    kind,
+    bias,
+    dx,
+    dx_t,
+    dbias_parts,
+    scale,
+    amax,
+    scale_inv,
+    *,
+    mode,
+    transpose,
+    fp8_dtype=None,
+    margin=0,
+    power_of_2=False,
+    config=None,
+    x_scale_inv=None,
+):
     """One pass of _act_bwd_kernel over dy, x (contiguous) in `mode`; None for what the mode does not use.
     dbias_parts (mode "amax"): a dbias_partials buffer. x_scale_inv: x is FP8 with this scale-inverse."""
     n = dy.shape[-1]
@@ -175,9 +205,17 @@ def act_fwd_triton(x, kind, bias=None, out_dtype=None):
 
 
 def act_fp8_triton(
-    x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None,
+    x,
+    kind,
+    bias,
+    fp8_dtype,
+    scale=None,
+    margin=0,
+    power_of_2=False,
+    with_transpose=False,
+    config=None,
     save_input=False,
-):  # fmt: skip
+):
     """act_fp8: current scaling in two passes (amax; cast), a given scale in one (cast, amax folded in).
     save_input (act_fp8_save_input): x's own amax joins pass 1 (always run then) and pass 2 writes x in
     E4M3 too; returns (data, data_t, scale_inv, amax, x_data, x_scale_inv)."""
@@ -191,10 +229,22 @@ def act_fp8_triton(
     if mode == "current" or save_input:
         launch_fwd(x, kind, bias, None, None, None, amax, scale_inv, mode="amax", transpose=False, saved_x=saved_x)
     launch_fwd(
-        x, kind, bias, data, data_t if with_transpose else None, scale, amax, scale_inv,
-        mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
-        config=config, saved_x=saved_x,
-    )  # fmt: skip
+        x,
+        kind,
+        bias,
+        data,
+        data_t if with_transpose else None,
+        scale,
+        amax,
+        scale_inv,
+        mode=mode,
+        transpose=with_transpose,
+        fp8_dtype=fp8_dtype,
+        margin=margin,
+        power_of_2=power_of_2,
+        config=config,
+        saved_x=saved_x,
+    )
     if save_input:
         return data, data_t, scale_inv, amax, x_data, x_scale_inv
     return data, data_t, scale_inv, amax
@@ -205,28 +255,65 @@ def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None, x_scale_inv=None):
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     dx = torch.empty(x.shape, dtype=out_dtype or _grad_dtype(dy, x), device=x.device)
     unused = torch.empty((), dtype=torch.float32, device=x.device)
-    launch_bwd(dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False, x_scale_inv=x_scale_inv)
+    launch_bwd(
+        dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False, x_scale_inv=x_scale_inv
+    )
     return dx
 
 
 def dact_fp8_triton(
-    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
-    config=None, x_scale_inv=None,
-):  # fmt: skip
+    dy,
+    x,
+    kind,
+    bias,
+    fp8_dtype,
+    scale=None,
+    margin=0,
+    power_of_2=False,
+    with_transpose=True,
+    with_dbias=True,
+    config=None,
+    x_scale_inv=None,
+):
     """dact_fp8 in two passes: amax (and dbias partials, summed by torch), then the cast at the current or
     the given scale, in both layouts (transposing tiles) or in data alone (row tiles)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     data, data_t, amax, scale_inv = _fp8_outputs(x.shape, fp8_dtype, with_transpose, x.device)
     parts = dbias_partials(dy, x.shape[-1]) if with_dbias else None
     launch_bwd(
-        dy, x, kind, bias, None, None, parts, None, amax, scale_inv, mode="amax", transpose=False,
+        dy,
+        x,
+        kind,
+        bias,
+        None,
+        None,
+        parts,
+        None,
+        amax,
+        scale_inv,
+        mode="amax",
+        transpose=False,
         x_scale_inv=x_scale_inv,
-    )  # fmt: skip
+    )
     mode, scale, margin, power_of_2 = _fp8_mode(scale, margin, power_of_2)
     launch_bwd(
-        dy, x, kind, bias, data, data_t if with_transpose else None, None, scale, amax, scale_inv,
-        mode=mode, transpose=with_transpose, fp8_dtype=fp8_dtype, margin=margin, power_of_2=power_of_2,
-        config=config, x_scale_inv=x_scale_inv,
-    )  # fmt: skip
+        dy,
+        x,
+        kind,
+        bias,
+        data,
+        data_t if with_transpose else None,
+        None,
+        scale,
+        amax,
+        scale_inv,
+        mode=mode,
+        transpose=with_transpose,
+        fp8_dtype=fp8_dtype,
+        margin=margin,
+        power_of_2=power_of_2,
+        config=config,
+        x_scale_inv=x_scale_inv,
+    )
     dbias = parts.sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))
     return data, data_t, scale_inv, amax, dbias

@@ -24,9 +24,17 @@ INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2 pi): gelu's pdf
 # erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0: P's coefficients, t^0 first (Chebyshev fit of
 # Numerical Recipes' erfcc; relative error < 1.2e-7 for all z >= 0, measured 1.05e-7 in float64).
 ERFC_P = (
-    -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
-    0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
-)  # fmt: skip
+    -1.26551223,
+    1.00002368,
+    0.37409196,
+    0.09678418,
+    -0.18628806,
+    0.27886807,
+    -1.13520398,
+    1.48851587,
+    -0.82215223,
+    0.17087277,
+)
 TANH_BETA = 0.7978845608028654  # sqrt(2/pi): gelu_tanh
 TANH_KAPPA = 0.044715
 TANH_KAPPA3 = 0.134145  # 3 * TANH_KAPPA

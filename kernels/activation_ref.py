@@ -87,7 +87,9 @@ def act_ref_fp32(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None
     return v.clone()  # identity: never an alias of x
 
 
-def dact_ref_fp32(dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None, x_scale_inv=None) -> torch.Tensor:
+def dact_ref_fp32(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None, x_scale_inv=None
+) -> torch.Tensor:
     """dy * act'(x + bias) in float32, unrounded: what the fused backward quantizes (x * x_scale_inv for an
     FP8 x)."""
     g = dy.float()
@@ -130,9 +132,18 @@ def act_bwd_ref(dy, x, kind, bias=None, x_scale_inv=None):
 
 
 def dact_fp8_ref(
-    dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True, with_dbias=True,
+    dy,
+    x,
+    kind,
+    bias,
+    fp8_dtype,
+    scale=None,
+    margin=0,
+    power_of_2=False,
+    with_transpose=True,
+    with_dbias=True,
     x_scale_inv=None,
-):  # fmt: skip
+):
     dx = dact_ref_fp32(dy, x, kind, bias, x_scale_inv)
     data, data_t, scale_inv, amax = quantize_tensorwise_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, custom_op, abs_bits, atomic_amax, check_hp_input, use_triton
+from .common import abs_bits, atomic_amax, cdiv, check_hp_input, custom_op, use_triton
 from .launch import FastLauncher
 from .reference import amax_ref as _amax_ref
 

@@ -84,16 +84,31 @@ def fp8_block_mm_triton(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=tor
     y = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = (cdiv(n, block_n), cdiv(m, block_m))
     _launch(
-        grid, a, a_scale_inv, w, w_scale_inv, a if bias is None else bias, y, m, n, k, s_rows, bias is not None,
-        block_m, block_n, block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        grid,
+        a,
+        a_scale_inv,
+        w,
+        w_scale_inv,
+        a if bias is None else bias,
+        y,
+        m,
+        n,
+        k,
+        s_rows,
+        bias is not None,
+        block_m,
+        block_n,
+        block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y
 
 
 def fp8_block_mm_ref(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.bfloat16):
     """The semantics: both operands dequantized block by block in float32, multiplied, the bias added,
     rounded once to out_dtype."""
-    (m, k), n = a.shape, w.shape[0]
+    k, n = a.shape[1], w.shape[0]
     cols = k // a_scale_inv.shape[1]
     da = a.float() * a_scale_inv.repeat_interleave(cols, 1)
     dw = w.float() * w_scale_inv.repeat_interleave(n // w_scale_inv.shape[0], 0).repeat_interleave(cols, 1)
@@ -132,9 +147,13 @@ def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
 
 @triton_op("float8::fp8_block_mm")
 def fp8_block_mm(
-    a: torch.Tensor, a_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-    bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """y (M, N) in out_dtype = dequant(a) @ dequant(w).t() (+ bias); see the module docstring."""
     if not supports(a, a_scale_inv, w, w_scale_inv):
         raise ValueError(

@@ -19,17 +19,18 @@ import triton
 import triton.language as tl
 
 from .common import (
-    custom_op,
     abs_bits,
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
+    custom_op,
     fp8_constants,
     margin_div,
     scale_from_amax,
     use_triton,
 )
-from .reference import cast_to_fp8_ref, expand_blocks, scale_from_amax as scale_from_amax_ref
+from .reference import cast_to_fp8_ref, expand_blocks
+from .reference import scale_from_amax as scale_from_amax_ref
 from .rowwise import launch_rowwise
 
 MAX_BLOCK_ELEMS = 128 * 128  # registers of one program (8 warps: 64 values per thread)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, abs_bits, atomic_amax, clamp_keep_nan, fp8_constants, margin_div, scale_from_amax
+from .common import abs_bits, atomic_amax, cdiv, clamp_keep_nan, fp8_constants, margin_div, scale_from_amax
 from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
 
@@ -75,10 +75,21 @@ def launch_cast(
     c = fp8_constants(fp8_dtype)
     _launch_cast(
         (max(1, cdiv(n, BLOCK)),),  # >= 1 program: program 0 writes scale_inv
-        x, scale_or_amax, amax_arg if amax_arg is not None else scale_inv,  # unused when neither
-        data, scale_inv, n, margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], current, power_of_2,
-        (not current) and amax_out is not None, BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        x,
+        scale_or_amax,
+        amax_arg if amax_arg is not None else scale_inv,  # unused when neither
+        data,
+        scale_inv,
+        n,
+        margin_div(margin),
+        c["FP8_MAX"],
+        c["MIN_SCALE"],
+        current,
+        power_of_2,
+        (not current) and amax_out is not None,
+        BLOCK,
+        num_warps=NUM_WARPS,
+    )
     return data, scale_inv
 
 

@@ -26,11 +26,11 @@ import triton.language as tl
 
 from .amax import launch_amax
 from .common import (
-    cdiv,
     SMALL_DIM,
     SMALL_NUMEL,
     abs_bits,
     atomic_amax,
+    cdiv,
     clamp_keep_nan,
     fp8_constants,
     margin_div,

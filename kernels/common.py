@@ -95,9 +95,7 @@ def check_hp_input(x, op: str, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype in FP8_DTYPES:
-        raise TypeError(
-            f"{op}: {name} is already FP8 ({x.dtype}); it takes a float32, bfloat16 or float16 tensor"
-        )
+        raise TypeError(f"{op}: {name} is already FP8 ({x.dtype}); it takes a float32, bfloat16 or float16 tensor")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
 
@@ -267,4 +265,3 @@ def _plain_eager(args, kwargs) -> bool:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
             return False
     return True
-

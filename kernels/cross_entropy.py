@@ -86,9 +86,20 @@ def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_
     lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
         _ce_rows_kernel[(rows,)](
-            z, target, loss, lse, scale, 0 if scale.dim() == 0 else scale.stride(0), z.stride(0), cols, ignore_index, float(smoothing),
-            WRITE_GRAD=write_grad, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            z,
+            target,
+            loss,
+            lse,
+            scale,
+            0 if scale.dim() == 0 else scale.stride(0),
+            z.stride(0),
+            cols,
+            ignore_index,
+            float(smoothing),
+            WRITE_GRAD=write_grad,
+            BLOCK=BLOCK_V,
+            num_warps=NUM_WARPS,
+        )
     return loss, lse
 
 
@@ -110,11 +121,15 @@ def ce_rows_ref(z, target, scale, ignore_index: int, smoothing: float, write_gra
     return loss, lse
 
 
-def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float, write_grad: bool):
+def ce_rows(
+    z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float, write_grad: bool
+):
     """(loss (C,), lse (C,)) float32 of logits rows z (C, V) (float32/bfloat16/float16, unit column stride)
     with int64 targets (C,); with write_grad, z is overwritten by the gradient (module docstring)."""
     if z.dim() != 2 or z.stride(1) != 1:
-        raise ValueError(f"ce_rows: logits must be 2-D with unit column stride, got shape {tuple(z.shape)} strides {z.stride()}")
+        raise ValueError(
+            f"ce_rows: logits must be 2-D with unit column stride, got shape {tuple(z.shape)} strides {z.stride()}"
+        )
     if use_triton(z, writes_fp8=False):
         return ce_rows_triton(z, target, scale, ignore_index, smoothing, write_grad)
     return ce_rows_ref(z, target, scale, ignore_index, smoothing, write_grad)

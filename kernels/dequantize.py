@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, custom_op, next_pow2, use_triton
-from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, dequantize_ref as _dequantize_ref
+from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
+from .reference import dequantize_ref as _dequantize_ref
 
 TILE = 4096  # elements per program
 

@@ -110,7 +110,11 @@ class FastLauncher:
         first = args[0]
         plain = not (self.interpreted or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
         ready = plain and isinstance(first, torch.Tensor) and first.is_cuda
-        ready = ready and first.device.index == torch._C._cuda_getDevice() and not getattr(self.kernel, "pre_run_hooks", None)
+        ready = (
+            ready
+            and first.device.index == torch._C._cuda_getDevice()
+            and not getattr(self.kernel, "pre_run_hooks", None)
+        )
         compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages)
         return compiled if ready and shortcut_ready(compiled) else None
 

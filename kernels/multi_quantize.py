@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from .common import (
-    cdiv,
     abs_bits,
     atomic_amax,
+    cdiv,
     check_flag,
     check_scaling_args,
     clamp_keep_nan,
@@ -126,7 +126,9 @@ def _multi_cast_kernel(
         data_t_ptr = tl.load(dst_t_ptrs + t).to(tl.pointer_type(OUT_DTYPE))
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=mask_t)
-    tl.store(scale_inv_ptr + SCALE_ROW * t, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=local == 0)
+    tl.store(
+        scale_inv_ptr + SCALE_ROW * t, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=local == 0
+    )
 
 
 def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
@@ -140,7 +142,9 @@ def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
         if not isinstance(x, torch.Tensor) or type(x) is not torch.Tensor:
             raise TypeError(f"{op}: xs[{i}] must be a plain torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or not x.is_contiguous():
-            raise ValueError(f"{op}: xs[{i}] must be 2-D and contiguous, got shape {tuple(x.shape)} strides {x.stride()}")
+            raise ValueError(
+                f"{op}: xs[{i}] must be 2-D and contiguous, got shape {tuple(x.shape)} strides {x.stride()}"
+            )
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"{op}: xs[{i}] must be float32, bfloat16 or float16, got {x.dtype}")
         if x.dtype != first.dtype or x.device != first.device:
@@ -150,7 +154,9 @@ def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
             )
 
 
-def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+def quantize_tensorwise_multi_triton(
+    xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False
+):
     dev = xs[0].device
     T = len(xs)
     steps = max(1, (T - 1).bit_length()) + 1  # halvings of [0, T) down to one tensor
@@ -167,10 +173,15 @@ def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, marg
         datas_t = [torch.empty((0,), dtype=fp8_dtype, device=dev) for _ in xs]
     # One host-to-device copy for the whole table: pointers, numels, shapes and both prefix sums.
     table = torch.tensor(
-        [x.data_ptr() for x in xs] + [d.data_ptr() for d in datas] + [d.data_ptr() for d in datas_t]
-        + [x.numel() for x in xs] + shapes + amax_starts + cast_starts,
+        [x.data_ptr() for x in xs]
+        + [d.data_ptr() for d in datas]
+        + [d.data_ptr() for d in datas_t]
+        + [x.numel() for x in xs]
+        + shapes
+        + amax_starts
+        + cast_starts,
         dtype=torch.int64,
-    ).to(dev)  # fmt: skip
+    ).to(dev)
     src, dst, dst_t, numels, shapes_t, a_starts, c_starts = table.split([T, T, T, T, 2 * T, T + 1, T + 1])
     amaxes = torch.zeros(T, dtype=torch.float32, device=dev)
     # One 16-byte row per tensor: cuBLASLt refuses scale pointers that are not 16-byte aligned
@@ -182,23 +193,44 @@ def quantize_tensorwise_multi_triton(xs: Sequence[torch.Tensor], fp8_dtype, marg
             src, numels, a_starts, amaxes, T, IN_DTYPE=in_dtype, STEPS=steps, BLOCK=AMAX_BLOCK, num_warps=8
         )
     _multi_cast_kernel[(cast_starts[-1],)](
-        src, dst, dst_t, shapes_t, c_starts, amaxes, scale_invs, T, margin_div(margin),
-        IN_DTYPE=in_dtype, OUT_DTYPE=_TL_DTYPE[fp8_dtype], **fp8_constants(fp8_dtype), POWER_OF_2=power_of_2,
-        WITH_T=with_transpose, STEPS=steps, SCALE_ROW=SCALE_ROW, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
-    )  # fmt: skip
+        src,
+        dst,
+        dst_t,
+        shapes_t,
+        c_starts,
+        amaxes,
+        scale_invs,
+        T,
+        margin_div(margin),
+        IN_DTYPE=in_dtype,
+        OUT_DTYPE=_TL_DTYPE[fp8_dtype],
+        **fp8_constants(fp8_dtype),
+        POWER_OF_2=power_of_2,
+        WITH_T=with_transpose,
+        STEPS=steps,
+        SCALE_ROW=SCALE_ROW,
+        BLOCK_M=BLOCK_M,
+        BLOCK_K=BLOCK_K,
+        num_warps=8,
+    )
     return datas, datas_t, list(scale_invs[:, 0].unbind()), list(amaxes.unbind())
 
 
-def quantize_tensorwise_multi_ref(xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False):
+def quantize_tensorwise_multi_ref(
+    xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False
+):
     """quantize_tensorwise_ref applied to each tensor (the semantics the Triton launcher follows)."""
     outs = [quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2, with_transpose) for x in xs]
     return tuple(list(col) for col in zip(*outs))
 
 
 def quantize_tensorwise_multi(
-    xs: Sequence[torch.Tensor], fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False,
+    xs: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
     with_transpose: bool = False,
-) -> tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:  # fmt: skip
+) -> tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
     """Current-scaling per-tensor quantization of every tensor of xs: lists (datas, datas_t, scale_invs,
     amaxes), each entry what quantize_tensorwise(x, fp8_dtype, None, margin, power_of_2, with_transpose)
     gives for that x. On a CUDA GPU with FP8 conversions: two launches for all of them."""

@@ -363,7 +363,11 @@ def _(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=Fal
 
 @custom_op("float8::norm_bwd")
 def norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: torch.Tensor,
     dres: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight (N,), dbias (N,) in weight.dtype) from the forward's stats.

@@ -95,12 +95,12 @@ def _norm_bwd_kernel(
         for rb in range(pid, row_blocks, n_prog):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
             mean, rstd = _load_stats(mean_ptr, rstd_ptr, rows, M, IS_RMS)
-            xhat, g, dy = _bwd_tile(
-                x_ptr, dy_ptr, w_ptr, rows, cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
-            )
+            xhat, g, dy = _bwd_tile(x_ptr, dy_ptr, w_ptr, rows, cols0, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS)
             c1 = tl.math.div_rn(tl.sum(g * xhat, axis=1), n_f)
             c2 = tl.math.div_rn(tl.sum(g, axis=1), n_f)
-            dx = _plus_dres(_bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols0, M, N, stride_rm, HAS_DRES)
+            dx = _plus_dres(
+                _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols0, M, N, stride_rm, HAS_DRES
+            )
             _store_rows(dx_ptr, dx, rows, cols0, M, N)
             dw_acc += tl.sum(dy * xhat, axis=0)
             db_acc += tl.sum(dy, axis=0)
@@ -126,7 +126,9 @@ def _norm_bwd_kernel(
                 xhat, g, dy = _bwd_tile(
                     x_ptr, dy_ptr, w_ptr, rows, cols, M, N, stride_xm, stride_dym, mean, rstd, IS_RMS
                 )
-                dx = _plus_dres(_bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols, M, N, stride_rm, HAS_DRES)
+                dx = _plus_dres(
+                    _bwd_dx(xhat, g, c1, c2, rstd, IS_RMS), dres_ptr, dx_ptr, rows, cols, M, N, stride_rm, HAS_DRES
+                )
                 _store_rows(dx_ptr, dx, rows, cols, M, N)
                 # This program's own row of the partial sums: no other program touches it.
                 dw = tl.load(dw_ptr + part + cols, mask=cols < N, other=0.0) + tl.sum(dy * xhat, axis=0)

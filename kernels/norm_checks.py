@@ -50,9 +50,7 @@ def _check_stat(t, name, M, x, op):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
         raise TypeError(f"{op}: {name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if tuple(t.shape) != (M,):
-        raise ValueError(
-            f"{op}: {name} must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}"
-        )
+        raise ValueError(f"{op}: {name} must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}")
     if t.device != x.device:
         raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
 

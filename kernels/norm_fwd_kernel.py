@@ -189,6 +189,7 @@ def _store_rows(
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
+
 # ---- kernels ----------------------------------------------------------------------------------------
 
 

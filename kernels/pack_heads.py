@@ -31,12 +31,13 @@ import triton
 import triton.language as tl
 
 from .amax import launch_amax
+
 # The cast-transpose tiles: a (64, 128) tile is one head of 128 values for 64 tokens.
 from .cast_transpose import CONFIGS
 from .common import (
-    cdiv,
     abs_bits,
     atomic_amax,
+    cdiv,
     check_flag,
     check_hp_input,
     check_tensorwise_args,
@@ -49,6 +50,7 @@ from .common import (
     use_triton,
 )
 from .reference import quantize_tensorwise_ref
+
 
 @triton.jit
 def _pack_heads_kernel(
@@ -161,7 +163,9 @@ def pack_heads(parts: List[torch.Tensor], sequence_first: bool = False) -> torch
     return out.view(O * I, N)
 
 
-def pack_heads_fp8_triton(parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True):
+def pack_heads_fp8_triton(
+    parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True
+):
     views = [_token_major(p, sequence_first) for p in parts]
     O, I = views[0].shape[:2]
     T, D = O * I, views[0].shape[3]
@@ -181,18 +185,36 @@ def pack_heads_fp8_triton(parts, sequence_first, fp8_dtype, scale=None, margin=0
         hd = v.shape[2] * D
         tiles_m, tiles_k = max(1, cdiv(T, cfg["BLOCK_M"])), max(1, cdiv(hd, cfg["BLOCK_K"]))
         _pack_heads_kernel[(tiles_m * tiles_k,)](  # >= 1 program: program 0 writes scale_inv
-            v, amax if current else scale, amax, data, data_t, scale_inv,
-            T, N, col0, I, max(D, 1), hd, *v.stride(),
-            tiles_k, margin_div(margin), **fp8_constants(fp8_dtype),
-            CURRENT=current, POWER_OF_2=power_of_2, WITH_AMAX=not current, WITH_TRANSPOSE=with_transpose,
+            v,
+            amax if current else scale,
+            amax,
+            data,
+            data_t,
+            scale_inv,
+            T,
+            N,
+            col0,
+            I,
+            max(D, 1),
+            hd,
+            *v.stride(),
+            tiles_k,
+            margin_div(margin),
+            **fp8_constants(fp8_dtype),
+            CURRENT=current,
+            POWER_OF_2=power_of_2,
+            WITH_AMAX=not current,
+            WITH_TRANSPOSE=with_transpose,
             **cfg,
-        )  # fmt: skip
+        )
         col0 += hd
     return data, data_t, scale_inv, amax
 
 
 def pack_heads_fp8_ref(parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True):
-    return quantize_tensorwise_ref(pack_heads(parts, sequence_first), fp8_dtype, scale, margin, power_of_2, with_transpose)
+    return quantize_tensorwise_ref(
+        pack_heads(parts, sequence_first), fp8_dtype, scale, margin, power_of_2, with_transpose
+    )
 
 
 @custom_op("float8::pack_heads_fp8")

@@ -95,9 +95,19 @@ def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_
     block = max(SMALL_MIN_BLOCK, next_pow2(x.numel()))
     c = fp8_constants(fp8_dtype)
     _launch_small(
-        (1,), x, data, scale_inv, amax, x.numel(), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2,
-        block, num_warps=small_num_warps(block),
-    )  # fmt: skip
+        (1,),
+        x,
+        data,
+        scale_inv,
+        amax,
+        x.numel(),
+        margin_div(margin),
+        c["FP8_MAX"],
+        c["MIN_SCALE"],
+        power_of_2,
+        block,
+        num_warps=small_num_warps(block),
+    )
     return data, scale_inv, amax
 
 

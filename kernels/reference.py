@@ -38,9 +38,7 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 def check_fp8_dtype(fp8_dtype) -> None:
     if fp8_dtype not in FP8_DTYPES:
-        raise TypeError(
-            f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
-        )
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
 
 
 def min_scale(fp8_dtype: torch.dtype) -> float:

@@ -17,19 +17,20 @@ import triton
 import triton.language as tl
 
 from .common import (
-    cdiv,
-    custom_op,
     abs_bits,
+    cdiv,
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
+    custom_op,
     fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     use_triton,
 )
-from .reference import cast_to_fp8_ref, scale_from_amax as scale_from_amax_ref
+from .reference import cast_to_fp8_ref
+from .reference import scale_from_amax as scale_from_amax_ref
 
 MAX_SINGLE_K = 8192  # rows up to this long are cast from registers
 LOOP_BLOCK_K = 4096  # column block of the two-pass loop for longer rows

@@ -38,7 +38,9 @@ def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
     y = torch.empty((n, m), dtype=x.dtype, device=x.device)
     if x.numel():
         grid = (cdiv(m, TILE_M), cdiv(n, TILE_N))
-        _transpose_kernel[grid](x.view(torch.uint8), y.view(torch.uint8), m, n, TILE_M=TILE_M, TILE_N=TILE_N, num_warps=NUM_WARPS)
+        _transpose_kernel[grid](
+            x.view(torch.uint8), y.view(torch.uint8), m, n, TILE_M=TILE_M, TILE_N=TILE_N, num_warps=NUM_WARPS
+        )
     return y
 
 

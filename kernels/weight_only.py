@@ -240,14 +240,47 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg = x if bias is None else bias
     _launch(
-        grid, x, w_data, w_scale_inv, bias_arg, out, m, n, k, k_per_split, x.stride(0), w_data.stride(0), stride_s,
-        s_rows, s_cols, mode, bias is not None, block_m, block_n, block_k, split_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        grid,
+        x,
+        w_data,
+        w_scale_inv,
+        bias_arg,
+        out,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        w_data.stride(0),
+        stride_s,
+        s_rows,
+        s_cols,
+        mode,
+        bias is not None,
+        block_m,
+        block_n,
+        block_k,
+        split_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if split_k > 1:
         _launch_sum(
-            sum_grid, out, w_scale_inv, bias_arg, y, m, n, mode, bias is not None, split_k, block_m, SUM_BLOCK_N,
-            num_warps=4, num_stages=1,
-        )  # fmt: skip
+            sum_grid,
+            out,
+            w_scale_inv,
+            bias_arg,
+            y,
+            m,
+            n,
+            mode,
+            bias is not None,
+            split_k,
+            block_m,
+            SUM_BLOCK_N,
+            num_warps=4,
+            num_stages=1,
+        )
     return y
 
 
@@ -262,8 +295,23 @@ class PreparedMM:
     since. The caller guarantees the rest: x contiguous (M, K) of the prepared dtype on the prepared device,
     and the same weight tensors and bias (`matches`)."""
 
-    __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings",
-                 "main", "grid", "tail", "sum", "sum_grid", "sum_tail", "split_shape")  # fmt: skip
+    __slots__ = (
+        "w_data",
+        "w_scale_inv",
+        "bias",
+        "device",
+        "device_index",
+        "dtype",
+        "shape",
+        "settings",
+        "main",
+        "grid",
+        "tail",
+        "sum",
+        "sum_grid",
+        "sum_tail",
+        "split_shape",
+    )
 
     def matches(self, w_data, w_scale_inv, bias) -> bool:
         """Whether these are the tensors this call was prepared for (identity: their values may change)."""
@@ -291,18 +339,39 @@ def prepare(x, w_data, w_scale_inv, bias=None):
     m, k = x.shape
     n = w_data.shape[0]
     mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
-    config, split_k, k_per_split, grid, sum_grid = plan(m, n, k, x.device.index, None, None, s_cols if mode == 2 else None)
+    config, split_k, k_per_split, grid, sum_grid = plan(
+        m, n, k, x.device.index, None, None, s_cols if mode == 2 else None
+    )
     block_m, block_n, block_k, warps, stages = config
     settings = runtime_settings()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg = x if bias is None else bias
-    tail = (m, n, k, k_per_split, x.stride(0), w_data.stride(0), stride_s, s_rows, s_cols, mode, bias is not None,
-            block_m, block_n, block_k, split_k)  # fmt: skip
-    main = _launch.launch_and_keep(grid, x, w_data, w_scale_inv, bias_arg, out, *tail, num_warps=warps, num_stages=stages)
+    tail = (
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        w_data.stride(0),
+        stride_s,
+        s_rows,
+        s_cols,
+        mode,
+        bias is not None,
+        block_m,
+        block_n,
+        block_k,
+        split_k,
+    )
+    main = _launch.launch_and_keep(
+        grid, x, w_data, w_scale_inv, bias_arg, out, *tail, num_warps=warps, num_stages=stages
+    )
     sum_tail, summed = (m, n, mode, bias is not None, split_k, block_m, SUM_BLOCK_N), None
     if split_k > 1:
-        summed = _launch_sum.launch_and_keep(sum_grid, out, w_scale_inv, bias_arg, y, *sum_tail, num_warps=4, num_stages=1)
+        summed = _launch_sum.launch_and_keep(
+            sum_grid, out, w_scale_inv, bias_arg, y, *sum_tail, num_warps=4, num_stages=1
+        )
     aligned = all(t.data_ptr() % 16 == 0 for t in (x, y, out, w_data, w_scale_inv, bias_arg))
     if main is None or (split_k > 1 and summed is None) or not aligned:
         return y, None
@@ -397,4 +466,3 @@ def fp8_weight_mm(
     if use_triton(x):  # FP8 loads need sm_89+ in Triton
         return fp8_weight_mm_triton(x, w_data, w_scale_inv, bias)
     return fp8_weight_mm_ref(x, w_data, w_scale_inv, bias)
-

@@ -1,27 +1,27 @@
 """float8.ops: composable ops that a Sequential fuses into few kernels, with FP8 GEMMs.
 
-    import float8.ops as ops
-    mlp = ops.Sequential(
-        ops.RMSNorm(4096),
-        ops.Linear(4096, 2 * 14336, bias=False),
-        ops.SwiGLU(),
-        ops.Linear(14336, 4096, bias=False),
-    )
+import float8.ops as ops
+mlp = ops.Sequential(
+    ops.RMSNorm(4096),
+    ops.Linear(4096, 2 * 14336, bias=False),
+    ops.SwiGLU(),
+    ops.Linear(14336, 4096, bias=False),
+)
 """
 
 from float8.ops import functional
 from float8.ops.activations import GELU, Activation, ReLU, SiLU, SwiGLU
 from float8.ops.attention import Attention
 from float8.ops.base import BasicOp, QuantRequest
-from float8.ops.convert import ConversionWarning, convert
-from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.bias import Bias
 from float8.ops.calibrate import CalibrationReport, calibrate, load_input_scales, set_input_scale
+from float8.ops.convert import ConversionWarning, convert
+from float8.ops.cross_entropy import LinearCrossEntropy
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
-from float8.ops.precision import high_precision
 from float8.ops.parallel import AllGather, AllReduce, ReduceScatter
+from float8.ops.precision import high_precision
 from float8.ops.requantize import requantize_weights
 from float8.ops.runner import RunPlan, plan
 from float8.ops.sequential import Float8PrecisionWarning, Sequential

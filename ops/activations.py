@@ -22,7 +22,9 @@ LEAN_KINDS = ("gelu", "gelu_tanh", "silu", "swiglu")
 
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
-        raise ValueError(f"SwiGLU takes x (..., 2H) = [gate | linear] and needs an even last dim, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"SwiGLU takes x (..., 2H) = [gate | linear] and needs an even last dim, got shape {tuple(x.shape)}"
+        )
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -86,9 +88,18 @@ class Activation(BasicOp):
         r = dx_request
         if r is not None and r.fuses:
             data, data_t, scale_inv, amax, dbias = dact_fp8(
-                dy, x, self.kind, bias, r.fp8_dtype, r.kernel_scale(), r.margin, r.power_of_2, r.with_transpose,
-                want_dbias, x_scale_inv,
-            )  # fmt: skip
+                dy,
+                x,
+                self.kind,
+                bias,
+                r.fp8_dtype,
+                r.kernel_scale(),
+                r.margin,
+                r.power_of_2,
+                r.with_transpose,
+                want_dbias,
+                x_scale_inv,
+            )
             return r.finish(data, data_t, scale_inv, amax, dy.dtype), dbias if want_dbias else None
         dx = act_bwd(dy, x, self.kind, bias, x_scale_inv)
         dbias = dx.sum(0, dtype=torch.float32) if want_dbias else None

@@ -28,8 +28,14 @@ class Attention(BasicOp):
     splits_compiled_run, saves = True, ("saved",)
 
     def __init__(
-        self, num_heads: int, head_dim: int, *, num_kv_heads: int = None, causal: bool = True, sequence_first: bool = False
-    ):  # fmt: skip
+        self,
+        num_heads: int,
+        head_dim: int,
+        *,
+        num_kv_heads: int = None,
+        causal: bool = True,
+        sequence_first: bool = False,
+    ):
         super().__init__()
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if value is None and name == "num_kv_heads":
@@ -57,7 +63,9 @@ class Attention(BasicOp):
             )
         if self.sequence_first:  # (S, B): the rows are position-major
             if len(lead) != 2:
-                raise ValueError(f"Attention(sequence_first=True) needs input (seq, batch, features), got token dims {tuple(lead)}")
+                raise ValueError(
+                    f"Attention(sequence_first=True) needs input (seq, batch, features), got token dims {tuple(lead)}"
+                )
             s, b = lead[-2], lead[-1]
             x = qkv.reshape(s, b, h + 2 * hk, d).permute(1, 2, 0, 3)  # (B, heads, S, D)
         else:

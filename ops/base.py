@@ -19,9 +19,9 @@ from typing import List, Optional
 import torch
 
 from float8 import Recipe
-from float8.quantizer import QuantRequest
 from float8.ops.context import OpContext, RunState, plain, second_backward_error, take
 from float8.ops.runner import run_ops
+from float8.quantizer import QuantRequest
 
 # The recipe of ops given none: a frozen dataclass, so sharing one instance shares no state. Built once:
 # a Recipe() per access cost ~3 us, several times per Linear call.
@@ -168,4 +168,13 @@ def sequence_parallel(op: BasicOp, group) -> None:
         op.grad_sum_group = check_group(group, f"{type(op).__name__} sequence_parallel_group")
 
 
-__all__ = ["BasicOp", "QuantRequest", "OpContext", "RunState", "plain", "second_backward_error", "sequence_parallel", "take"]
+__all__ = [
+    "BasicOp",
+    "QuantRequest",
+    "OpContext",
+    "RunState",
+    "plain",
+    "second_backward_error",
+    "sequence_parallel",
+    "take",
+]

@@ -44,9 +44,15 @@ class Bias(BasicOp):
     fusion_role, folds_into_gemm = "bias", True
 
     def __init__(
-        self, size: int, *, parameter: Optional[torch.nn.Parameter] = None, device=None, dtype=None, recipe=None,
+        self,
+        size: int,
+        *,
+        parameter: Optional[torch.nn.Parameter] = None,
+        device=None,
+        dtype=None,
+        recipe=None,
         sequence_parallel_group=None,
-    ):  # fmt: skip
+    ):
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Bias: size must be a positive int, got {size!r}")

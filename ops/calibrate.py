@@ -36,11 +36,20 @@ import torch
 
 from float8 import Float8Tensor
 from float8.kernels import amax as amax_kernel
-from float8.quantizer import StaticScalingState, all_reduce_amax
 from float8.ops.base import BasicOp
-from float8.ops.input_scale import _check_margin, _input_dtype, _install, _not_per_tensor, _scale_args, _scale_for, fix_input_scale
-from float8.ops.linear import STATIC_SCALE_KEY as SCALE_KEY, Linear
+from float8.ops.input_scale import (
+    _check_margin,
+    _input_dtype,
+    _install,
+    _not_per_tensor,
+    _scale_args,
+    _scale_for,
+    fix_input_scale,
+)
+from float8.ops.linear import STATIC_SCALE_KEY as SCALE_KEY
+from float8.ops.linear import Linear
 from float8.ops.sequential import Sequential
+from float8.quantizer import StaticScalingState, all_reduce_amax
 
 __all__ = ["CalibrationReport", "calibrate", "load_input_scales", "set_input_scale"]
 
@@ -63,9 +72,12 @@ class CalibrationReport:
 
 
 def set_input_scale(
-    linear: Linear, *, scale: Union[float, torch.Tensor, None] = None, amax: Union[float, torch.Tensor, None] = None,
+    linear: Linear,
+    *,
+    scale: Union[float, torch.Tensor, None] = None,
+    amax: Union[float, torch.Tensor, None] = None,
     margin: Optional[int] = None,
-) -> StaticScalingState:  # fmt: skip
+) -> StaticScalingState:
     """Fix `linear`'s input scale: give it a `StaticScalingState` input quantizer, and return that.
 
     Exactly one of `scale` (the scale itself: fp8_max / amax as you derived it) or `amax` (max |input| you

@@ -34,9 +34,9 @@ import torch
 
 from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
 from float8.checkpoint import enable_save_pretrained
-from float8.quantizer import quantizer_for
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
+from float8.quantizer import quantizer_for
 
 __all__ = ["ConversionWarning", "convert", "skip_reason"]
 
@@ -102,7 +102,9 @@ def convert(
             continue
         if filter_fn is not None and not filter_fn(module, fqn):
             continue
-        reason = skip_reason(module, fp8_weights=fp8_weights, tied_to=", ".join(_shared_with(owners, module, fqn)) or None)
+        reason = skip_reason(
+            module, fp8_weights=fp8_weights, tied_to=", ".join(_shared_with(owners, module, fqn)) or None
+        )
         if reason is not None:
             skipped.append(f"{fqn or '<root>'}: {reason}")
         else:
@@ -140,7 +142,14 @@ def _shared_with(owners: dict, module: torch.nn.Module, fqn: str) -> list:
 def _float8_linear(linear: torch.nn.Linear, recipe: Optional[Recipe], fp8_weights: bool) -> Linear:
     w = linear.weight
     # Built on the meta device (nothing allocated), then given the old module's Parameter objects.
-    op = Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", dtype=w.dtype, recipe=recipe)
+    op = Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        device="meta",
+        dtype=w.dtype,
+        recipe=recipe,
+    )
     op.weight = w
     op.bias = linear.bias
     op._recipe_changed()  # quantizers (delayed-scaling history) on the weight's device
@@ -153,10 +162,18 @@ def _float8_linear(linear: torch.nn.Linear, recipe: Optional[Recipe], fp8_weight
 
 # The hook tables of nn.Module (forward, pre-forward, backward, state-dict hooks), by attribute name.
 _HOOK_TABLES = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)  # fmt: skip
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def _take_hooks(op: Linear, linear: torch.nn.Linear) -> None:

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from float8 import DelayedScaling, Float8Tensor, Recipe
-from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
+from float8.gemm import column_major_only, operand
+from float8.gemm import fp8_mm_or_dequantized as _mm
 from float8.kernels.cross_entropy import ce_rows
 from float8.ops.base import second_backward_error
 
@@ -58,26 +59,36 @@ def default_chunk_tokens(tokens: int, hidden: int, vocab: int = 0, dw_accumulati
 def check_cross_entropy_args(x, weight, target, bias, reduction: str, label_smoothing: float, name: str) -> None:
     """TypeError/ValueError naming both sides for inputs of the wrong kind, dtype or shape."""
     if not all(isinstance(t, torch.Tensor) for t in (x, weight, target)):
-        raise TypeError(f"{name} takes tensors x, weight, target; got {type(x).__name__}, {type(weight).__name__}, {type(target).__name__}")
+        raise TypeError(
+            f"{name} takes tensors x, weight, target; got {type(x).__name__}, {type(weight).__name__}, {type(target).__name__}"
+        )
     floats = (torch.float32, torch.bfloat16, torch.float16)
     if x.dtype not in floats or isinstance(x, Float8Tensor):
         raise TypeError(f"{name}: x must be float32, bfloat16 or float16, got {x.dtype}")
     if weight.dtype not in floats:
-        raise TypeError(f"{name}: weight must be float32, bfloat16 or float16 (or an FP8-only Float8Tensor), got {weight.dtype}")
+        raise TypeError(
+            f"{name}: weight must be float32, bfloat16 or float16 (or an FP8-only Float8Tensor), got {weight.dtype}"
+        )
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name}: target must hold class indices (int64), got {target.dtype}")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{name}: x (..., H) and weight (V, H) must agree on H, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: x (..., H) and weight (V, H) must agree on H, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
     if tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: target must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {getattr(bias, 'shape', bias)}")
+        raise ValueError(
+            f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {getattr(bias, 'shape', bias)}"
+        )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if x.device != weight.device or x.device != target.device:
-        raise ValueError(f"{name}: x, weight and target must be on one device, got {x.device}, {weight.device}, {target.device}")
+        raise ValueError(
+            f"{name}: x, weight and target must be on one device, got {x.device}, {weight.device}, {target.device}"
+        )
 
 
 def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str) -> None:
@@ -85,11 +96,15 @@ def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if torch.compiler.is_compiling():
         # No host sync inside a graph: checked on the device, where a bad label stops the program.
-        torch._assert_async(~bad.any(), f"{name}: a label is outside the vocabulary [0, {vocab}) and is not ignore_index")
+        torch._assert_async(
+            ~bad.any(), f"{name}: a label is outside the vocabulary [0, {vocab}) and is not ignore_index"
+        )
         return
     if bool(bad.any()):
         first = target[bad][0].item()
-        raise ValueError(f"{name}: label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}")
+        raise ValueError(
+            f"{name}: label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
 
 
 class _Plan:
@@ -256,7 +271,9 @@ def linear_cross_entropy(
         if any(isinstance(getattr(recipe, r), DelayedScaling) for r in ("input", "weight", "grad")):
             raise ValueError(f"{name}: a functional call keeps no amax history: use current (per-tensor) scaling")
     if isinstance(weight, Float8Tensor) and weight.requires_grad and not weight._gathered_master:
-        raise ValueError(f"{name}: the weight is an FP8-only Float8Tensor that requires grad, with no master weight to update")
+        raise ValueError(
+            f"{name}: the weight is an FP8-only Float8Tensor that requires grad, with no master weight to update"
+        )
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
@@ -269,7 +286,9 @@ def linear_cross_entropy(
     chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1], weight.shape[0], dw_accumulation)
     grad = torch.is_grad_enabled()
     needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    plan = _Plan(x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk, dw_accumulation)
+    plan = _Plan(
+        x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk, dw_accumulation
+    )
     loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -287,10 +306,20 @@ class LinearCrossEntropy(torch.nn.Module):
     is_loss = True  # a Sequential ending with it takes the labels (ops/sequential.py)
 
     def __init__(
-        self, in_features: int, vocab_size: int, *, bias: bool = False, device=None, dtype=None,
-        ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-        recipe: Optional[Recipe] = None, chunk_tokens: Optional[int] = None, dw_accumulation: str = "float32",
-    ):  # fmt: skip
+        self,
+        in_features: int,
+        vocab_size: int,
+        *,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        recipe: Optional[Recipe] = None,
+        chunk_tokens: Optional[int] = None,
+        dw_accumulation: str = "float32",
+    ):
         super().__init__()
         lin = torch.nn.Linear(in_features, vocab_size, bias=bias, device=device, dtype=dtype)
         self.weight, self.bias = lin.weight, lin.bias
@@ -303,6 +332,14 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(
-            x, self.weight, target, self.bias, self.ignore_index, self.label_smoothing, self.reduction,
-            recipe=self.recipe, chunk_tokens=self.chunk_tokens, dw_accumulation=self.dw_accumulation,
-        )  # fmt: skip
+            x,
+            self.weight,
+            target,
+            self.bias,
+            self.ignore_index,
+            self.label_smoothing,
+            self.reduction,
+            recipe=self.recipe,
+            chunk_tokens=self.chunk_tokens,
+            dw_accumulation=self.dw_accumulation,
+        )

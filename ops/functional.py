@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from float8 import DelayedScaling, Float8Tensor, Recipe
-from float8.gemm import column_major_only, fp8_mm_or_dequantized as _mm, operand
-from float8.quantizer import LinearQuantizers, QuantRequest, Quantizer, ScaleLayout, TensorwiseQuantizer
+from float8.gemm import column_major_only, operand
+from float8.gemm import fp8_mm_or_dequantized as _mm
 from float8.ops.activations import GELU, ReLU, SiLU, SwiGLU
 from float8.ops.base import DEFAULT_RECIPE, BasicOp, plain, second_backward_error, take
 from float8.ops.bias import bias_backward
@@ -26,7 +26,7 @@ from float8.ops.cross_entropy import linear_cross_entropy
 from float8.ops.norms import LayerNorm, RMSNorm
 from float8.ops.runner import run_ops
 from float8.ops.saved import SavedRecord
-
+from float8.quantizer import LinearQuantizers, Quantizer, QuantRequest, ScaleLayout, TensorwiseQuantizer
 
 __all__ = [
     "LinearSaved",
@@ -118,9 +118,11 @@ def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     weight), as with the weight cache (ops/linear.py)."""
     q = quantizers.weight
     return (
-        not isinstance(weight, Float8Tensor) and quantizers.input.layout is ScaleLayout.TENSOR
-        and type(q) is TensorwiseQuantizer and q.amax_group is None
-    )  # fmt: skip
+        not isinstance(weight, Float8Tensor)
+        and quantizers.input.layout is ScaleLayout.TENSOR
+        and type(q) is TensorwiseQuantizer
+        and q.amax_group is None
+    )
 
 
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
@@ -135,8 +137,19 @@ def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
     return column_major_only(quantize_weight(weight, quantizer, True)[1])
 
 
-def linear_fwd(x2, w8, wd, bias, quantizers: LinearQuantizers, *, need_wgrad: bool, need_dgrad: bool,
-               fast_accum: bool, rows_only: bool = False, rebuild_weight: Optional[torch.Tensor] = None):  # fmt: skip
+def linear_fwd(
+    x2,
+    w8,
+    wd,
+    bias,
+    quantizers: LinearQuantizers,
+    *,
+    need_wgrad: bool,
+    need_dgrad: bool,
+    fast_accum: bool,
+    rows_only: bool = False,
+    rebuild_weight: Optional[torch.Tensor] = None,
+):
     """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
 
     x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
@@ -190,7 +203,7 @@ def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad:
 
 def grad_request(
     saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool, rows_only: bool = False
-):  # fmt: skip
+):
     """What the backward wants its output gradient as (FP8 from the op before, fused with dact/dbias), or
     None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too.
 
@@ -258,9 +271,13 @@ def check_linear_args(x, weight, bias, name: str = "linear") -> None:
     if weight.dim() != 2:
         raise ValueError(f"{name}: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{name}: x must be (..., {weight.shape[1]}) for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: x must be (..., {weight.shape[1]}) for weight {tuple(weight.shape)}, got {tuple(x.shape)}"
+        )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+        )
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -270,7 +287,9 @@ class _LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         w8, wd = quantize_weight(weight, quantizers.weight, need_dgrad)
         b = None if bias is None else bias.to(x.dtype)
-        y, saved = linear_fwd(x2, w8, wd, b, quantizers, need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=fast_accum)
+        y, saved = linear_fwd(
+            x2, w8, wd, b, quantizers, need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=fast_accum
+        )
         ctx.saved, ctx.quantizers, ctx.need_dbias = saved, quantizers, need_dbias
         ctx.x_shape, ctx.w_dtype, ctx.b_dtype = x.shape, weight.dtype, None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -300,7 +319,9 @@ def _stateless(recipe: Optional[Recipe]) -> Recipe:
     return recipe
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, recipe: Optional[Recipe] = None):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, recipe: Optional[Recipe] = None
+):
     """y = x @ weight.t() + bias with FP8 fprop/dgrad/wgrad GEMMs (the stateless primitive of ops.Linear).
 
     x: (..., K) float32/bfloat16/float16 (or a Float8Tensor); weight: (N, K), high precision or an FP8-only

@@ -42,12 +42,8 @@ import torch.nn.functional as F
 from float8 import DelayedScalingState, Float8Tensor
 from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
-from float8.quantizer import LinearQuantizers, QuantRequest, ScaleLayout, StaticScalingState, check_amax_group, check_dense
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
-from float8.ops.parallel import check_parallel, parallel_expansion
-from float8.ops.input_scale import fix_input_scale
-from float8.ops.weight_cache import InferencePlans, WeightCache
 from float8.ops.functional import (
     check_fp8_weight_grad,
     fp8_pays_off,
@@ -58,7 +54,17 @@ from float8.ops.functional import (
     quantize_weight,
     rebuilds_weight,
 )
-
+from float8.ops.input_scale import fix_input_scale
+from float8.ops.parallel import check_parallel, parallel_expansion
+from float8.ops.weight_cache import InferencePlans, WeightCache
+from float8.quantizer import (
+    LinearQuantizers,
+    QuantRequest,
+    ScaleLayout,
+    StaticScalingState,
+    check_amax_group,
+    check_dense,
+)
 
 # Where a calibrated Linear's static input scale sits in its state dict (ops/calibrate.py).
 STATIC_SCALE_KEY = "input_quantizer.static_scale"
@@ -98,9 +104,19 @@ class Linear(BasicOp):
     fusion_role, gemm, saves = "linear", True, ("saved", "lead")
 
     def __init__(
-        self, in_features: int, out_features: int, *, bias: bool = True, device=None, dtype=None, recipe=None,
-        amax_group=None, parallel: Optional[str] = None, tp_group=None, sequence_parallel: bool = False,
-    ):  # fmt: skip
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        recipe=None,
+        amax_group=None,
+        parallel: Optional[str] = None,
+        tp_group=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.in_features = _check_features(in_features, "in_features")
         self.out_features = _check_features(out_features, "out_features")
@@ -112,7 +128,13 @@ class Linear(BasicOp):
         self.local_out_features = out_features // world if parallel == "column" else out_features
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.empty(self.local_out_features if parallel == "column" else out_features, **factory)) if bias else None
+        self.bias = (
+            torch.nn.Parameter(
+                torch.empty(self.local_out_features if parallel == "column" else out_features, **factory)
+            )
+            if bias
+            else None
+        )
         self._weight_cache = WeightCache()
         self._inference_plans = InferencePlans()
         self._expansion: Optional[list] = None
@@ -151,7 +173,9 @@ class Linear(BasicOp):
         built = self.recipe.quantizers(device=self.weight.device, amax_group=self.amax_group)
         if self.sequence_parallel and self.parallel == "column" and self.amax_group is None:
             # The input is all-gathered as FP8 under one per-tensor scale: its amax is reduced over the group.
-            built = built._replace(input=self.recipe.quantizers(device=self.weight.device, amax_group=self.tp_group).input)
+            built = built._replace(
+                input=self.recipe.quantizers(device=self.weight.device, amax_group=self.tp_group).input
+            )
         for role, quantizer in zip(LinearQuantizers._fields, built):
             name = f"{role}_quantizer"
             self._modules.pop(name, None)
@@ -169,7 +193,11 @@ class Linear(BasicOp):
         if self._expansion is None or self._expansion_bias_of(self._expansion[1]) is not self.bias:
             parts = parallel_expansion(self, self._expansion_bias())
             if torch.compiler.is_compiling():
-                return [*parts[0], self, *parts[1]]  # a module written while dynamo traces breaks its graph: built at __init__
+                return [
+                    *parts[0],
+                    self,
+                    *parts[1],
+                ]  # a module written while dynamo traces breaks its graph: built at __init__
             self._expansion = parts
         head, tail = self._expansion
         return [*head, self, *tail]
@@ -256,7 +284,11 @@ class Linear(BasicOp):
             if x.dtype != dtype:
                 x = x.to(dtype)
         if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
-            if type(self.weight) is not torch.nn.Parameter and isinstance(self.weight, Float8Tensor) and not self.high_precision:
+            if (
+                type(self.weight) is not torch.nn.Parameter
+                and isinstance(self.weight, Float8Tensor)
+                and not self.high_precision
+            ):
                 y = self._inference_forward(x)
                 if y is not None:
                     return y
@@ -283,7 +315,7 @@ class Linear(BasicOp):
             or x.get_device() != prepared.device_index
             or not x.is_contiguous()
             or (b is not None and (b.dtype != x.dtype or not b.is_contiguous()))
-        ):  # fmt: skip
+        ):
             return None
         y = prepared(x.view(-1, self.in_features), data, scale_inv, b)
         return None if y is None else y.view(*x.shape[:-1], self.out_features)
@@ -310,10 +342,14 @@ class Linear(BasicOp):
         if forward_ad_or_functorch_active():
             return None  # a dual or functorch-wrapped input: the general path differentiates or refuses
         bias = self.bias
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)):
+        if torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
             return None
         w = self.weight
-        if w.device != x.device or (bias is not None and (bias.device != x.device or type(bias) is not torch.nn.Parameter)):
+        if w.device != x.device or (
+            bias is not None and (bias.device != x.device or type(bias) is not torch.nn.Parameter)
+        ):
             return None
         x2 = x.reshape(tokens, self.in_features)
         if tokens <= weight_only.MAX_TOKENS:
@@ -340,9 +376,15 @@ class Linear(BasicOp):
                 return None
             # The bias joins the GEMM's epilogue in x's dtype, as the runner's Linear + Bias fusion adds it.
             y, _ = linear_fwd(
-                x2, w, None, None if bias is None else bias.to(x.dtype), self.quantizers, need_wgrad=False,
-                need_dgrad=False, fast_accum=self.recipe.fprop_fast_accum,
-            )  # fmt: skip
+                x2,
+                w,
+                None,
+                None if bias is None else bias.to(x.dtype),
+                self.quantizers,
+                need_wgrad=False,
+                need_dgrad=False,
+                fast_accum=self.recipe.fprop_fast_accum,
+            )
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _plannable(self, x, x2, bias) -> bool:
@@ -350,9 +392,14 @@ class Linear(BasicOp):
         eager call on a CUDA device, with a contiguous input (its 2-D view has the strides the plan fixes)."""
         traced = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
         return (
-            not traced and x.is_cuda and x.is_contiguous() and x2.is_contiguous() and weight_only.use_triton(x2)
-            and not torch._C._is_any_autocast_enabled() and (bias is None or bias.is_contiguous())
-        )  # fmt: skip
+            not traced
+            and x.is_cuda
+            and x.is_contiguous()
+            and x2.is_contiguous()
+            and weight_only.use_triton(x2)
+            and not torch._C._is_any_autocast_enabled()
+            and (bias is None or bias.is_contiguous())
+        )
 
     def _block_forward(self, x2: torch.Tensor, w: Float8Tensor, bias) -> Optional[torch.Tensor]:
         """A block-scaled FP8-only weight (a hub checkpoint's 128x128 blocks) above the weight-only kernel's
@@ -399,8 +446,12 @@ class Linear(BasicOp):
                 # Not taken: torch then reports the key as unexpected under strict=True and drops it under
                 # strict=False (it passes strict=True to every module, so the choice is made there); the
                 # warning says why.
-                warnings.warn(f"{key}: a calibrated static input scale, which this Linear cannot take: {e}", stacklevel=2)
-        return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
+                warnings.warn(
+                    f"{key}: a calibrated static input scale, which this Linear cannot take: {e}", stacklevel=2
+                )
+        return super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs
+        )
 
     def _apply(self, fn, *args, **kwargs):
         self.refresh_fp8_weight()
@@ -455,7 +506,9 @@ class Linear(BasicOp):
         if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
             if need_wgrad:
                 self._weight_cache.clear()  # nothing FP8 of a trained weight outlives the step
-            y, ctx.saved = linear_fwd_high_precision(x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad)
+            y, ctx.saved = linear_fwd_high_precision(
+                x2, self.weight, bias, need_wgrad=need_wgrad, need_dgrad=need_dgrad
+            )
         else:
             lean = self.recipe.lean_activations
             # Lean: the backward quantizes a trained weight again (same bits) instead of keeping its
@@ -463,10 +516,17 @@ class Linear(BasicOp):
             rebuild = lean and need_dgrad and need_wgrad and rebuilds_weight(self.weight, self.quantizers)
             w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
             y, ctx.saved = linear_fwd(
-                x2, w8, wd, bias, self.quantizers,
-                need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=self.recipe.fprop_fast_accum,
-                rows_only=lean, rebuild_weight=self.weight if rebuild else None,
-            )  # fmt: skip
+                x2,
+                w8,
+                wd,
+                bias,
+                self.quantizers,
+                need_wgrad=need_wgrad,
+                need_dgrad=need_dgrad,
+                fast_accum=self.recipe.fprop_fast_accum,
+                rows_only=lean,
+                rebuild_weight=self.weight if rebuild else None,
+            )
         return y.reshape(*lead, self.local_out_features)
 
     def op_backward(self, ctx: OpContext, dy, dx_request=None):

@@ -15,7 +15,9 @@ from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_pa
 
 def _check_size(normalized_shape, name: str) -> int:
     if isinstance(normalized_shape, bool) or not isinstance(normalized_shape, int) or normalized_shape <= 0:
-        raise ValueError(f"{name} normalizes over the last dim: normalized_shape must be a positive int, got {normalized_shape!r}")
+        raise ValueError(
+            f"{name} normalizes over the last dim: normalized_shape must be a positive int, got {normalized_shape!r}"
+        )
     return normalized_shape
 
 
@@ -42,7 +44,9 @@ class _Norm(BasicOp):
 
     rms: bool = True
 
-    def __init__(self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None, sequence_parallel_group=None):
+    def __init__(
+        self, normalized_shape: int, *, eps: float, device=None, dtype=None, recipe=None, sequence_parallel_group=None
+    ):
         super().__init__()
         sequence_parallel(self, sequence_parallel_group)
         self.normalized_shape = _check_size(normalized_shape, type(self).__name__)
@@ -106,11 +110,23 @@ class RMSNorm(_Norm):
     rms = True
 
     def __init__(
-        self, normalized_shape: int, *, eps: float = 1e-6, device=None, dtype=None, recipe=None, sequence_parallel_group=None
-    ):  # fmt: skip
+        self,
+        normalized_shape: int,
+        *,
+        eps: float = 1e-6,
+        device=None,
+        dtype=None,
+        recipe=None,
+        sequence_parallel_group=None,
+    ):
         super().__init__(
-            normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe, sequence_parallel_group=sequence_parallel_group
-        )  # fmt: skip
+            normalized_shape,
+            eps=eps,
+            device=device,
+            dtype=dtype,
+            recipe=recipe,
+            sequence_parallel_group=sequence_parallel_group,
+        )
 
 
 class LayerNorm(_Norm):
@@ -124,8 +140,20 @@ class LayerNorm(_Norm):
     rms = False
 
     def __init__(
-        self, normalized_shape: int, *, eps: float = 1e-5, device=None, dtype=None, recipe=None, sequence_parallel_group=None
-    ):  # fmt: skip
+        self,
+        normalized_shape: int,
+        *,
+        eps: float = 1e-5,
+        device=None,
+        dtype=None,
+        recipe=None,
+        sequence_parallel_group=None,
+    ):
         super().__init__(
-            normalized_shape, eps=eps, device=device, dtype=dtype, recipe=recipe, sequence_parallel_group=sequence_parallel_group
-        )  # fmt: skip
+            normalized_shape,
+            eps=eps,
+            device=device,
+            dtype=dtype,
+            recipe=recipe,
+            sequence_parallel_group=sequence_parallel_group,
+        )

@@ -73,7 +73,11 @@ class AllGather(_RowCollective):
 
     def _one_scale(self, request: Optional[QuantRequest]) -> bool:
         # The quantizer makes one per-tensor scale across the group: its amax is reduced over this group.
-        return request is not None and request.quantizer.layout is ScaleLayout.TENSOR and request.quantizer.amax_group is self.group
+        return (
+            request is not None
+            and request.quantizer.layout is ScaleLayout.TENSOR
+            and request.quantizer.amax_group is self.group
+        )
 
     def relay(self, request: Optional[QuantRequest]) -> Optional[QuantRequest]:
         """The request this op passes to the op before it, given the request of the op after it: the same

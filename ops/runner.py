@@ -16,10 +16,10 @@ from typing import List, NamedTuple
 import torch
 
 from float8 import DelayedScalingState, Float8Tensor
-from float8.quantizer import check_dense, reduce_deferred
 from float8.ops.context import OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.saved import holds_memory_of, pack_contexts, unpack_contexts
+from float8.quantizer import check_dense, reduce_deferred
 
 
 class Float8PrecisionWarning(UserWarning):
@@ -49,9 +49,8 @@ class _Runner:
         # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
         # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
         self.grouped = [
-            q for op in ops for q in op.quantizers
-            if isinstance(q, DelayedScalingState) and q.amax_group is not None
-        ]  # fmt: skip
+            q for op in ops for q in op.quantizers if isinstance(q, DelayedScalingState) and q.amax_group is not None
+        ]
         self.pending: list = []
 
     def contexts(self, run: RunState) -> List[OpContext]:
@@ -123,7 +122,9 @@ def _sum_over_groups(ops, grads) -> None:
     by_group = {}
     for op, op_grads in zip(ops, grads):
         if op.grad_sum_group is not None:
-            by_group.setdefault(id(op.grad_sum_group), (op.grad_sum_group, []))[1].extend(g for g in op_grads or [] if g is not None)
+            by_group.setdefault(id(op.grad_sum_group), (op.grad_sum_group, []))[1].extend(
+                g for g in op_grads or [] if g is not None
+            )
     for group, tensors in by_group.values():
         if tensors:
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
@@ -256,7 +257,13 @@ def _run_as_torch(ops: list, x2: torch.Tensor, lead, fuse: bool) -> torch.Tensor
     i = 0
     while i < len(ops):
         op, after = ops[i], ops[i + 1] if i + 1 < len(ops) else None
-        fold = fuse and op.gemm and after is not None and after.folds_into_gemm and (op.bias is None or op.bias is after.bias)
+        fold = (
+            fuse
+            and op.gemm
+            and after is not None
+            and after.folds_into_gemm
+            and (op.bias is None or op.bias is after.bias)
+        )
         if fold:
             x2 = op.torch_forward(x2, run, bias=after.bias)
             i += 2

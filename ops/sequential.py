@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 
 from float8 import Recipe
-from float8.quantizer import check_amax_group
 from float8.ops.base import BasicOp
 from float8.ops.runner import Float8PrecisionWarning, run_ops
+from float8.quantizer import check_amax_group
 
 
 class Sequential(torch.nn.Module):
@@ -80,7 +80,8 @@ class Sequential(torch.nn.Module):
         ends_in_loss = len(self.ops) > 0 and getattr(self.ops[-1], "is_loss", False)
         if ends_in_loss != (target is not None):
             raise ValueError(
-                "a Sequential ending with LinearCrossEntropy needs target=" if ends_in_loss
+                "a Sequential ending with LinearCrossEntropy needs target="
+                if ends_in_loss
                 else "target= is only taken by a Sequential that ends with LinearCrossEntropy"
             )
         segments = list(self._segments())

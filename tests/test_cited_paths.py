@@ -42,7 +42,11 @@ def comments_and_docstrings(source: str):
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 yield first.lineno, first.value.value
 
 
@@ -69,6 +73,8 @@ def test_the_check_sees_a_wrong_path():
     # The paths issue 24 found: the installed package's names, not the repository's folders.
     text = "see float8/ops/parallel.py and float8/kernels/reference.py; ops/parallel.py and kernels/reference.py exist"
     assert missing_in(text, ROOT) == ["1: float8/ops/parallel.py", "1: float8/kernels/reference.py"]
-    source = '"""Module docstring citing kernels/nowhere.py."""\n\nx = "ops/made_up.py"  # a comment citing ops/gone.py\n'
+    source = (
+        '"""Module docstring citing kernels/nowhere.py."""\n\nx = "ops/made_up.py"  # a comment citing ops/gone.py\n'
+    )
     cited = [m for line, text in comments_and_docstrings(source) for m in missing_in(text, ROOT, line)]
     assert sorted(cited) == ["1: kernels/nowhere.py", "3: ops/gone.py"]  # the string in code is not a citation

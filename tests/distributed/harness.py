@@ -31,9 +31,12 @@ def _worker(fn, rank, world, port, results, timeout, args):
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
-        )  # fmt: skip
+        )
         try:
             out = fn(rank, world, *args)
             dist.barrier()  # no rank tears the group down while another still talks to it
@@ -66,7 +69,9 @@ def run_ranks(fn, world: int = 2, timeout: float = 120.0, args: tuple = ()):
                 pass
             dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
             if dead and results.empty():
-                raise AssertionError(f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})")
+                raise AssertionError(
+                    f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s")
     finally:

@@ -40,7 +40,9 @@ def main() -> int:
         return torch.randn(rows, 256, generator=torch.Generator().manual_seed(r)).to(dev, torch.bfloat16) * (r + 1)
 
     def same(a, b):
-        return torch.equal(a.fp8_data.view(torch.uint8), b.fp8_data.view(torch.uint8)) and torch.equal(a.scale_inv, b.scale_inv)
+        return torch.equal(a.fp8_data.view(torch.uint8), b.fp8_data.view(torch.uint8)) and torch.equal(
+            a.scale_inv, b.scale_inv
+        )
 
     t = q(x_of(rank), with_transpose=True)
     dist.broadcast(t, src=0)
@@ -99,7 +101,10 @@ def main() -> int:
         fully_shard(sharded)
         if not precompute:
             with torch.no_grad():
-                check("FSDP2 FP8 all-gather forward == one GPU", torch.equal(sharded(batch.chunk(world)[rank]), single(batch).chunk(world)[rank]))
+                check(
+                    "FSDP2 FP8 all-gather forward == one GPU",
+                    torch.equal(sharded(batch.chunk(world)[rank]), single(batch).chunk(world)[rank]),
+                )
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
         single_opt = torch.optim.AdamW(single.parameters(), lr=1e-3)
         torch.cuda.reset_peak_memory_stats()
@@ -117,8 +122,11 @@ def main() -> int:
             single_opt.zero_grad()
             losses.append((float(loss), float(ref)))
         if rank == 0:
-            print(f"precompute={precompute} losses (rank 0 shard, one GPU whole batch):",
-                  [(round(a, 5), round(b, 5)) for a, b in losses], flush=True)
+            print(
+                f"precompute={precompute} losses (rank 0 shard, one GPU whole batch):",
+                [(round(a, 5), round(b, 5)) for a, b in losses],
+                flush=True,
+            )
         names = [n for n, _ in sharded.named_parameters()]
         params = [getattr(p.full_tensor(), "master", p.full_tensor()) for p in sharded.parameters()]
         bad = [n for n, p in zip(names, params) if not bool(torch.isfinite(p).all())]

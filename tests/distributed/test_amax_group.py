@@ -22,9 +22,13 @@ def _delayed_sequential(rank, world):
 
     torch.manual_seed(0)  # the same weights on every rank
     seq = ops.Sequential(
-        ops.RMSNorm(32), ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32), recipe=Recipe.delayed(),
+        ops.RMSNorm(32),
+        ops.Linear(32, 64),
+        ops.GELU(),
+        ops.Linear(64, 32),
+        recipe=Recipe.delayed(),
         amax_group=dist.group.WORLD,
-    )  # fmt: skip
+    )
     opt = torch.optim.SGD(seq.parameters(), lr=0.01)
     calls = []
     real = quantizer.all_reduce_amax

@@ -132,7 +132,11 @@ def _mismatches(rank, world):
     expect(ValueError, "rank 1 holds", lambda: dist.broadcast(q(_x(rank, (8, 32 + 16 * rank))), src=0))
     # formats that do not match
     fmt = torch.float8_e4m3fn if rank == 0 else torch.float8_e5m2
-    expect(ValueError, "rank 1 holds", lambda: dist.all_gather([q(torch.zeros(8, 32), fmt) for _ in range(world)], q(_x(rank), fmt)))
+    expect(
+        ValueError,
+        "rank 1 holds",
+        lambda: dist.all_gather([q(torch.zeros(8, 32), fmt) for _ in range(world)], q(_x(rank), fmt)),
+    )
     # a receiver of another shape, or a non-contiguous one, drains the payload (the sender returns) and raises
     if rank == 0:
         dist.send(q(_x(0)), dst=1)
@@ -141,8 +145,16 @@ def _mismatches(rank, world):
         expect(ValueError, "recv: rank 0 sent", lambda: dist.recv(q(torch.zeros(4, 32)), src=0))
         expect(ValueError, "not contiguous", lambda: dist.recv(q(torch.zeros(32, 8)).t(), src=0))
     # mixing FP8 and plain tensors, and what is not handled
-    expect(TypeError, "mixes Float8Tensors and plain", lambda: dist.all_gather_into_tensor(torch.zeros(8 * world, 32), q(_x(rank))))
-    expect(NotImplementedError, "reduce-scatter", lambda: dist.reduce_scatter_tensor(q(torch.zeros(8, 32)), q(_x(rank, (8 * world, 32)))))
+    expect(
+        TypeError,
+        "mixes Float8Tensors and plain",
+        lambda: dist.all_gather_into_tensor(torch.zeros(8 * world, 32), q(_x(rank))),
+    )
+    expect(
+        NotImplementedError,
+        "reduce-scatter",
+        lambda: dist.reduce_scatter_tensor(q(torch.zeros(8, 32)), q(_x(rank, (8 * world, 32)))),
+    )
     expect(NotImplementedError, "reduce of FP8", lambda: dist.reduce(q(_x(rank)), dst=0))
     dist.barrier()  # still in step after every refusal
     return len(errors)
@@ -177,6 +189,7 @@ def _functional(rank, world):
     _same(b, q(_x(0)))
     s = fc.wait_tensor(torch.ops._c10d_functional.all_reduce(q(_x(rank)), "sum", g.group_name))
     _same(s, q(sum(q(_x(r)).dequantize() for r in range(world))))
+
     # traced: torch.compile(fullgraph=True) of a functional all-gather of a Float8Tensor, no graph break
     def gather(x):
         return gather_single(x, 0, g).dequantize()

@@ -12,7 +12,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _dtensor_cases(rank, world):
-    import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -53,7 +52,9 @@ def _dtensor_cases(rank, world):
     # shards quantized on their own ranks, with their own scales: each rank's block keeps its scale
     mine = q(torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)) * (rank + 1))
     gathered = DTensor.from_local(mine, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
-    expected = torch.cat([q(torch.randn(8, 32, generator=torch.Generator().manual_seed(r)) * (r + 1)).dequantize() for r in range(world)])
+    expected = torch.cat(
+        [q(torch.randn(8, 32, generator=torch.Generator().manual_seed(r)) * (r + 1)).dequantize() for r in range(world)]
+    )
     assert torch.equal(gathered.dequantize(), expected)
     return checked
 

@@ -22,7 +22,9 @@ def _model():
     torch.manual_seed(0)
 
     def block():
-        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=Recipe.rowwise())
+        return ops.Sequential(
+            ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=Recipe.rowwise()
+        )
 
     return ops.Sequential(block(), block())  # blocks are Sequentials: FSDP2 shards them one by one
 
@@ -47,8 +49,9 @@ def _batches():
 
 
 def _fsdp(rank, world):
-    import float8.ops as ops
     from torch.distributed.fsdp import fully_shard
+
+    import float8.ops as ops
 
     model = _model()
     x = _batches()[0]
@@ -100,7 +103,9 @@ def _fp8_model(hidden=128):
     recipe = Recipe(input=RowwiseScaling(), weight=TensorwiseScaling(), grad=RowwiseScaling())
 
     def block():
-        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, hidden), ops.GELU(), ops.Linear(hidden, 64), recipe=recipe)
+        return ops.Sequential(
+            ops.RMSNorm(64), ops.Linear(64, hidden), ops.GELU(), ops.Linear(hidden, 64), recipe=recipe
+        )
 
     return ops.Sequential(block(), block())
 
@@ -109,7 +114,6 @@ def _fsdp_fp8(rank, world, hidden=128, reshard=True):
     from torch.distributed.fsdp import fully_shard
 
     import float8.fsdp as f8fsdp
-    from float8 import Float8Tensor
 
     model = _fp8_model(hidden)
     wrapped = f8fsdp.enable_fp8_all_gather(model)
@@ -261,8 +265,9 @@ def _converted_model():
 
 
 def _fsdp_converted(rank, world, compiled):
-    import float8.fsdp as f8fsdp
     from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
 
     model = _converted_model()
     assert len(f8fsdp.enable_fp8_all_gather(model)) == 4

@@ -23,9 +23,14 @@ def _unsharded(kind):
 
     torch.manual_seed(0)
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(D), ops.Linear(D, 2 * FFN, bias=False), ops.SwiGLU(), ops.Linear(FFN, D),
-        ops.AddResidual(), recipe=_recipe(kind),
-    )  # fmt: skip
+        ops.Residual(),
+        ops.RMSNorm(D),
+        ops.Linear(D, 2 * FFN, bias=False),
+        ops.SwiGLU(),
+        ops.Linear(FFN, D),
+        ops.AddResidual(),
+        recipe=_recipe(kind),
+    )
 
 
 def _tp_block(group, sp: bool, kind):
@@ -88,7 +93,10 @@ def _run_tp(rank, world, sp, kind):
 
     import float8.ops.parallel as parallel
 
-    with mock.patch.object(rc, "_all_gather_single", counted_gather), mock.patch.object(parallel, "gather_rows", watched_rows):
+    with (
+        mock.patch.object(rc, "_all_gather_single", counted_gather),
+        mock.patch.object(parallel, "gather_rows", watched_rows),
+    ):
         # Sequence-first: with sequence parallelism each rank holds a block of the sequence.
         outs, dxs = _train(tp, [x.chunk(world)[rank] if sp else x for x in _inputs()])
     params = {n: p.detach().clone() for n, p in tp.named_parameters()}
@@ -202,11 +210,16 @@ def _bad_inputs(rank, world):
     # The same through the no-sync path (a quantizer said the scale is one): NaN, never finite wrong values.
     out["nan"] = bool(gather_rows(x8, group, one_scale=True).dequantize().isnan().all())
     same = Float8Tensor.quantize(torch.randn(4, D, generator=torch.Generator().manual_seed(0)))
-    out["ok"] = torch.equal(gather_rows(same, group, one_scale=True).dequantize(), torch.cat([same.dequantize()] * world))
+    out["ok"] = torch.equal(
+        gather_rows(same, group, one_scale=True).dequantize(), torch.cat([same.dequantize()] * world)
+    )
     # Row-wise scales travel with their rows.
     rows8 = Float8Tensor.quantize(torch.randn(4, D) * (rank + 1), scaling=__import__("float8").RowwiseScaling())
     got = gather_rows(rows8, group)
-    out["rowwise"] = got.dequantize()[4 * rank : 4 * rank + 4].equal(rows8.dequantize()) and got._scale_inv.shape == (8, 1)
+    out["rowwise"] = got.dequantize()[4 * rank : 4 * rank + 4].equal(rows8.dequantize()) and got._scale_inv.shape == (
+        8,
+        1,
+    )
     return out
 
 
@@ -255,10 +268,10 @@ def test_wrong_or_missing_group_and_uneven_weight_shards_raise():
 def sp_layer_sqnr(rank, world, dev) -> dict:
     """SQNR (dB) of a sequence-parallel attention + MLP layer (ops.Linear(parallel=..., sequence_parallel=True),
     ops.Attention(sequence_first=True)) against the unsharded layer, on `dev`: output, input grad, weight grads."""
-    import float8.ops as ops
-    from float8 import Recipe
     import torch.distributed as dist
 
+    import float8.ops as ops
+    from float8 import Recipe
     from tests.tolerances import sqnr_db
 
     d, h, kv, hd, f, s = 256, 4, 2, 64, 512, 256
@@ -271,21 +284,31 @@ def sp_layer_sqnr(rank, world, dev) -> dict:
         row = {"parallel": "row", "tp_group": group, "sequence_parallel": True} if tp else {}
         spg = group if tp else None
         return ops.Sequential(
-            ops.Residual(), ops.RMSNorm(d, sequence_parallel_group=spg),
+            ops.Residual(),
+            ops.RMSNorm(d, sequence_parallel_group=spg),
             ops.Linear(d, (h + 2 * kv) * hd, bias=False, **col),
             ops.Attention(h // w, hd, num_kv_heads=kv // w, sequence_first=True),
-            ops.Linear(h * hd, d, **row), ops.AddResidual(),
-            ops.Residual(), ops.RMSNorm(d, sequence_parallel_group=spg), ops.Linear(d, 2 * f, bias=False, **col),
-            ops.SwiGLU(), ops.Linear(f, d, **row), ops.AddResidual(), recipe=recipe,
-        ).to(dev)  # fmt: skip
+            ops.Linear(h * hd, d, **row),
+            ops.AddResidual(),
+            ops.Residual(),
+            ops.RMSNorm(d, sequence_parallel_group=spg),
+            ops.Linear(d, 2 * f, bias=False, **col),
+            ops.SwiGLU(),
+            ops.Linear(f, d, **row),
+            ops.AddResidual(),
+            recipe=recipe,
+        ).to(dev)
 
     torch.manual_seed(0)
     full, tp = layer(False), layer(True)
     n_q, n_kv, n_f = h // world * hd, kv // world * hd, f // world
-    qkv_rows = torch.cat([
-        torch.arange(rank * n_q, (rank + 1) * n_q), h * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
-        (h + kv) * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
-    ])  # fmt: skip
+    qkv_rows = torch.cat(
+        [
+            torch.arange(rank * n_q, (rank + 1) * n_q),
+            h * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
+            (h + kv) * hd + torch.arange(rank * n_kv, (rank + 1) * n_kv),
+        ]
+    )
     up_rows = torch.cat([torch.arange(rank * n_f, (rank + 1) * n_f), f + torch.arange(rank * n_f, (rank + 1) * n_f)])
     with torch.no_grad():
         for i in (1, 7):
@@ -315,8 +338,14 @@ def sp_layer_sqnr(rank, world, dev) -> dict:
 # Both sides are FP8; gradients are E5M2 under scales of different extent (a shard's amax or the whole one):
 # the suite's gradient tolerance (tests/tolerances.py). Measured on 2 gloo ranks: output 45.7 dB, input grad
 # 37.3, weight grads 23.7-26.1.
-SP_LAYER_MIN_DB = {"output": 30.0, "input grad": 25.0, "norm weight grad": 17.0, "column weight grad": 17.0,
-                   "row weight grad": 17.0, "row bias grad": 17.0}  # fmt: skip
+SP_LAYER_MIN_DB = {
+    "output": 30.0,
+    "input grad": 25.0,
+    "norm weight grad": 17.0,
+    "column weight grad": 17.0,
+    "row weight grad": 17.0,
+    "row bias grad": 17.0,
+}
 
 
 def _sp_layer(rank, world):
@@ -349,7 +378,9 @@ def _compile_tp(rank, world):
 
 def test_tensor_parallel_under_compile_names_the_problem():
     for message in run_ranks(_compile_tp, timeout=TIMEOUT_S):
-        assert "cannot run under torch.compile" in message and "Tensor-parallel layers run eagerly" in message, message[:500]
+        assert "cannot run under torch.compile" in message and "Tensor-parallel layers run eagerly" in message, message[
+            :500
+        ]
 
 
 def _tp_fsdp_run(rank, world, fp8_all_gather):

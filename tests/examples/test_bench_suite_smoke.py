@@ -12,9 +12,25 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
 REQUIRED = [
-    "case", "shape", "ours_ms", "ours_compiled_ms", "bf16_ms", "bf16_compiled_ms", "torchao_ms", "torchao_rowwise_ms",
-    "peak_mem_ours", "peak_mem_bf16", "floor_ms", "fraction_of_floor", "device", "torch", "triton", "date",
-    "error", "errors", "skipped",
+    "case",
+    "shape",
+    "ours_ms",
+    "ours_compiled_ms",
+    "bf16_ms",
+    "bf16_compiled_ms",
+    "torchao_ms",
+    "torchao_rowwise_ms",
+    "peak_mem_ours",
+    "peak_mem_bf16",
+    "floor_ms",
+    "fraction_of_floor",
+    "device",
+    "torch",
+    "triton",
+    "date",
+    "error",
+    "errors",
+    "skipped",
 ]
 CASES = {"kernels", "gemm", "linear", "mlp", "transformer_layer", "host", "step_linear", "step_mlp"}
 TIMED_IN_ROUNDS = {"linear", "mlp", "transformer_layer", "step_linear", "step_mlp"}
@@ -25,7 +41,10 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--cpu-smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return out, run.stdout, suite_records(out)
@@ -144,7 +163,10 @@ def test_memory_bench_runs_tiny(tmp_path):
     """`python -m benchmarks.memory --tiny`: the LCE, inference, training-memory and activation cases end to end."""
     run = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "benchmarks.memory", "--tiny", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     latest = json.loads((tmp_path / "latest.json").read_text())
@@ -154,8 +176,13 @@ def test_memory_bench_runs_tiny(tmp_path):
     assert lce["float8 bf16"]["dx_sqnr_db"] >= 60 and lce["float8 FP8 GEMMs"]["dw_sqnr_db"] >= 25
     assert [r["variant"] for r in result["inference"]["rows"]] == ["bf16", "float8 FP8-only weights"]
     train = {r["variant"]: r for r in result["train"]["rows"]}
-    assert list(train) == ["bf16 eager", "float8 eager", "float8 eager, lean activations",
-                           "float8 eager + requantize_weights", "torchao tensorwise + compile"]  # fmt: skip
+    assert list(train) == [
+        "bf16 eager",
+        "float8 eager",
+        "float8 eager, lean activations",
+        "float8 eager + requantize_weights",
+        "torchao tensorwise + compile",
+    ]
     assert "error" not in train["float8 eager, lean activations"]
     assert "CUDA" in train["torchao tensorwise + compile"]["error"]  # torchao is measured on the GPU only
     assert "error" not in train["float8 eager + requantize_weights"]

@@ -14,7 +14,10 @@ ROOT = pathlib.Path(__file__).parents[2]
 def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.step_llama", "--tiny", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     section = json.loads((tmp_path / "latest.json").read_text())["step_llama"]
@@ -48,7 +51,10 @@ def test_kernel_groups_name_each_family():
 def test_gaps_tiny_runs(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gaps", "--tiny", "--json", str(tmp_path / "gaps.json")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     # No kernels on the CPU: an empty report per variant, recorded in the folder the old --json path names.
@@ -61,7 +67,10 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
     torchao ones skipped with their reason, generate() timed for bf16 and float8, the report written."""
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.inference", "--tiny", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     section = json.loads((tmp_path / "latest.json").read_text())["inference"]

@@ -31,14 +31,18 @@ def test_a_run_replaces_its_own_area_and_appends_its_figures(tmp_path, monkeypat
     assert {k: latest["a"][k] for k in harness.ENV_KEYS} == {**ENV}
     md = (tmp_path / "latest.md").read_text()
     assert "## a" in md and "| a table |" in md and "## b" in md and "| bf16 | 2 |" in md  # b: tables of its figures
-    assert history(tmp_path) == ["date,commit,device,area,case,variant,metric,value",
-                                 "2030-01-02,abc1234,Some GPU,a,case 1,ours,ms,1.5",
-                                 "2030-01-02,abc1234,Some GPU,b,case 2,bf16,ms,2"]  # fmt: skip
+    assert history(tmp_path) == [
+        "date,commit,device,area,case,variant,metric,value",
+        "2030-01-02,abc1234,Some GPU,a,case 1,ours,ms,1.5",
+        "2030-01-02,abc1234,Some GPU,b,case 2,bf16,ms,2",
+    ]
     # The same run writing its area again (a report rewritten as it goes): its rows replaced, not repeated.
     record("a", str(tmp_path), ENV, [figure("case 1", "ours", "ms", 1.25), figure("case 3", "ours", "ms", 3.0)])
-    assert history(tmp_path)[1:] == ["2030-01-02,abc1234,Some GPU,b,case 2,bf16,ms,2",
-                                     "2030-01-02,abc1234,Some GPU,a,case 1,ours,ms,1.25",
-                                     "2030-01-02,abc1234,Some GPU,a,case 3,ours,ms,3"]  # fmt: skip
+    assert history(tmp_path)[1:] == [
+        "2030-01-02,abc1234,Some GPU,b,case 2,bf16,ms,2",
+        "2030-01-02,abc1234,Some GPU,a,case 1,ours,ms,1.25",
+        "2030-01-02,abc1234,Some GPU,a,case 3,ours,ms,3",
+    ]
     # A later run (another process) adds its rows and takes the area over; b stays.
     monkeypatch.setattr(harness, "_APPENDED", {})
     record("a", str(tmp_path), {**ENV, "date": "2030-02-03T04:05:06+00:00"}, [figure("case 1", "ours", "ms", 1.0)])

@@ -26,7 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _model(seed=0, recipe=None, dims=(64, 576, 272)):
     torch.manual_seed(seed)
     a, b, c = dims
-    m = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(), torch.nn.Linear(b, c, bias=False), torch.nn.LayerNorm(c))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(a, b), torch.nn.ReLU(), torch.nn.Linear(b, c, bias=False), torch.nn.LayerNorm(c)
+    )
     with torch.no_grad():
         m[3].weight.uniform_(0.5, 1.5)  # not the default ones: a load that skipped it would show
     return ops.convert(m.to(torch.bfloat16), fp8_weights=True, recipe=recipe)
@@ -49,7 +51,10 @@ def test_round_trip_keeps_every_fp8_bit_and_value(tmp_path):
     assert tuple(stored["2.weight_scale_inv"].shape) == (3, 5)
     assert stored["0.bias"].dtype == torch.bfloat16 and stored["3.weight"].dtype == torch.bfloat16  # as they are
     assert not any("_quantizer" in k for k in stored)
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == {**QUANTIZATION_CONFIG, "modules_to_not_convert": []}
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == {
+        **QUANTIZATION_CONFIG,
+        "modules_to_not_convert": [],
+    }
 
     dst = _model(1)
     float8.load_checkpoint(dst, tmp_path)
@@ -142,7 +147,9 @@ def test_weights_the_layout_cannot_hold_exactly_are_refused(tmp_path):
 def test_load_errors_name_the_problem(tmp_path):
     float8.save_checkpoint(_model(0), tmp_path)
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(64, 576), torch.nn.ReLU(), torch.nn.Linear(576, 272, bias=False), torch.nn.LayerNorm(272))
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(64, 576), torch.nn.ReLU(), torch.nn.Linear(576, 272, bias=False), torch.nn.LayerNorm(272)
+    )
     with pytest.raises(ValueError, match="fp8_weights=True"):
         float8.load_checkpoint(plain, tmp_path)
     with pytest.raises(ValueError, match="shape"):
@@ -165,7 +172,10 @@ def test_corrupt_scales_are_refused_on_load(tmp_path, bad):
 
     scale = torch.ones(1, 1)
     scale[0, 0] = bad
-    save_file({"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale_inv": scale},
+        str(tmp_path / "model.safetensors"),
+    )
     lin = ops.convert(torch.nn.Linear(64, 64, bias=False), fp8_weights=True)
     with pytest.raises(ValueError, match="finite and positive"):
         float8.load_checkpoint(lin, tmp_path)
@@ -195,9 +205,14 @@ def _hf_save_pretrained(directory):
 
     tmp_path = pathlib.Path(directory)
     cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
 
     def model(seed):
         torch.manual_seed(seed)
@@ -231,11 +246,18 @@ def _hf_save_pretrained(directory):
 
 def _hf_llama(transformers, seed, device):
     cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
-    return ops.convert(transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16), fp8_weights=True, recipe=Recipe.blockwise())
+    return ops.convert(
+        transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16), fp8_weights=True, recipe=Recipe.blockwise()
+    )
 
 
 @pytest.mark.gpu
@@ -341,7 +363,10 @@ def test_fp8_bytes_without_their_scale_are_refused(tmp_path):
     """Per-tensor exports name their scale otherwise (`weight_scale`): read as scale 1 they were 5462x off."""
     from safetensors.torch import save_file
 
-    save_file({"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(2.0)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {"weight": torch.ones(64, 64).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(2.0)},
+        str(tmp_path / "model.safetensors"),
+    )
     lin = ops.convert(torch.nn.Linear(64, 64, bias=False), fp8_weights=True)
     for strict in (True, False):
         with pytest.raises(ValueError, match="without a `<name>_scale_inv`"):

@@ -114,8 +114,16 @@ def test_f1_write_into_the_bits():
 
 
 @pytest.mark.parametrize(
-    "view", [lambda t: t.detach(), lambda t: t.view(16, 16), lambda t: t.view(-1), lambda t: t[:], lambda t: t[0:8],
-             lambda t: t.unsqueeze(0), lambda t: t.t().t()],
+    "view",
+    [
+        lambda t: t.detach(),
+        lambda t: t.view(16, 16),
+        lambda t: t.view(-1),
+        lambda t: t[:],
+        lambda t: t[0:8],
+        lambda t: t.unsqueeze(0),
+        lambda t: t.t().t(),
+    ],
     ids=["detach", "view", "flat", "all", "rows", "unsqueeze", "tt"],
 )
 def test_f1_raw_write_into_the_bits_of_a_view(view):
@@ -224,7 +232,9 @@ def test_f5_huge_python_numbers_and_later_writes():
 
 def test_f5_device_scales_are_not_read_on_the_host():
     # The no-sync path (a CUDA tensor, or any tensor under torch.compile): an invalid scale poisons.
-    compiled = torch.compile(lambda x, s: Float8Tensor.quantize(x, scale=s).dequantize(), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda x, s: Float8Tensor.quantize(x, scale=s).dequantize(), backend="aot_eager", fullgraph=True
+    )
     x = torch.randn(8, 8)
     assert_same_bits(compiled(x, torch.tensor(4.0)), Float8Tensor.quantize(x, scale=4.0).dequantize())
     assert compiled(x, torch.tensor(0.0)).isnan().all()

@@ -5,8 +5,7 @@ import warnings
 import pytest
 import torch
 
-from float8 import BlockwiseScaling, Float8FallbackWarning, Float8Tensor, RowwiseScaling
-from float8 import dispatch
+from float8 import BlockwiseScaling, Float8FallbackWarning, Float8Tensor, RowwiseScaling, dispatch
 from tests.tolerances import assert_same_bits
 
 aten = torch.ops.aten
@@ -144,7 +143,9 @@ def test_writes_into_part_of_a_tensor_are_refused():
     assert_same_bits(t.transpose_cache, t.fp8_data.t())
     with pytest.warns(Float8FallbackWarning):
         t.detach().mul_(2)  # a whole-tensor alias: allowed; t's cache is then in step or gone, never stale
-    assert t.transpose_cache is None or torch.equal(t.transpose_cache.view(torch.uint8), t.fp8_data.t().view(torch.uint8))
+    assert t.transpose_cache is None or torch.equal(
+        t.transpose_cache.view(torch.uint8), t.fp8_data.t().view(torch.uint8)
+    )
     assert_same_bits((t @ t.t()), (t.detach().clone() @ t.detach().clone().t()))
 
 

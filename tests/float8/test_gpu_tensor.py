@@ -50,7 +50,10 @@ def test_cuda_delayed_scaling_equals_cpu():
     sa, sb = DelayedScalingState(DelayedScaling(4)), DelayedScalingState(DelayedScaling(4), device="cuda")
     for step in range(5):
         x = torch.randn(64, 128) * (step + 1)
-        same_tensor(Float8Tensor.quantize(x, scaling=sa, with_transpose=True), Float8Tensor.quantize(x.cuda(), scaling=sb, with_transpose=True))
+        same_tensor(
+            Float8Tensor.quantize(x, scaling=sa, with_transpose=True),
+            Float8Tensor.quantize(x.cuda(), scaling=sb, with_transpose=True),
+        )
         assert_same_bits(sa.scale, sb.scale.cpu())
 
 
@@ -100,7 +103,10 @@ def test_inductor_compile_on_cuda():
     def f(x, w):
         return Float8Tensor.quantize(x) @ Float8Tensor.quantize(w).t()
 
-    x, w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16), torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    x, w = (
+        torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
+        torch.randn(128, 256, device="cuda", dtype=torch.bfloat16),
+    )
     assert_same_bits(torch.compile(f, fullgraph=True)(x, w), f(x, w))
 
 

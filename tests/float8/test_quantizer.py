@@ -14,7 +14,6 @@ from float8 import (
     DelayedScaling,
     DelayedScalingState,
     Float8Tensor,
-    Format,
     Recipe,
     RowwiseQuantizer,
     RowwiseScaling,
@@ -75,7 +74,9 @@ def test_recipe_builds_the_quantizers_of_each_role():
 def test_kernel_request_round_trip_equals_quantize():
     x = torch.randn(64, 48)
     req = QuantRequest(TensorwiseQuantizer(E4M3), with_transpose=True)
-    data, data_t, scale_inv, amax = quantize_tensorwise(x, req.fp8_dtype, req.kernel_scale(), req.margin, req.power_of_2, True)
+    data, data_t, scale_inv, amax = quantize_tensorwise(
+        x, req.fp8_dtype, req.kernel_scale(), req.margin, req.power_of_2, True
+    )
     t = req.finish(data, data_t, scale_inv, amax, x.dtype)
     same(t, TensorwiseQuantizer(E4M3).quantize(x))
     assert_same_bits(t.transpose_cache, t.fp8_data.t())
@@ -166,7 +167,9 @@ def test_delayed_checkpoint_loads_strictly_into_a_fresh_state_and_resumes():
     assert_same_bits(a.scale, b.scale)
 
 
-@pytest.mark.parametrize("saved_len, new_len", [(16, 1024), (8, 3)], ids=["old default into 1024", "longer into shorter"])
+@pytest.mark.parametrize(
+    "saved_len, new_len", [(16, 1024), (8, 3)], ids=["old default into 1024", "longer into shorter"]
+)
 def test_delayed_checkpoint_of_another_history_length_loads(saved_len, new_len):
     # The default history went from 16 to 1024 steps: a checkpoint of the old default must still load
     # strictly, keeping its newest amaxes, and give the scale the saved window would give from there on.
@@ -221,9 +224,17 @@ def test_delayed_checkpoint_of_another_format_is_refused():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("scale", float("inf")), ("scale", float("nan")), ("scale", 0.0), ("scale", -2.0), ("scale", 1e-45),
-     ("amax_history", float("inf")), ("amax_history", -1.0), ("amax_history", float("nan"))],
-)  # fmt: skip
+    [
+        ("scale", float("inf")),
+        ("scale", float("nan")),
+        ("scale", 0.0),
+        ("scale", -2.0),
+        ("scale", 1e-45),
+        ("amax_history", float("inf")),
+        ("amax_history", -1.0),
+        ("amax_history", float("nan")),
+    ],
+)
 def test_a_tampered_delayed_checkpoint_is_refused(field, value):
     """A scale of inf, NaN (after a recorded step), <= 0 or out of range, or a history entry no run writes,
     used to load and make every later output finite and wrong (89% off, issue 23). Refused on load now; on

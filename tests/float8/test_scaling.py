@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from float8 import BlockwiseScaling, Float8Tensor, RowwiseScaling, TensorwiseScaling
 from float8.kernels.reference import cast_to_fp8_ref, fp8_max, scale_from_amax

@@ -74,4 +74,3 @@ def hardware_float_conversions(monkeypatch):
     # The interpreter computes with numpy, which warns where the GPU silently gives inf/NaN (inf * s, 1 / 0).
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         yield
-

@@ -94,8 +94,27 @@ def fp8_grid(fp8_dtype: torch.dtype) -> torch.Tensor:
 def special_values(dtype: torch.dtype) -> torch.Tensor:
     """0, -0, the smallest subnormal and normal of `dtype`, +-inf, NaN, values around the FP8 maxima."""
     fi = torch.finfo(dtype)
-    v = [0.0, -0.0, fi.smallest_normal, -fi.smallest_normal, fi.tiny / 2, float("inf"), float("-inf"),
-         float("nan"), 448.0, 449.0, 464.0, 465.0, 500.0, -500.0, 57344.0, 61440.0, 61441.0, -70000.0, 7.93]
+    v = [
+        0.0,
+        -0.0,
+        fi.smallest_normal,
+        -fi.smallest_normal,
+        fi.tiny / 2,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        448.0,
+        449.0,
+        464.0,
+        465.0,
+        500.0,
+        -500.0,
+        57344.0,
+        61440.0,
+        61441.0,
+        -70000.0,
+        7.93,
+    ]
     t = torch.tensor(v, dtype=torch.float32)
     if dtype != torch.float32:
         t = torch.cat([t, torch.tensor([2.0**-149, 1e-30], dtype=torch.float32)])
@@ -134,7 +153,8 @@ def make_x(shape, dtype=torch.bfloat16, layout="contiguous", seed=0, specials=Fa
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from float8.kernels.common import fp8_constants, scale_from_amax as _device_scale_from_amax  # noqa: E402
+from float8.kernels.common import fp8_constants  # noqa: E402
+from float8.kernels.common import scale_from_amax as _device_scale_from_amax  # noqa: E402
 
 
 @triton.jit
@@ -177,9 +197,33 @@ def amax_samples(device="cpu", n=4000, seed=0) -> torch.Tensor:
     rnd = torch.exp2(logs).float()
     rnd = rnd[torch.isfinite(rnd) & (rnd > 0)]
     f32 = torch.finfo(torch.float32)
-    edges = [0.0, -0.0, 2.0**-149, 1e-45, 1e-40, f32.tiny, 1e-37, 448 / f32.max, 1e-36, 2.0**-126, 1.0, 448.0,
-             57344.0, 448.0 * (1 + 2**-23), 3.0, 1e30, f32.max, float("inf"), float("nan"), -1.0, float("-inf"),
-             1.75 * 2.0**127, 1.7500001 * 2.0**127, 1.7499999 * 2.0**127, 3e38]  # 1.75 * 2**127: scale = min_scale
+    edges = [
+        0.0,
+        -0.0,
+        2.0**-149,
+        1e-45,
+        1e-40,
+        f32.tiny,
+        1e-37,
+        448 / f32.max,
+        1e-36,
+        2.0**-126,
+        1.0,
+        448.0,
+        57344.0,
+        448.0 * (1 + 2**-23),
+        3.0,
+        1e30,
+        f32.max,
+        float("inf"),
+        float("nan"),
+        -1.0,
+        float("-inf"),
+        1.75 * 2.0**127,
+        1.7500001 * 2.0**127,
+        1.7499999 * 2.0**127,
+        3e38,
+    ]  # 1.75 * 2**127: scale = min_scale
     # amaxes whose scale lands on, or one ulp either side of, a power of two
     p = torch.exp2(torch.arange(-20, 21, dtype=torch.float32))
     at = 448.0 / p

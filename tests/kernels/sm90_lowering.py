@@ -22,8 +22,15 @@ from triton.compiler import ASTSource
 from float8.kernels.launch import FastLauncher
 
 MODULES = ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
-_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-       torch.float8_e5m2: "fp8e5", torch.int32: "i32", torch.uint8: "u8"}
+_TY = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+    torch.int32: "i32",
+    torch.uint8: "u8",
+}
 PTX_PATTERNS = {
     "div_rn": r"\bdiv\.rn\.f32",
     "div_inexact": r"\bdiv\.(full|approx)\.f32",
@@ -115,8 +122,12 @@ def main():
     for rec in record_launches():
         for args, kwargs in rec.calls:
             sig, consts, attrs, options = signature_of(rec.jit_fn, args, kwargs)
-            key = (rec.name, json.dumps(sig, sort_keys=True), json.dumps(consts, sort_keys=True, default=str),
-                   str(attrs))
+            key = (
+                rec.name,
+                json.dumps(sig, sort_keys=True),
+                json.dumps(consts, sort_keys=True, default=str),
+                str(attrs),
+            )
             if key in seen:
                 continue
             seen.add(key)
@@ -124,8 +135,14 @@ def main():
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
             ptx = k.asm["ptx"]
             counts = {name: len(re.findall(p, ptx)) for name, p in PTX_PATTERNS.items()}
-            out.append({"kernel": rec.name, "signature": sig, "constexprs": {c: str(v) for c, v in consts.items()},
-                        "counts": counts})
+            out.append(
+                {
+                    "kernel": rec.name,
+                    "signature": sig,
+                    "constexprs": {c: str(v) for c, v in consts.items()},
+                    "counts": counts,
+                }
+            )
     sys.stdout.write(json.dumps(out) + "\n")
 
 

@@ -390,13 +390,13 @@ def test_gelu_tail(impl):
     dy = make_x(x.shape, F32, seed=11, scale=1.0).to(device)
     y64, cdf, vpdf = _gelu_terms64(x)
     out = fp8(x)
-    assert_fp8_outputs(out, fwd(x), quantize_tensorwise_ref(y64.float(), E4M3), E4M3, False,
-                       _current(E4M3, 0, False))  # fmt: skip
+    assert_fp8_outputs(out, fwd(x), quantize_tensorwise_ref(y64.float(), E4M3), E4M3, False, _current(E4M3, 0, False))
     assert out[0].view(torch.uint8).unique().numel() > 100  # the tail spans the FP8 codes
     d64 = (dy.double() * (cdf + vpdf)).float()
     out = dfp8(dy, x)
-    assert_fp8_outputs(out, bwd(dy, x), quantize_tensorwise_ref(d64, E5M2, with_transpose=True), E5M2, True,
-                       _current(E5M2, 0, False))  # fmt: skip
+    assert_fp8_outputs(
+        out, bwd(dy, x), quantize_tensorwise_ref(d64, E5M2, with_transpose=True), E5M2, True, _current(E5M2, 0, False)
+    )
 
 
 # ---- the custom ops ---------------------------------------------------------------------------------
@@ -562,8 +562,11 @@ def _gpu_check_all(kind, x, bias, dy, fp8_dtype, margin=0, p2=False, with_t=True
     assert_ulps_close(d32, act.dact_ref_fp32(dy, x, kind, bias), magnitude(kind, x, bias, dy), **ULPS_GPU, what="dx")
     assert_bits(act.act_bwd(dy, x, kind, bias), d32.to(x.dtype), "act_bwd = its float32 values rounded")
     # current scaling in both layouts (transposing tiles) and in data alone (row tiles); a given scale
-    for s, t, scale_of_amax in [(None, True, _current(fp8_dtype, margin, p2)), (None, False, _current(fp8_dtype, margin, p2)),
-                                (scale, with_t, given)]:  # fmt: skip
+    for s, t, scale_of_amax in [
+        (None, True, _current(fp8_dtype, margin, p2)),
+        (None, False, _current(fp8_dtype, margin, p2)),
+        (scale, with_t, given),
+    ]:
         out = act.dact_fp8(dy, x, kind, bias, fp8_dtype, s, margin, p2, t)
         ref = act.dact_fp8_ref(dy, x, kind, bias, fp8_dtype, s, margin, p2, t)
         assert_fp8_outputs(out, d32, ref, fp8_dtype, t, scale_of_amax)
@@ -608,11 +611,15 @@ def test_cuda_transposing_tile_variants_give_the_same_bits(cfg):
     # Under the interpreter the three transposes are one numpy transpose; on the GPU they are three
     # different routes through shared memory (FP8 bytes, 16-bit lanes, float32 recast): same bits required.
     x, bias, dy = inputs(((3, 200, 320), BF16, BF16), "swiglu", device="cuda")
-    for o, d in zip(act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True, config=cfg),
-                    act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True)):
+    for o, d in zip(
+        act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True, config=cfg),
+        act.act_fp8_triton(x, "swiglu", bias, E4M3, None, 0, False, True),
+    ):
         assert_bits(o, d, "forward, variant vs default tile")
-    for o, d in zip(act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2, config=cfg)[:4],
-                    act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2)[:4]):
+    for o, d in zip(
+        act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2, config=cfg)[:4],
+        act.dact_fp8_triton(dy, x, "swiglu", bias, E5M2)[:4],
+    ):
         assert_bits(o, d, "backward, variant vs default tile")
 
 

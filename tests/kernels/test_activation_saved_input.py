@@ -184,7 +184,11 @@ def test_bad_input():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "shape, dtype, bias_dtype, fp8_dtype, with_t",
-    [((257, 1000), BF16, BF16, E4M3, True), ((3, 129, 192), F32, None, E5M2, True), ((1000, 66), BF16, None, E5M2, False)],
+    [
+        ((257, 1000), BF16, BF16, E4M3, True),
+        ((3, 129, 192), F32, None, E5M2, True),
+        ((1000, 66), BF16, None, E5M2, False),
+    ],
 )
 def test_cuda_saved_input_vs_refs(kind, shape, dtype, bias_dtype, fp8_dtype, with_t):
     x, bias, dy = inputs((shape, dtype, bias_dtype), kind, device="cuda")

@@ -28,8 +28,10 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-_m = {m: importlib.import_module(f"float8.kernels.{m}") for m in
-      ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")}
+_m = {
+    m: importlib.import_module(f"float8.kernels.{m}")
+    for m in ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
+}
 amax_m, cast_m, quant_m, ct_m, row_m, block_m, dq_m = _m.values()
 
 CAST = ("data", "scale_inv", "amax")
@@ -67,8 +69,11 @@ def test_cast_codes_midpoints(fp8_dtype, dtype, cols):
     x = grid_matrix(fp8_dtype, cols, dtype)
     check(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST)
     for with_t in (False, True):  # the op's CUDA dispatch
-        check(K.quantize_tensorwise(x, fp8_dtype, scale, 0, False, with_t),
-              K.quantize_tensorwise_ref(x, fp8_dtype, scale, 0, False, with_t), CAST_T)
+        check(
+            K.quantize_tensorwise(x, fp8_dtype, scale, 0, False, with_t),
+            K.quantize_tensorwise_ref(x, fp8_dtype, scale, 0, False, with_t),
+            CAST_T,
+        )
     check(ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)
 
 
@@ -103,12 +108,21 @@ def test_cast_transpose_configs(trans_input, tile):
 def test_quantize_codes_midpoints(fp8_dtype, dtype, finite_only, margin, power_of_2):
     for cols in (1, 17, 4097):
         x = grid_matrix(fp8_dtype, cols, dtype, finite_only)
-        check(quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, margin, power_of_2),
-              quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2), CAST_T)
-        check(ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2),
-              ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2), CAST_T)
-        check(row_m.quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2),
-              row_m.quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2), ROW)
+        check(
+            quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, margin, power_of_2),
+            quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2),
+            CAST_T,
+        )
+        check(
+            ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, margin, power_of_2),
+            ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, margin, power_of_2),
+            CAST_T,
+        )
+        check(
+            row_m.quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2),
+            row_m.quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2),
+            ROW,
+        )
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -119,8 +133,11 @@ def test_blockwise_codes_midpoints(fp8_dtype, dtype, block):
     x = x.repeat(-(-256 // x.shape[0]), 1)[:256]  # (256, 384)
     x[:128] *= 2.0**-7  # blocks of different magnitudes
     for margin, p2 in [(0, False), (1, True)]:
-        check(block_m.quantize_blockwise_triton(x, *block, fp8_dtype, margin, p2),
-              block_m.quantize_blockwise_ref(x, *block, fp8_dtype, margin, p2), ROW)
+        check(
+            block_m.quantize_blockwise_triton(x, *block, fp8_dtype, margin, p2),
+            block_m.quantize_blockwise_ref(x, *block, fp8_dtype, margin, p2),
+            ROW,
+        )
 
 
 SHAPES = [(1,), (1, 1), (17, 33), (3, 4097), (5, 9000), (2, 3, 128), (0, 5), (4, 0), (4096, 4097)]
@@ -137,8 +154,9 @@ def test_all_kernels_shapes(shape, dtype):
         check(row_m.quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
         if len(shape) >= 2:
             check(ct_m.cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
-            check(ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
-                  CAST_T)
+            check(
+                ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8), CAST_T
+            )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
@@ -151,8 +169,7 @@ def test_all_kernels_views(layout, dtype):
         check(cast_m.cast_triton(x, scale, f8), cast_m.cast_ref(x, scale, f8), CAST)
         check(quant_m.quantize_tensorwise_triton(x, f8), quant_m.quantize_tensorwise_ref(x, f8), CAST_T)
         check(ct_m.cast_transpose_triton(x, scale, f8), ct_m.cast_transpose_ref(x, scale, f8), CAST_T)
-        check(ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8),
-              CAST_T)
+        check(ct_m.quantize_transpose_tensorwise_triton(x, f8), ct_m.quantize_transpose_tensorwise_ref(x, f8), CAST_T)
         check(row_m.quantize_rowwise_triton(x, f8), row_m.quantize_rowwise_ref(x, f8), ROW)
         for block in [(1, 128), (128, 128)]:
             check(block_m.quantize_blockwise_triton(x, *block, f8), block_m.quantize_blockwise_ref(x, *block, f8), ROW)
@@ -179,13 +196,23 @@ def test_nonfinite_and_huge_amax(fp8_dtype):
             x[100, 100] = bad
         for got, ref, names in [
             (quant_m.quantize_tensorwise_triton(x, fp8_dtype), quant_m.quantize_tensorwise_ref(x, fp8_dtype), CAST_T),
-            (ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, 1, True),
-             ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, 1, True), CAST_T),
+            (
+                ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype, 1, True),
+                ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype, 1, True),
+                CAST_T,
+            ),
             (row_m.quantize_rowwise_triton(x, fp8_dtype), row_m.quantize_rowwise_ref(x, fp8_dtype), ROW),
-            (block_m.quantize_blockwise_triton(x, 1, 128, fp8_dtype), block_m.quantize_blockwise_ref(x, 1, 128, fp8_dtype), ROW),
-            (block_m.quantize_blockwise_triton(x, 128, 128, fp8_dtype, 0, True),
-             block_m.quantize_blockwise_ref(x, 128, 128, fp8_dtype, 0, True), ROW),
-        ]:  # fmt: skip
+            (
+                block_m.quantize_blockwise_triton(x, 1, 128, fp8_dtype),
+                block_m.quantize_blockwise_ref(x, 1, 128, fp8_dtype),
+                ROW,
+            ),
+            (
+                block_m.quantize_blockwise_triton(x, 128, 128, fp8_dtype, 0, True),
+                block_m.quantize_blockwise_ref(x, 128, 128, fp8_dtype, 0, True),
+                ROW,
+            ),
+        ]:
             check(got, ref, names)
             data, scale_inv = got[0], got[names.index("scale_inv")]
             out = dq_m.dequantize_triton(data, scale_inv, torch.float32)
@@ -215,8 +242,15 @@ def test_amax_nan_and_inf_in_any_program(where):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize(
     "shape,scale_shape",
-    [((16, 4097), ()), ((16, 4097), (16, 1)), ((2, 3, 256), (2, 3, 2)), ((256, 384), (2, 3)), ((4, 6, 8), (2, 1, 4)),
-     ((4, 6, 8), (2, 6, 1)), ((1,), ())],
+    [
+        ((16, 4097), ()),
+        ((16, 4097), (16, 1)),
+        ((2, 3, 256), (2, 3, 2)),
+        ((256, 384), (2, 3)),
+        ((4, 6, 8), (2, 1, 4)),
+        ((4, 6, 8), (2, 6, 1)),
+        ((1,), ()),
+    ],
 )
 def test_dequantize_all_codes(fp8_dtype, shape, scale_shape):
     n = torch.Size(shape).numel()
@@ -228,8 +262,11 @@ def test_dequantize_all_codes(fp8_dtype, shape, scale_shape):
     scale_inv_t = scale_inv.transpose(0, -1) if scale_inv.dim() else scale_inv
     for dtype in HP:
         check(dq_m.dequantize_triton(data, scale_inv, dtype), dq_m.dequantize_ref(data, scale_inv, dtype), ["out"])
-        check(dq_m.dequantize_triton(data_t, scale_inv_t, dtype), dq_m.dequantize_ref(data_t, scale_inv_t, dtype),
-              ["out (non-contiguous)"])
+        check(
+            dq_m.dequantize_triton(data_t, scale_inv_t, dtype),
+            dq_m.dequantize_ref(data_t, scale_inv_t, dtype),
+            ["out (non-contiguous)"],
+        )
 
 
 # ---- the scale rule on the device --------------------------------------------------------------------
@@ -245,10 +282,18 @@ def test_device_scale_matches_reference(fp8_dtype, margin):
         ours = device_scale(amax, fp8_dtype, margin, p2)
         # NaN (a non-finite amax) compared as NaN-ness: payloads are not part of the contract
         assert_bits(ours, ref, f"scale vs reference (CUDA), power_of_2={p2}", nan_bits=False)
-        assert_bits(ours.cpu(), scale_from_amax(amax.cpu(), fp8_dtype, margin, p2),
-                    f"scale vs reference (CPU), power_of_2={p2}", nan_bits=False)
-    assert_bits(ours, exact_pow2_floor(scale_from_amax(amax, fp8_dtype, margin)), "power-of-2 scale vs exact round-down",
-                nan_bits=False)
+        assert_bits(
+            ours.cpu(),
+            scale_from_amax(amax.cpu(), fp8_dtype, margin, p2),
+            f"scale vs reference (CPU), power_of_2={p2}",
+            nan_bits=False,
+        )
+    assert_bits(
+        ours,
+        exact_pow2_floor(scale_from_amax(amax, fp8_dtype, margin)),
+        "power-of-2 scale vs exact round-down",
+        nan_bits=False,
+    )
 
 
 # ---- no host sync: CUDA graphs; torch.compile with inductor ------------------------------------------
@@ -260,11 +305,13 @@ def test_cuda_graph_capture_and_replay():
     scale = torch.tensor([0.37], device=DEVICE)
 
     def step():
-        return (quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
-                ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True),
-                cast_m.cast_triton(static_x, scale, FP8[0]),
-                row_m.quantize_rowwise_triton(static_x, FP8[0]),
-                block_m.quantize_blockwise_triton(static_x, 1, 128, FP8[0]))
+        return (
+            quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
+            ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True),
+            cast_m.cast_triton(static_x, scale, FP8[0]),
+            row_m.quantize_rowwise_triton(static_x, FP8[0]),
+            block_m.quantize_blockwise_triton(static_x, 1, 128, FP8[0]),
+        )
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -277,11 +324,13 @@ def test_cuda_graph_capture_and_replay():
     static_x.copy_(x * 3)  # new values, same buffers: the graph must recompute amax and scales
     graph.replay()
     torch.cuda.synchronize()
-    refs = (quant_m.quantize_tensorwise_ref(x * 3, FP8[0]),
-            ct_m.quantize_transpose_tensorwise_ref(x * 3, FP8[1], 1, True),
-            cast_m.cast_ref(x * 3, scale, FP8[0]),
-            row_m.quantize_rowwise_ref(x * 3, FP8[0]),
-            block_m.quantize_blockwise_ref(x * 3, 1, 128, FP8[0]))
+    refs = (
+        quant_m.quantize_tensorwise_ref(x * 3, FP8[0]),
+        ct_m.quantize_transpose_tensorwise_ref(x * 3, FP8[1], 1, True),
+        cast_m.cast_ref(x * 3, scale, FP8[0]),
+        row_m.quantize_rowwise_ref(x * 3, FP8[0]),
+        block_m.quantize_blockwise_ref(x * 3, 1, 128, FP8[0]),
+    )
     for o, r, names in zip(outs, refs, [CAST_T, CAST_T, CAST, ROW, ROW]):
         check(o, r, names)
 
@@ -291,8 +340,11 @@ def test_torch_compile_inductor_fullgraph():
         data, _, scale_inv, _ = K.quantize_tensorwise(x, FP8[0])
         d_r, s_r = K.quantize_rowwise(x * 2, FP8[1])
         d_t, t_t, s_t, _ = K.quantize_tensorwise(x, FP8[1], torch.reciprocal(scale_inv), with_transpose=True)
-        return (K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_r, s_r, torch.float32)
-                + K.dequantize(t_t, s_t, torch.float32).t())
+        return (
+            K.dequantize(data, scale_inv, torch.float32)
+            + K.dequantize(d_r, s_r, torch.float32)
+            + K.dequantize(t_t, s_t, torch.float32).t()
+        )
 
     x = make_x((256, 512), torch.bfloat16, device=DEVICE)
     assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))

@@ -14,8 +14,10 @@ from .helpers import FP8, HP, assert_bits, assert_outputs, fp8_grid, make_x, nee
 
 pytestmark = needs_interpreter
 
-_mod = {m: importlib.import_module(f"float8.kernels.{m}") for m in
-        ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")}
+_mod = {
+    m: importlib.import_module(f"float8.kernels.{m}")
+    for m in ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
+}
 amax_m, cast_m, quant_m, ct_m, row_m, block_m, dq_m = _mod.values()
 
 SHAPES = [(), (1,), (1, 1), (17, 33), (3, 4097), (128, 256), (2, 3, 128), (0, 5), (4, 0)]
@@ -125,7 +127,11 @@ def test_quantize_tensorwise_paths(given, with_transpose, shape):
         got = quant_m.quantize_tensorwise_triton(x, f8, scale, 2, True, with_transpose)
         assert_outputs(got, quant_m.quantize_tensorwise_ref(x, f8, scale, 2, True, with_transpose), CAST_T)
         if with_transpose:
-            path = ct_m.cast_transpose_triton(x, scale, f8) if given else ct_m.quantize_transpose_tensorwise_triton(x, f8, 2, True)
+            path = (
+                ct_m.cast_transpose_triton(x, scale, f8)
+                if given
+                else ct_m.quantize_transpose_tensorwise_triton(x, f8, 2, True)
+            )
         else:
             path = cast_m.cast_triton(x, scale, f8) if given else None
             assert got[1].shape == (0,) and got[1].dtype == f8

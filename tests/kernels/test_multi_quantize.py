@@ -14,7 +14,8 @@ from float8.kernels import multi_quantize as mq
 from float8.kernels.quantize import quantize_tensorwise
 from float8.kernels.reference import quantize_tensorwise_ref
 
-from .helpers import FP8, HP, CountedLaunches as _Counted, assert_outputs, make_x, needs_interpreter
+from .helpers import FP8, HP, assert_outputs, make_x, needs_interpreter
+from .helpers import CountedLaunches as _Counted
 
 NAMES = ("data", "data_t", "scale_inv", "amax")
 # Tile edges (64 x 128), one element, an empty tensor among full ones, more tensors than a power of two.
@@ -104,7 +105,10 @@ def test_bad_scaling_args():
 def test_gpu_matches_single_tensor_launcher(with_transpose):
     # Weight-like shapes (a Llama block's Linears at d=1024) plus ragged ones, and a tensor with NaN.
     shapes = [(3072, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (65, 129), (0, 16), (1, 1)]
-    xs = [make_x(s, torch.bfloat16, seed=i, scale=10.0 ** (i % 4 - 2), specials=i == 4, device="cuda") for i, s in enumerate(shapes)]
+    xs = [
+        make_x(s, torch.bfloat16, seed=i, scale=10.0 ** (i % 4 - 2), specials=i == 4, device="cuda")
+        for i, s in enumerate(shapes)
+    ]
     for f8 in FP8:
         got = mq.quantize_tensorwise_multi(xs, f8, 0, False, with_transpose)
         _check_each(got, xs, f8, 0, False, with_transpose, nan_bits=False)

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 import float8.kernels.norm as nm
-from float8.kernels.reference import fp8_max
 from float8.kernels.cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
+from float8.kernels.reference import fp8_max
 
 from .helpers import FP8, assert_bits, needs_interpreter
 from .helpers import assert_outputs as check_outputs
@@ -106,7 +106,9 @@ def fwd_ref(kind, x, w, b):
 
 def fp8_triton(kind, x, w, b, fp8_dtype, scale=None, margin=0, power_of_2=False, with_t=False, config=None):
     """(data, data_t, scale_inv, amax), mean or None, rstd."""
-    *out, mean, rstd = nm.norm_fp8_triton(x, w, b, EPS, kind == "rms", fp8_dtype, scale, margin, power_of_2, with_t, config)
+    *out, mean, rstd = nm.norm_fp8_triton(
+        x, w, b, EPS, kind == "rms", fp8_dtype, scale, margin, power_of_2, with_t, config
+    )
     return out, mean_or_none(kind, mean), rstd
 
 
@@ -361,10 +363,15 @@ class Recorder:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "shape, dtype, config",
-    [((7, 33), BF16, None), ((5, 256), F32, None), ((3, 9000), torch.float16, None), ((7, 33), F32, SMALL),
-     ((1, 16), BF16, None)],
+    [
+        ((7, 33), BF16, None),
+        ((5, 256), F32, None),
+        ((3, 9000), torch.float16, None),
+        ((7, 33), F32, SMALL),
+        ((1, 16), BF16, None),
+    ],
     ids=["7x33-bf16", "5x256-f32", "3x9000-f16-chunked", "7x33-f32-small", "1x16-bf16"],
-)  # fmt: skip
+)
 def test_fp8_stats_come_from_the_forward_kernel(monkeypatch, kind, shape, dtype, config):
     """Every FP8 op's first launch is the forward's compiled row kernel (write_y, not specialized on, apart),
     for contiguous x and for a row slice: so the stats, and with them y and the FP8 bits, are the forward's.
@@ -508,8 +515,9 @@ def test_non_contiguous_rows(kind):
     xs = x[:, :33]
     for view in (xs, x[:, :33].t().contiguous().t()):
         assert not view.is_contiguous()
-        got, want = fwd_triton(kind, view, w[:33], None if b is None else b[:33]), fwd_triton(
-            kind, view.contiguous(), w[:33], None if b is None else b[:33]
+        got, want = (
+            fwd_triton(kind, view, w[:33], None if b is None else b[:33]),
+            fwd_triton(kind, view.contiguous(), w[:33], None if b is None else b[:33]),
         )
         for o, r in zip(got, want):
             if r is not None:
@@ -565,8 +573,16 @@ OP_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(OP_CASES)]
 def test_the_ops():
     # One op per job, rms a flag, a given scale or None: three ops, no others under float8:: from norm.py.
     assert {name for name, _, _ in OP_CASES} == {"norm_fwd", "norm_fp8", "norm_bwd"}
-    for old in ("rmsnorm_fwd", "layernorm_fwd", "rmsnorm_fp8", "layernorm_fp8", "rmsnorm_fp8_scaled",
-                "layernorm_fp8_scaled", "rmsnorm_bwd", "layernorm_bwd"):
+    for old in (
+        "rmsnorm_fwd",
+        "layernorm_fwd",
+        "rmsnorm_fp8",
+        "layernorm_fp8",
+        "rmsnorm_fp8_scaled",
+        "layernorm_fp8_scaled",
+        "rmsnorm_bwd",
+        "layernorm_bwd",
+    ):
         assert not hasattr(nm, old) and not hasattr(torch.ops.float8, old), old
 
 
@@ -713,11 +729,13 @@ def test_gpu_against_references(kind, shape, dtype):
     rms = kind == "rms"
     for got, want in [
         (nm.norm_fwd(x, w, b, EPS, rms), nm.norm_fwd_triton(x, w, b, EPS, rms)),
-        (nm.norm_fp8(x, w, b, EPS, rms, FP8[0], None, 1, True, True),
-         nm.norm_fp8_triton(x, w, b, EPS, rms, FP8[0], None, 1, True, True)),
+        (
+            nm.norm_fp8(x, w, b, EPS, rms, FP8[0], None, 1, True, True),
+            nm.norm_fp8_triton(x, w, b, EPS, rms, FP8[0], None, 1, True, True),
+        ),
         (nm.norm_fp8(x, w, b, EPS, rms, FP8[1], scale), nm.norm_fp8_triton(x, w, b, EPS, rms, FP8[1], scale)),
         (nm.norm_bwd(dy, x, w, mean, rstd), nm.norm_bwd_triton(dy, x, w, mean, rstd)),
-    ]:  # fmt: skip
+    ]:
         for i, (o, r) in enumerate(zip(got, want)):
             assert o.device == x.device
             assert_bits(o, r, f"op output {i}")

@@ -27,10 +27,20 @@ def _cases(specials):
         ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x3, E5M2, S, 0, False, True), Q),
         ("quantize_tensorwise", K.quantize_tensorwise, K.quantize_tensorwise_ref, (x, E4M3, None, 0, False, True), Q),
         ("quantize_rowwise", K.quantize_rowwise, K.quantize_rowwise_ref, (x3, E4M3, 0, False), ["data", "scale_inv"]),
-        ("quantize_blockwise", K.quantize_blockwise, K.quantize_blockwise_ref, (x3, 1, 128, E4M3, 2, False),
-         ["data", "scale_inv"]),
-        ("quantize_blockwise", K.quantize_blockwise, K.quantize_blockwise_ref,
-         (make_x((256, 128)), 128, 128, E5M2, 0, True), ["data", "scale_inv"]),
+        (
+            "quantize_blockwise",
+            K.quantize_blockwise,
+            K.quantize_blockwise_ref,
+            (x3, 1, 128, E4M3, 2, False),
+            ["data", "scale_inv"],
+        ),
+        (
+            "quantize_blockwise",
+            K.quantize_blockwise,
+            K.quantize_blockwise_ref,
+            (make_x((256, 128)), 128, 128, E5M2, 0, True),
+            ["data", "scale_inv"],
+        ),
         ("dequantize", K.dequantize, K.dequantize_ref, (data, scale_inv, torch.bfloat16), ["out"]),
     ]
 
@@ -65,11 +75,31 @@ def test_the_ops():
     ops = set()
     for m in pkgutil.iter_modules(K.__path__):
         mod = importlib.import_module(f"float8.kernels.{m.name}")
-        ops |= {f"{v.op._namespace}::{v.op._name}" for v in vars(mod).values() if hasattr(getattr(v, "op", None), "_name")}
-    assert ops == {f"float8::{n}" for n in (
-        "amax", "quantize_tensorwise", "quantize_rowwise", "quantize_blockwise", "dequantize",
-        "norm_fwd", "norm_fp8", "norm_bwd", "act_fwd", "act_fp8", "act_bwd", "dact_fp8",
-        "act_fp8_save_input", "transpose_fp8", "pack_heads_fp8", "fp8_weight_mm", "fp8_block_mm")}  # fmt: skip
+        ops |= {
+            f"{v.op._namespace}::{v.op._name}" for v in vars(mod).values() if hasattr(getattr(v, "op", None), "_name")
+        }
+    assert ops == {
+        f"float8::{n}"
+        for n in (
+            "amax",
+            "quantize_tensorwise",
+            "quantize_rowwise",
+            "quantize_blockwise",
+            "dequantize",
+            "norm_fwd",
+            "norm_fp8",
+            "norm_bwd",
+            "act_fwd",
+            "act_fp8",
+            "act_bwd",
+            "dact_fp8",
+            "act_fp8_save_input",
+            "transpose_fp8",
+            "pack_heads_fp8",
+            "fp8_weight_mm",
+            "fp8_block_mm",
+        )
+    }
 
 
 def test_torch_compile_fullgraph_aot_eager():
@@ -78,8 +108,12 @@ def test_torch_compile_fullgraph_aot_eager():
         d_row, s_row = K.quantize_rowwise(x, E5M2)
         d_t, t_t, s_t, _ = K.quantize_tensorwise(x, E4M3, torch.reciprocal(scale_inv), with_transpose=True)
         d_b, s_b = K.quantize_blockwise(x, 1, 128, E4M3)
-        return (K.dequantize(data, scale_inv, torch.float32) + K.dequantize(d_row, s_row, torch.float32)
-                + K.dequantize(t_t, s_t, torch.float32).t() + K.dequantize(d_b, s_b, torch.float32))
+        return (
+            K.dequantize(data, scale_inv, torch.float32)
+            + K.dequantize(d_row, s_row, torch.float32)
+            + K.dequantize(t_t, s_t, torch.float32).t()
+            + K.dequantize(d_b, s_b, torch.float32)
+        )
 
     x = make_x((64, 256), torch.float32)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -156,7 +190,11 @@ def test_bad_margin():
     [
         ((4, 200), (1, 128), r"block \(1, 128\) does not tile shape \(4, 200\): 200 columns % 128 != 0"),
         ((200, 128), (128, 128), r"block \(128, 128\) does not tile shape \(200, 128\): 200 rows % 128 != 0"),
-        ((2, 128, 128), (128, 128), r"block \(128, 128\) with more than one row needs a 2-D tensor, got shape \(2, 128"),
+        (
+            (2, 128, 128),
+            (128, 128),
+            r"block \(128, 128\) with more than one row needs a 2-D tensor, got shape \(2, 128",
+        ),
         ((96, 96), (3, 32), r"unsupported block \(3, 32\) for shape \(96, 96\)"),
         ((256, 256), (256, 256), r"unsupported block \(256, 256\) for shape \(256, 256\)"),
         ((4, 128), (0, 128), r"block must be two positive ints, got \(0, 128\)"),

@@ -54,7 +54,9 @@ def test_reference_is_quantize_of_the_packed_matrix(with_transpose):
 
     ref = quantize_tensorwise_ref(torch_packed(parts, False), torch.float8_e4m3fn, None, 1, True, with_transpose)
     for a, b in zip(ours, ref):
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
+        assert torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+        )
 
 
 @needs_interpreter
@@ -145,9 +147,11 @@ def test_attention_op_runs_the_launcher_bit_exact(sequence_first, monkeypatch):
     for fuse in (True, False):
         torch.manual_seed(0)
         seq = ops.Sequential(
-            ops.Linear(64, 128, bias=False), ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first),
-            ops.Linear(64, 64, bias=False), fuse=fuse,
-        ).to(torch.bfloat16)  # fmt: skip
+            ops.Linear(64, 128, bias=False),
+            ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first),
+            ops.Linear(64, 64, bias=False),
+            fuse=fuse,
+        ).to(torch.bfloat16)
         xi = x.clone().requires_grad_(True)
         seq(xi).backward(dy)
         runs.append([xi.grad] + [p.grad for p in seq.parameters()])

@@ -25,8 +25,10 @@ pytestmark = needs_interpreter
 
 E4M3, E5M2 = FP8
 F32MAX = torch.finfo(torch.float32).max
-_m = {m: importlib.import_module(f"float8.kernels.{m}") for m in
-      ("quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")}
+_m = {
+    m: importlib.import_module(f"float8.kernels.{m}")
+    for m in ("quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
+}
 quant_m, ct_m, row_m, block_m, dq_m = _m.values()
 
 CAST = ("data", "scale_inv", "amax")
@@ -65,8 +67,10 @@ def test_scale_matches_reference(fp8_dtype, power_of_2):
 def test_scale_edges(fp8_dtype, power_of_2):
     amax = amax_samples()
     for margin in margins(fp8_dtype):
-        for scale in (scale_from_amax(amax, fp8_dtype, margin, power_of_2),
-                      device_scale(amax, fp8_dtype, margin, power_of_2)):
+        for scale in (
+            scale_from_amax(amax, fp8_dtype, margin, power_of_2),
+            device_scale(amax, fp8_dtype, margin, power_of_2),
+        ):
             finite = torch.isfinite(amax)
             assert scale[~finite].isnan().all()  # inf, -inf, NaN -> NaN
             assert (scale[amax == 0] == 1).all()  # 0 and -0 -> 1
@@ -77,7 +81,11 @@ def test_scale_edges(fp8_dtype, power_of_2):
     assert (device_scale(huge, fp8_dtype, 0, power_of_2) == min_scale(fp8_dtype)).all()
     tiny = torch.tensor([1e-37])  # fp8_max / amax overflows: the largest float32, or 2**127 rounded down
     want = 2.0**127 if power_of_2 else F32MAX
-    assert scale_from_amax(tiny, fp8_dtype, 0, power_of_2).item() == device_scale(tiny, fp8_dtype, 0, power_of_2).item() == want
+    assert (
+        scale_from_amax(tiny, fp8_dtype, 0, power_of_2).item()
+        == device_scale(tiny, fp8_dtype, 0, power_of_2).item()
+        == want
+    )
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -124,9 +132,17 @@ def test_tensorwise_nonfinite_gives_nan(value, fp8_dtype, small, monkeypatch):
         monkeypatch.setattr(ct_m, "SMALL_NUMEL", -1)
     x = _with_value((17, 40), (3, 5), value)
     for got, ref, names in [
-        (quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, 1, True), quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, 1, True), CAST_T),
-        (ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype), ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype), CAST_T),
-    ]:  # fmt: skip
+        (
+            quant_m.quantize_tensorwise_triton(x, fp8_dtype, None, 1, True),
+            quant_m.quantize_tensorwise_ref(x, fp8_dtype, None, 1, True),
+            CAST_T,
+        ),
+        (
+            ct_m.quantize_transpose_tensorwise_triton(x, fp8_dtype),
+            ct_m.quantize_transpose_tensorwise_ref(x, fp8_dtype),
+            CAST_T,
+        ),
+    ]:
         assert_outputs(got, ref, names)
         data, scale_inv, amax = got[0], got[-2], got[-1]
         assert scale_inv.isnan() and data.float().isnan().all() and got[1].float().isnan().all()
@@ -157,7 +173,7 @@ def test_blockwise_nonfinite_gives_nan_blocks(value, block):
         data, scale_inv = block_m.quantize_blockwise_triton(x, *block, f8)
         assert_outputs((data, scale_inv), block_m.quantize_blockwise_ref(x, *block, f8), ROW)
         bad = torch.zeros(64, 96, dtype=torch.bool)
-        bad[40 // block[0] * block[0]:][: block[0], 64:96] = True  # the block holding x[40, 70]
+        bad[40 // block[0] * block[0] :][: block[0], 64:96] = True  # the block holding x[40, 70]
         assert data.float()[bad].isnan().all() and not data.float()[~bad].isnan().any()
         assert scale_inv.isnan().sum() == 1
         out = dq_m.dequantize_triton(data, scale_inv, torch.float32)
@@ -172,8 +188,10 @@ def test_given_scale_saturates_inf(fp8_dtype):
     x = _with_value((9, 40), (1, 2), float("inf"))
     x[4, 4] = float("-inf")
     scale = torch.tensor([0.5])
-    for got, ref, names in [(cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST),
-                            (ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T)]:  # fmt: skip
+    for got, ref, names in [
+        (cast_m.cast_triton(x, scale, fp8_dtype), cast_m.cast_ref(x, scale, fp8_dtype), CAST),
+        (ct_m.cast_transpose_triton(x, scale, fp8_dtype), ct_m.cast_transpose_ref(x, scale, fp8_dtype), CAST_T),
+    ]:
         assert_outputs(got, ref, names)
         data = got[0].float()
         assert data[1, 2] == fp8_max(fp8_dtype) and data[4, 4] == -fp8_max(fp8_dtype)
@@ -216,4 +234,4 @@ def test_huge_finite_values_dequantize_finite(fp8_dtype, margin, power_of_2):
         for out in (dq(data, scale_inv, torch.float32), dq_m.dequantize_ref(data, scale_inv, torch.float32)):
             assert torch.isfinite(out).all(), names
         big = dq(data, scale_inv, torch.float32)[5, 7]
-        assert big > F32MAX / 2**(margin + 2)  # still the largest value, not flushed
+        assert big > F32MAX / 2 ** (margin + 2)  # still the largest value, not flushed

@@ -37,15 +37,25 @@ def lowered():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is the default it keeps
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_lowering"], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "tests.kernels.sm90_lowering"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-WRITES_FP8 = {"_cast_kernel", "_cast_transpose_kernel", "_rowwise_kernel", "_block2d_kernel",
-              "_quantize_small_kernel", "_quantize_transpose_small_kernel"}
+WRITES_FP8 = {
+    "_cast_kernel",
+    "_cast_transpose_kernel",
+    "_rowwise_kernel",
+    "_block2d_kernel",
+    "_quantize_small_kernel",
+    "_quantize_transpose_small_kernel",
+}
 ONE_PROGRAM = {"_quantize_small_kernel", "_quantize_transpose_small_kernel"}  # amax written, never atomically
 
 

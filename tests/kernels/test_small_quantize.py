@@ -16,7 +16,18 @@ import torch
 
 from float8.kernels.launch import FastLauncher
 
-from .helpers import FP8, HP, CountedLaunches as _Counted, assert_bits, assert_outputs, fp8_grid, make_x, needs_interpreter
+from .helpers import (
+    FP8,
+    HP,
+    assert_bits,
+    assert_outputs,
+    fp8_grid,
+    make_x,
+    needs_interpreter,
+)
+from .helpers import (
+    CountedLaunches as _Counted,
+)
 
 common_m, quant_m, ct_m = (
     importlib.import_module(f"float8.kernels.{m}") for m in ("common", "quantize", "cast_transpose")
@@ -28,8 +39,13 @@ SHAPES = [(1, 1), (3, 5), (16, 64), (64, 128), (128, 128), (1, 8192)]
 SHAPES_T = [s for s in SHAPES if max(s) <= common_m.SMALL_DIM] + [(128, 1), (1, 128), (1, 3, 70), (1, 1, 9, 4)]
 LAYOUTS = ["contiguous", "transposed", "offset", "strided"]
 SCALING = [(0, False), (0, True), (3, False), (2, True)]
-KERNELS = [("quantize", "_quantize_small_kernel"), ("cast_transpose", "_quantize_transpose_small_kernel"),
-           ("amax", "_amax_kernel"), ("cast", "_cast_kernel"), ("cast_transpose", "_cast_transpose_kernel")]
+KERNELS = [
+    ("quantize", "_quantize_small_kernel"),
+    ("cast_transpose", "_quantize_transpose_small_kernel"),
+    ("amax", "_amax_kernel"),
+    ("cast", "_cast_kernel"),
+    ("cast_transpose", "_cast_transpose_kernel"),
+]
 
 
 class _CountedCalls:
@@ -140,8 +156,10 @@ def test_small_degenerate_amax(fill, margin, power_of_2, launches, monkeypatch):
         with monkeypatch.context() as m:  # the general path on the same inputs
             m.setattr(quant_m, "SMALL_NUMEL", -1)
             m.setattr(ct_m, "SMALL_NUMEL", -1)
-            big = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, power_of_2),
-                   ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, power_of_2))
+            big = (
+                quant_m.quantize_tensorwise_triton(x, f8, None, margin, power_of_2),
+                ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, power_of_2),
+            )
         for s, b, names in zip(small, big, (CAST, CAST_T)):
             for o, r, n in zip(s, b, names):
                 assert_bits(o, r, n)
@@ -186,14 +204,18 @@ def test_small_equals_general_path(shape, layout, launches, monkeypatch):
     # Bit for bit, NaN payloads included: the same helpers on the same values.
     x = make_x(shape, torch.bfloat16, layout, specials=True, scale=300.0)
     for f8, margin, p2 in [(FP8[0], 0, False), (FP8[1], 2, True)]:
-        small = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
-                 ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2))
+        small = (
+            quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
+            ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2),
+        )
         assert launches() == {"_quantize_small_kernel": 1, "_quantize_transpose_small_kernel": 1}
         with monkeypatch.context() as m:
             m.setattr(quant_m, "SMALL_NUMEL", -1)
             m.setattr(ct_m, "SMALL_NUMEL", -1)
-            big = (quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
-                   ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2))
+            big = (
+                quant_m.quantize_tensorwise_triton(x, f8, None, margin, p2),
+                ct_m.quantize_transpose_tensorwise_triton(x, f8, margin, p2),
+            )
         assert launches() == {"_amax_kernel": 2, "_cast_kernel": 1, "_cast_transpose_kernel": 1, "zeros": 2}
         for s, b, names in zip(small, big, (CAST, CAST_T)):
             for o, r, n in zip(s, b, names):
@@ -292,8 +314,10 @@ def test_gpu_small_path_cuda_graph():
     static_x = x.clone()
 
     def step():
-        return (quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
-                ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True))
+        return (
+            quant_m.quantize_tensorwise_triton(static_x, FP8[0]),
+            ct_m.quantize_transpose_tensorwise_triton(static_x, FP8[1], 1, True),
+        )
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -306,8 +330,10 @@ def test_gpu_small_path_cuda_graph():
     static_x.copy_(x * 3)
     graph.replay()
     torch.cuda.synchronize()
-    refs = (quant_m.quantize_tensorwise_ref(x * 3, FP8[0]),
-            ct_m.quantize_transpose_tensorwise_ref(x * 3, FP8[1], 1, True))
+    refs = (
+        quant_m.quantize_tensorwise_ref(x * 3, FP8[0]),
+        ct_m.quantize_transpose_tensorwise_ref(x * 3, FP8[1], 1, True),
+    )
     for o, r, names in zip(outs, refs, (CAST, CAST_T)):
         for a, b, n in zip(o, r, names):
             assert_bits(a, b, n, nan_bits=False)

@@ -13,7 +13,7 @@ import float8.kernels as K
 from float8.kernels import weight_only as W
 from float8.kernels.launch import FastLauncher, _arg_key
 
-from .helpers import FP8, make_x, needs_interpreter
+from .helpers import FP8, needs_interpreter
 
 E4M3, E5M2 = FP8
 
@@ -133,7 +133,9 @@ def test_block_scaled_weight_matches_reference_on_the_interpreter(m, k, n, s_row
     _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
     tile = (16, 32, 64, 4, 2)  # split K as a narrow layer would, block scales applied before the fixed-order sum
     if k >= 256:
-        _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=2), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
+        _close_in_dtype(
+            W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=2), W.fp8_weight_mm_ref(x, d, s, b), x, d, s
+        )
 
 
 def test_block_scale_reference_is_the_blockwise_dequantized_product():

@@ -7,8 +7,6 @@ TRITON_INTERPRET=1), and the Linear-level tests send the op there with monkeypat
 is wrong (test_weight_only.py).
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -53,7 +51,9 @@ def test_linear_with_a_row_strided_fp8_weight_on_the_kernel_path(monkeypatch):
     """The same through ops.Linear: an FP8-only weight replaced by a row-strided view goes to the kernel."""
     monkeypatch.setattr(W, "use_triton", lambda x: True)  # what an sm_89+ CUDA device does
     torch.manual_seed(0)
-    model = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).half(), recipe=Recipe.rowwise(), fp8_weights=True)
+    model = ops.convert(
+        torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).half(), recipe=Recipe.rowwise(), fp8_weights=True
+    )
     lin = model[0]
     v = _rowwise_weight_rows_of_different_magnitude(64, 64)[::2]
     lin.weight = torch.nn.Parameter(v, requires_grad=False)
@@ -85,7 +85,9 @@ def test_linear_with_a_strided_bias_on_the_kernel_path(monkeypatch):
     torch.manual_seed(0)
     model = ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)).half(), fp8_weights=True)
     lin = model[0]
-    lin.bias = torch.nn.Parameter(torch.randn(64, dtype=HALF)[::2], requires_grad=False)  # e.g. a de-interleaved fused bias
+    lin.bias = torch.nn.Parameter(
+        torch.randn(64, dtype=HALF)[::2], requires_grad=False
+    )  # e.g. a de-interleaved fused bias
     x = torch.randn(4, 64, dtype=HALF)
     with torch.no_grad():
         y = lin(x)

@@ -27,10 +27,12 @@ def _mlp():
     """A plain model (nn.Linear, nn.SiLU) in bfloat16, before conversion."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.SiLU(),
-        torch.nn.Linear(64, 64), torch.nn.SiLU(),
+        torch.nn.Linear(32, 64),
+        torch.nn.SiLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.SiLU(),
         torch.nn.Linear(64, 32, bias=False),
-    ).to(BF16)  # fmt: skip
+    ).to(BF16)
 
 
 def _converted(fp8_weights=False):

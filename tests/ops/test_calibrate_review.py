@@ -94,7 +94,10 @@ def test_loading_a_static_scale_into_a_rowwise_linear_names_the_key():
     ops.calibrate(src, [torch.randn(256, 32, dtype=BF16)])
     dst = _mlp(Recipe.rowwise())
     why = r"0\.input_quantizer\.static_scale: a calibrated static input scale, which this Linear cannot take.*per row"
-    with pytest.warns(UserWarning, match=why), pytest.raises(RuntimeError, match="Unexpected key.*0.input_quantizer.static_scale"):
+    with (
+        pytest.warns(UserWarning, match=why),
+        pytest.raises(RuntimeError, match="Unexpected key.*0.input_quantizer.static_scale"),
+    ):
         dst.load_state_dict(src.state_dict())
     with pytest.warns(UserWarning, match=why):
         dst.load_state_dict(src.state_dict(), strict=False)  # strict=False drops what a module cannot take

@@ -18,17 +18,26 @@ RECIPES = {
     "tensorwise": None,
     "lean": Recipe(lean_activations=True),
     "rowwise": Recipe(input=RowwiseScaling(), weight=RowwiseScaling(), grad=RowwiseScaling()),
-    "block": Recipe(input=BlockwiseScaling((1, 128)), weight=BlockwiseScaling((128, 128)), grad=BlockwiseScaling((1, 128))),
+    "block": Recipe(
+        input=BlockwiseScaling((1, 128)), weight=BlockwiseScaling((128, 128)), grad=BlockwiseScaling((1, 128))
+    ),
 }
 
 
 def _block(recipe):
     torch.manual_seed(0)
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(128), ops.Linear(128, 256), ops.SwiGLU(), ops.Linear(128, 128), ops.AddResidual(),
-        ops.LayerNorm(128), ops.Linear(128, 128, bias=True), ops.GELU(),
+        ops.Residual(),
+        ops.RMSNorm(128),
+        ops.Linear(128, 256),
+        ops.SwiGLU(),
+        ops.Linear(128, 128),
+        ops.AddResidual(),
+        ops.LayerNorm(128),
+        ops.Linear(128, 128, bias=True),
+        ops.GELU(),
         recipe=recipe,
-    ).to(torch.bfloat16)  # fmt: skip
+    ).to(torch.bfloat16)
 
 
 def _grads(module, x, *extra):
@@ -102,7 +111,9 @@ def test_functional_linear_compiles():
 def test_sequential_ending_in_linear_cross_entropy_compiles():
     def build():
         torch.manual_seed(0)
-        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU(), ops.LinearCrossEntropy(64, 128)).to(torch.bfloat16)
+        return ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU(), ops.LinearCrossEntropy(64, 128)).to(
+            torch.bfloat16
+        )
 
     target = torch.randint(0, 128, (16,))
     _compare_steps(build, lambda s: torch.randn(16, 64, dtype=torch.bfloat16), extra=(target,))
@@ -203,12 +214,20 @@ def test_delayed_scaling_compiles_for_inference_with_eagers_bits_and_history(mod
 def _attention_block(recipe=None, sequence_first=False):
     torch.manual_seed(0)
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(64), ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
-        ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first), ops.Linear(64, 64, bias=False),
-        ops.AddResidual(), ops.Residual(), ops.RMSNorm(64), ops.Linear(64, 256, bias=False), ops.SwiGLU(),
-        ops.Linear(128, 64, bias=False), ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(64),
+        ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
+        ops.Attention(4, 16, num_kv_heads=2, sequence_first=sequence_first),
+        ops.Linear(64, 64, bias=False),
+        ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(64),
+        ops.Linear(64, 256, bias=False),
+        ops.SwiGLU(),
+        ops.Linear(128, 64, bias=False),
+        ops.AddResidual(),
         recipe=recipe,
-    ).to(torch.bfloat16)  # fmt: skip
+    ).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "lean"])
@@ -216,8 +235,9 @@ def _attention_block(recipe=None, sequence_first=False):
 def test_block_with_attention_compiles_fullgraph_and_matches_eager(name, sequence_first):
     # Under compile the attention runs as SDPA under autograd between fused runs, the residual pairs as
     # plain adds (ops/runner.py _run_split_at_attention): eager's kernels, so eager's bits.
-    _compare_steps(lambda: _attention_block(RECIPES[name], sequence_first),
-                   lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
+    _compare_steps(
+        lambda: _attention_block(RECIPES[name], sequence_first), lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    )
 
 
 def test_nested_residuals_and_a_reshape_around_attention_keep_eager_bits():
@@ -226,10 +246,16 @@ def test_nested_residuals_and_a_reshape_around_attention_keep_eager_bits():
     def build():
         torch.manual_seed(0)
         return ops.Sequential(
-            ops.Residual(), ops.Residual(), ops.RMSNorm(64), ops.Linear(64, 128, bias=False),
-            ops.Attention(4, 16, num_kv_heads=2), ops.AddResidual(), ops.Reshape((4, 8, 64)), ops.Linear(64, 64),
+            ops.Residual(),
+            ops.Residual(),
+            ops.RMSNorm(64),
+            ops.Linear(64, 128, bias=False),
+            ops.Attention(4, 16, num_kv_heads=2),
             ops.AddResidual(),
-        ).to(torch.bfloat16)  # fmt: skip
+            ops.Reshape((4, 8, 64)),
+            ops.Linear(64, 64),
+            ops.AddResidual(),
+        ).to(torch.bfloat16)
 
     _compare_steps(build, lambda s: torch.randn(2, 16, 64, dtype=torch.bfloat16))
 

@@ -15,9 +15,9 @@ from tests.tolerances import SQNR_DB, sqnr_db
 
 def _mlp(dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64, bias=False)
-    ).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64, bias=False)).to(
+        dtype
+    )
 
 
 def test_convert_swaps_linears_in_place_and_keeps_the_parameters():
@@ -51,12 +51,19 @@ def test_layers_fp8_cannot_serve_stay_with_a_warning_listing_them():
     class Sub(torch.nn.Linear):
         pass
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.Linear(10, 64), Sub(64, 64), torch.nn.Linear(64, 64).double())
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 10), torch.nn.Linear(10, 64), Sub(64, 64), torch.nn.Linear(64, 64).double()
+    )
     with pytest.warns(ops.ConversionWarning) as record:
         ops.convert(model)
     text = str(record[0].message)
     assert "4 layer(s)" in text
-    for expected in ("0: in_features=64, out_features=10", "1: in_features=10", "2: Sub is a subclass", "3: weight dtype torch.float64"):
+    for expected in (
+        "0: in_features=64, out_features=10",
+        "1: in_features=10",
+        "2: Sub is a subclass",
+        "3: weight dtype torch.float64",
+    ):
         assert expected in text
     assert all(type(m) is not ops.Linear for m in model)
     # They keep working as they were.
@@ -186,7 +193,9 @@ def test_hugging_face_model_from_a_config():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", _HF_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-c", _HF_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=240
+    )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
 
 

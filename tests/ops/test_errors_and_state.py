@@ -5,7 +5,6 @@ import inspect
 import pytest
 import torch
 
-import float8
 import float8.ops as ops
 from float8 import DelayedScalingState, Float8Tensor, Recipe, RowwiseScaling
 from tests.tolerances import assert_same_bits
@@ -152,11 +151,16 @@ def test_writing_into_a_saved_input_before_backward_is_refused():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(num_heads=0, head_dim=8), "num_heads"), (dict(num_heads=-4, head_dim=8), "num_heads"),
-     (dict(num_heads=4, head_dim=0), "head_dim"), (dict(num_heads=4, head_dim=8, num_kv_heads=0), "num_kv_heads"),
-     (dict(num_heads=4, head_dim=8, num_kv_heads=-2), "num_kv_heads"), (dict(num_heads=4.0, head_dim=8), "num_heads"),
-     (dict(num_heads=4, head_dim=8, num_kv_heads=3), "multiple")],
-)  # fmt: skip
+    [
+        (dict(num_heads=0, head_dim=8), "num_heads"),
+        (dict(num_heads=-4, head_dim=8), "num_heads"),
+        (dict(num_heads=4, head_dim=0), "head_dim"),
+        (dict(num_heads=4, head_dim=8, num_kv_heads=0), "num_kv_heads"),
+        (dict(num_heads=4, head_dim=8, num_kv_heads=-2), "num_kv_heads"),
+        (dict(num_heads=4.0, head_dim=8), "num_heads"),
+        (dict(num_heads=4, head_dim=8, num_kv_heads=3), "multiple"),
+    ],
+)
 def test_attention_arguments_are_checked(kwargs, match):
     """Attention(0, 8) raised ZeroDivisionError, num_kv_heads=0 silently meant the default and negative head
     counts passed (issue 23 item 12): each is a ValueError naming the argument."""
@@ -229,11 +233,17 @@ def test_sparse_and_nested_inputs_are_refused_by_name(layout, entry):
     from float8 import Float8Tensor
 
     dense = torch.randn(3, 16)
-    x = {"sparse_coo": lambda: dense.to_sparse(), "sparse_csr": lambda: dense.to_sparse_csr(),
-         "nested": lambda: torch.nested.nested_tensor([torch.randn(2, 16), torch.randn(3, 16)])}[layout]()  # fmt: skip
-    call = {"converted Linear": lambda: ops.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))[0],
-            "Sequential": lambda: ops.Sequential(ops.Linear(16, 16)), "RMSNorm": lambda: ops.RMSNorm(16),
-            "Float8Tensor.quantize": lambda: Float8Tensor.quantize}[entry]()  # fmt: skip
+    x = {
+        "sparse_coo": lambda: dense.to_sparse(),
+        "sparse_csr": lambda: dense.to_sparse_csr(),
+        "nested": lambda: torch.nested.nested_tensor([torch.randn(2, 16), torch.randn(3, 16)]),
+    }[layout]()
+    call = {
+        "converted Linear": lambda: ops.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))[0],
+        "Sequential": lambda: ops.Sequential(ops.Linear(16, 16)),
+        "RMSNorm": lambda: ops.RMSNorm(16),
+        "Float8Tensor.quantize": lambda: Float8Tensor.quantize,
+    }[entry]()
     with pytest.raises(TypeError, match="nested tensor: pad it" if layout == "nested" else f"layout torch.{layout}"):
         call(x)
 

@@ -130,10 +130,21 @@ def test_residual_norm_backward_equals_unfused(dtype):
         gap = [] if fused else [ops.Identity()]
         torch.manual_seed(0)
         return ops.Sequential(
-            ops.Residual(), *gap, ops.RMSNorm(64), ops.Linear(64, 64, bias=False), ops.AddResidual(),
-            ops.Residual(), *gap, ops.LayerNorm(64), ops.Residual(), *gap, ops.RMSNorm(64), ops.Linear(64, 64),
-            ops.AddResidual(), ops.AddResidual(),
-        ).to(dtype)  # fmt: skip
+            ops.Residual(),
+            *gap,
+            ops.RMSNorm(64),
+            ops.Linear(64, 64, bias=False),
+            ops.AddResidual(),
+            ops.Residual(),
+            *gap,
+            ops.LayerNorm(64),
+            ops.Residual(),
+            *gap,
+            ops.RMSNorm(64),
+            ops.Linear(64, 64),
+            ops.AddResidual(),
+            ops.AddResidual(),
+        ).to(dtype)
 
     fused, unfused = make(True), make(False)
     units = [type(u) for _, u in match(list(fused.ops), BACKWARD_FUSIONS)]

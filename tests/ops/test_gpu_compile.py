@@ -43,11 +43,19 @@ def test_inductor_sequential_same_bits_as_eager(lean):
 
     def build():
         torch.manual_seed(0)
-        return ops.Sequential(
-            ops.Residual(), ops.RMSNorm(1024), ops.Linear(1024, 4096, bias=False), ops.SwiGLU(),
-            ops.Linear(2048, 1024, bias=False), ops.AddResidual(),
-            recipe=Recipe(min_fp8_gemm_flops=0, lean_activations=lean),
-        ).cuda().to(torch.bfloat16)  # fmt: skip
+        return (
+            ops.Sequential(
+                ops.Residual(),
+                ops.RMSNorm(1024),
+                ops.Linear(1024, 4096, bias=False),
+                ops.SwiGLU(),
+                ops.Linear(2048, 1024, bias=False),
+                ops.AddResidual(),
+                recipe=Recipe(min_fp8_gemm_flops=0, lean_activations=lean),
+            )
+            .cuda()
+            .to(torch.bfloat16)
+        )
 
     _compare(build, (4, 1024, 1024), assert_same_bits)
 
@@ -96,9 +104,16 @@ def test_inductor_small_layers_in_high_precision_same_bits_as_eager():
 
     def build():
         torch.manual_seed(0)
-        return ops.Sequential(
-            ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256, recipe=Recipe(min_fp8_gemm_flops=0))
-        ).cuda().to(torch.bfloat16)
+        return (
+            ops.Sequential(
+                ops.RMSNorm(256),
+                ops.Linear(256, 512),
+                ops.GELU(),
+                ops.Linear(512, 256, recipe=Recipe(min_fp8_gemm_flops=0)),
+            )
+            .cuda()
+            .to(torch.bfloat16)
+        )
 
     _compare(build, (2, 64, 256), assert_same_bits)
 
@@ -110,7 +125,11 @@ def test_inductor_small_layer_run_as_torch_functions():
 
     def build():
         torch.manual_seed(0)
-        return ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256)).cuda().to(torch.bfloat16)
+        return (
+            ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 512), ops.GELU(), ops.Linear(512, 256))
+            .cuda()
+            .to(torch.bfloat16)
+        )
 
     def close(got, want):
         # A bf16 rounding apart per op that inductor fuses differently: far above the FP8 bounds.

@@ -114,8 +114,13 @@ def test_small_layer_sequential_runs_torch_functions_on_cuda():
     assert _runs_as_torch(flat, x)
     F = torch.nn.functional
     runs = []
-    for fn in (seq, lambda x: F.linear(F.gelu(F.rms_norm(F.linear(x, seq[0].weight, seq[0].bias), (256,), seq[1].weight,
-                                                            seq[1].eps)), seq[3].weight)):
+    for fn in (
+        seq,
+        lambda x: F.linear(
+            F.gelu(F.rms_norm(F.linear(x, seq[0].weight, seq[0].bias), (256,), seq[1].weight, seq[1].eps)),
+            seq[3].weight,
+        ),
+    ):
         y = fn(x)
         y.float().square().sum().backward()
         runs.append([y.detach(), x.grad] + [p.grad for p in seq.parameters()])
@@ -149,8 +154,9 @@ def test_small_layer_run_conditions_on_cuda():
     assert sqnr_db(block(x), compiled(x)) >= 35
 
 
-@pytest.mark.parametrize("make", [lambda: mlp(256, 512), lambda: ops.Linear(256, 512, bias=True, recipe=ALWAYS_FP8)],
-                         ids=["mlp", "linear"])
+@pytest.mark.parametrize(
+    "make", [lambda: mlp(256, 512), lambda: ops.Linear(256, 512, bias=True, recipe=ALWAYS_FP8)], ids=["mlp", "linear"]
+)
 def test_cuda_graphed_training_steps_equal_eager_ones(make):
     # torch.cuda.make_graphed_callables captures forward and backward once; each replay must quantize the
     # weight of *that* step (the eager FP8-weight cache is keyed by a version counter a replay cannot

@@ -81,7 +81,9 @@ def test_per_tensor_weight_with_other_input_scaling_works_lean(scaling):
     # read the forward's weight copy, so it is kept (a review found the backward crashing here).
     recipe = Recipe(Format.E4M3, input=scaling, weight=TensorwiseScaling(), grad=scaling)
     torch.manual_seed(0)
-    plain = ops.Sequential(ops.Linear(128, 128, bias=False), ops.GELU(), ops.Linear(128, 128, bias=False), recipe=recipe)
+    plain = ops.Sequential(
+        ops.Linear(128, 128, bias=False), ops.GELU(), ops.Linear(128, 128, bias=False), recipe=recipe
+    )
     plain = plain.to(torch.bfloat16)
     lean = copy.deepcopy(plain)
     for op in lean:
@@ -191,7 +193,9 @@ def test_cuda_lean_step_peaks_lower_and_trains_alike():
     # (half of them) and the gradient transpose (the other layout of the gradient), and gradients agree.
     def peak_and_grads(recipe):
         torch.manual_seed(0)
-        model = mlp("swiglu", dataclasses.replace(recipe, min_fp8_gemm_flops=0), d=1024, f=4096).cuda().to(torch.bfloat16)
+        model = (
+            mlp("swiglu", dataclasses.replace(recipe, min_fp8_gemm_flops=0), d=1024, f=4096).cuda().to(torch.bfloat16)
+        )
         x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         run(model, x, dy)  # warm-up: kernels compiled, nothing kept

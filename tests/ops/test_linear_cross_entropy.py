@@ -161,7 +161,9 @@ def test_op_ends_a_sequential_and_inference_computes_no_gradients():
     x = torch.randn(2, 8, H)
     t = torch.randint(0, V, (2, 8))
     loss = seq(x, target=t)
-    ref = F.cross_entropy(F.linear(F.rms_norm(x, (H,), seq[0].weight, seq[0].eps), head.weight, head.bias).reshape(-1, V), t.reshape(-1))
+    ref = F.cross_entropy(
+        F.linear(F.rms_norm(x, (H,), seq[0].weight, seq[0].eps), head.weight, head.bias).reshape(-1, V), t.reshape(-1)
+    )
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     loss.backward()
     assert head.weight.grad is not None and seq[0].weight.grad is not None

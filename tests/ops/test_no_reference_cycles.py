@@ -16,8 +16,13 @@ import float8.ops as ops
 from float8 import Recipe
 
 BF16 = torch.bfloat16
-RECIPES = {"tensorwise": None, "delayed": Recipe.delayed(), "lean": Recipe(lean_activations=True),
-           "rowwise": Recipe.rowwise(), "blockwise": Recipe.blockwise()}  # fmt: skip
+RECIPES = {
+    "tensorwise": None,
+    "delayed": Recipe.delayed(),
+    "lean": Recipe(lean_activations=True),
+    "rowwise": Recipe.rowwise(),
+    "blockwise": Recipe.blockwise(),
+}
 
 
 def _converted(recipe, fp8_weights=False):
@@ -27,11 +32,20 @@ def _converted(recipe, fp8_weights=False):
 
 def _block(recipe):
     return ops.Sequential(
-        ops.Residual(), ops.RMSNorm(64), ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
-        ops.Attention(4, 16, num_kv_heads=2), ops.Linear(64, 64, bias=False), ops.AddResidual(),
-        ops.Residual(), ops.LayerNorm(64), ops.Linear(64, 256), ops.SwiGLU(), ops.Linear(128, 64), ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(64),
+        ops.Linear(64, (4 + 2 * 2) * 16, bias=False),
+        ops.Attention(4, 16, num_kv_heads=2),
+        ops.Linear(64, 64, bias=False),
+        ops.AddResidual(),
+        ops.Residual(),
+        ops.LayerNorm(64),
+        ops.Linear(64, 256),
+        ops.SwiGLU(),
+        ops.Linear(128, 64),
+        ops.AddResidual(),
         recipe=recipe,
-    ).to(BF16)  # fmt: skip
+    ).to(BF16)
 
 
 def _freed_without_gc(build, step):

@@ -62,7 +62,9 @@ def test_linear_reference_check_can_fail():
     assert rel_err(y, q(x) @ q(lin.weight).t() * 1.001) > 1e-6
 
 
-@pytest.mark.parametrize("recipe", [Recipe.rowwise(), Recipe.delayed(), Recipe.blockwise()], ids=["rowwise", "delayed", "blockwise"])
+@pytest.mark.parametrize(
+    "recipe", [Recipe.rowwise(), Recipe.delayed(), Recipe.blockwise()], ids=["rowwise", "delayed", "blockwise"]
+)
 def test_linear_recipes_reach_the_sqnr_floor(recipe):
     torch.manual_seed(1)
     lin = ops.Linear(128, 128, bias=False, recipe=recipe)

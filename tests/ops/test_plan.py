@@ -48,8 +48,14 @@ def _tracing(monkeypatch):
 
 
 def test_under_compile_attention_splits_the_run(monkeypatch):
-    block = [ops.Residual(), ops.RMSNorm(64), ops.Linear(64, 192, bias=False), ops.Attention(4, 16),
-             ops.Linear(64, 64, bias=False), ops.AddResidual()]  # fmt: skip
+    block = [
+        ops.Residual(),
+        ops.RMSNorm(64),
+        ops.Linear(64, 192, bias=False),
+        ops.Attention(4, 16),
+        ops.Linear(64, 64, bias=False),
+        ops.AddResidual(),
+    ]
     x = torch.randn(2, 8, 64, dtype=BF16)
     assert ops.plan(block, x).route == "autograd"
     _tracing(monkeypatch)

@@ -109,7 +109,9 @@ def test_gpu_prepared_calls_see_every_change():
         lin.weight.copy_(other)
         assert torch.equal(lin(x), _checked(lin, x))
         # A new weight Parameter, a new bias Parameter, the bias moved to another tensor.
-        lin.weight = torch.nn.Parameter(Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16)), requires_grad=False)
+        lin.weight = torch.nn.Parameter(
+            Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16)), requires_grad=False
+        )
         assert torch.equal(lin(x), _checked(lin, x))
         lin(x)
         lin.bias = torch.nn.Parameter(torch.randn(128, device="cuda", dtype=BF16))

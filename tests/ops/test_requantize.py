@@ -54,7 +54,11 @@ def _train(model, steps, requantize, device="cpu", d_in=32):
 
 @pytest.mark.parametrize(
     "recipe",
-    [None, Recipe(weight=DelayedScaling()), Recipe(input=RowwiseScaling(), weight=RowwiseScaling(), grad=RowwiseScaling())],
+    [
+        None,
+        Recipe(weight=DelayedScaling()),
+        Recipe(input=RowwiseScaling(), weight=RowwiseScaling(), grad=RowwiseScaling()),
+    ],
     ids=["tensorwise", "delayed-weight", "rowwise"],
 )
 def test_training_matches_lazy_quantization(recipe):

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import float8.ops as ops
-from float8 import Float8Tensor, Recipe
-from float8 import DelayedScalingState
+from float8 import DelayedScalingState, Float8Tensor, Recipe
 
 
 def test_indexing_iteration_and_to():
@@ -103,8 +102,11 @@ def _torch_twin(seq):
     lin1, norm, lin2, ln, lin3 = seq[0], seq[1], seq[4], seq[7], seq[10]
 
     def run(x):
-        h = torch.nn.functional.gelu(torch.nn.functional.rms_norm(
-            torch.nn.functional.linear(x, lin1.weight, lin1.bias), (64,), norm.weight, norm.eps))
+        h = torch.nn.functional.gelu(
+            torch.nn.functional.rms_norm(
+                torch.nn.functional.linear(x, lin1.weight, lin1.bias), (64,), norm.weight, norm.eps
+            )
+        )
         g = torch.nn.functional.linear(h, lin2.weight)
         h = torch.nn.functional.silu(g[:, :64]) * g[:, 64:] + h
         h = torch.nn.functional.layer_norm(h, (64,), ln.weight, ln.bias, ln.eps)
@@ -121,8 +123,17 @@ def test_plain_torch_twin_of_a_run_gives_torch_bits():
 
     torch.manual_seed(0)
     seq = ops.Sequential(
-        ops.Linear(32, 64, bias=True), ops.RMSNorm(64), ops.GELU(), ops.Residual(), ops.Linear(64, 128, bias=False),
-        ops.SwiGLU(), ops.AddResidual(), ops.LayerNorm(64), ops.ReLU(), ops.SiLU(), ops.Linear(64, 16, bias=False),
+        ops.Linear(32, 64, bias=True),
+        ops.RMSNorm(64),
+        ops.GELU(),
+        ops.Residual(),
+        ops.Linear(64, 128, bias=False),
+        ops.SwiGLU(),
+        ops.AddResidual(),
+        ops.LayerNorm(64),
+        ops.ReLU(),
+        ops.SiLU(),
+        ops.Linear(64, 16, bias=False),
     ).to(torch.bfloat16)
     for p in seq.parameters():
         p.data.normal_()
@@ -130,16 +141,15 @@ def test_plain_torch_twin_of_a_run_gives_torch_bits():
     flat = [o for op in seq for o in op.expand()]
     x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
     assert not _runs_as_torch(flat, x)  # on the CPU a Sequential always runs FP8
+    results = []
     for fn in (lambda x: _run_as_torch(flat, x, (8,), True), twin):
         y = fn(x)
         y.float().square().sum().backward()
-        got = [y.detach(), x.grad] + [p.grad for p in seq.parameters()]
-        if fn is twin:
-            for a, b in zip(want, got):
-                assert torch.equal(a, b)
-        want = got
+        results.append([y.detach(), x.grad] + [p.grad for p in seq.parameters()])
         x.grad = None
         seq.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_plain_torch_twin_checks_shapes_and_draws_dropout_like_the_op():
