@@ -29,7 +29,7 @@ benchmarks/weight_only.py.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -226,9 +226,19 @@ def scale_mode(w_data, w_scale_inv) -> tuple:
     return 2, w_scale_inv.stride(0), n // rows, k // cols
 
 
-def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
-    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
-    split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
+class _Launch(NamedTuple):
+    """One call's two launches, worked out: the outputs and every kernel argument (`_launch_plan`)."""
+
+    y: torch.Tensor
+    out: torch.Tensor  # y, or the (SPLIT_K, M, N) float32 partial sums
+    args: tuple  # the main kernel's, in its parameter order
+    grid: tuple
+    options: dict
+    sum_args: Optional[tuple]  # the summing kernel's, or None without split K
+    sum_grid: tuple
+
+
+def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None) -> _Launch:
     m, k = x.shape
     n = w_data.shape[0]
     mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
@@ -238,9 +248,8 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
     block_m, block_n, block_k, warps, stages = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    bias_arg = x if bias is None else bias
-    _launch(
-        grid,
+    bias_arg, has_bias = (x, False) if bias is None else (bias, True)
+    args = (
         x,
         w_data,
         w_scale_inv,
@@ -256,32 +265,29 @@ def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k
         s_rows,
         s_cols,
         mode,
-        bias is not None,
+        has_bias,
         block_m,
         block_n,
         block_k,
         split_k,
-        num_warps=warps,
-        num_stages=stages,
     )
+    sum_args = None
     if split_k > 1:
-        _launch_sum(
-            sum_grid,
-            out,
-            w_scale_inv,
-            bias_arg,
-            y,
-            m,
-            n,
-            mode,
-            bias is not None,
-            split_k,
-            block_m,
-            SUM_BLOCK_N,
-            num_warps=4,
-            num_stages=1,
-        )
-    return y
+        sum_args = (out, w_scale_inv, bias_arg, y, m, n, mode, has_bias, split_k, block_m, SUM_BLOCK_N)
+    return _Launch(y, out, args, grid, {"num_warps": warps, "num_stages": stages}, sum_args, sum_grid)
+
+
+_SUM_OPTIONS = {"num_warps": 4, "num_stages": 1}
+
+
+def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
+    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
+    split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
+    call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k)
+    _launch(call.grid, *call.args, **call.options)
+    if call.sum_args is not None:
+        _launch_sum(call.sum_grid, *call.sum_args, **_SUM_OPTIONS)
+    return call.y
 
 
 class PreparedMM:
@@ -336,50 +342,28 @@ def prepare(x, w_data, w_scale_inv, bias=None):
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
     where a later call could not skip Triton's own launch path (the interpreter, another current device)."""
-    m, k = x.shape
-    n = w_data.shape[0]
-    mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
-    config, split_k, k_per_split, grid, sum_grid = plan(
-        m, n, k, x.device.index, None, None, s_cols if mode == 2 else None
-    )
-    block_m, block_n, block_k, warps, stages = config
     settings = runtime_settings()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    bias_arg = x if bias is None else bias
-    tail = (
-        m,
-        n,
-        k,
-        k_per_split,
-        x.stride(0),
-        w_data.stride(0),
-        stride_s,
-        s_rows,
-        s_cols,
-        mode,
-        bias is not None,
-        block_m,
-        block_n,
-        block_k,
-        split_k,
-    )
-    main = _launch.launch_and_keep(
-        grid, x, w_data, w_scale_inv, bias_arg, out, *tail, num_warps=warps, num_stages=stages
-    )
-    sum_tail, summed = (m, n, mode, bias is not None, split_k, block_m, SUM_BLOCK_N), None
-    if split_k > 1:
-        summed = _launch_sum.launch_and_keep(
-            sum_grid, out, w_scale_inv, bias_arg, y, *sum_tail, num_warps=4, num_stages=1
-        )
-    aligned = all(t.data_ptr() % 16 == 0 for t in (x, y, out, w_data, w_scale_inv, bias_arg))
-    if main is None or (split_k > 1 and summed is None) or not aligned:
-        return y, None
+    call = _launch_plan(x, w_data, w_scale_inv, bias)
+    main = _launch.launch_and_keep(call.grid, *call.args, **call.options)
+    summed = None
+    if call.sum_args is not None:
+        summed = _launch_sum.launch_and_keep(call.sum_grid, *call.sum_args, **_SUM_OPTIONS)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*call.args[:5], call.y))
+    if main is None or (call.sum_args is not None and summed is None) or not aligned:
+        return call.y, None
     p = PreparedMM()
     p.w_data, p.w_scale_inv, p.bias, p.device, p.device_index = w_data, w_scale_inv, bias, x.device, x.device.index
-    p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = x.dtype, (m, n), settings, main, grid, tail
-    p.sum, p.sum_grid, p.sum_tail, p.split_shape = summed, sum_grid, sum_tail, (split_k, m, n)
-    return y, p
+    p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = (
+        x.dtype,
+        tuple(call.y.shape),
+        settings,
+        main,
+        call.grid,
+        call.args[5:],
+    )
+    p.sum, p.sum_grid, p.split_shape = summed, call.sum_grid, tuple(call.out.shape)
+    p.sum_tail = None if call.sum_args is None else call.sum_args[4:]
+    return call.y, p
 
 
 def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
