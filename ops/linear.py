@@ -1,6 +1,6 @@
 """Linear: y = x @ W.t() (+ bias), fprop, dgrad and wgrad as FP8 GEMMs.
 
-The op is `functional.linear_fwd` / `linear_bwd` (the stateless primitive, ops/functional.py) plus what
+The op is `linear_fwd` / `linear_bwd` (the engine of the stateless primitive, ops/linear_engine.py) plus what
 must live longer than one call: three quantizers built by its recipe (input, weight, output gradient;
 delayed ones are submodules whose history is in the state dict from construction) and the FP8 copy of
 its weight.
@@ -44,7 +44,8 @@ from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
-from float8.ops.functional import (
+from float8.ops.input_scale import fix_input_scale
+from float8.ops.linear_engine import (
     check_fp8_weight_grad,
     fp8_pays_off,
     grad_request,
@@ -54,7 +55,6 @@ from float8.ops.functional import (
     quantize_weight,
     rebuilds_weight,
 )
-from float8.ops.input_scale import fix_input_scale
 from float8.ops.parallel import check_parallel, parallel_expansion
 from float8.ops.weight_cache import InferencePlans, WeightCache
 from float8.quantizer import (

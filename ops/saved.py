@@ -22,7 +22,7 @@ from float8.ops.context import OpContext, RunState
 
 
 class SavedRecord:
-    """Base of a dataclass an op saves for its backward (ops/functional.py LinearSaved): packed field by
+    """Base of a dataclass an op saves for its backward (ops/linear_engine.py LinearSaved): packed field by
     field, in the dataclass's field order (`__match_args__`). Marked by this base, not found with
     dataclasses.is_dataclass, which dynamo 2.11 cannot trace."""
 

@@ -1,0 +1,281 @@
+"""The Linear's engine: `linear_fwd` / `linear_bwd`, the two halves of y = x @ W.t() (+ bias) as FP8 GEMMs,
+the record the forward saves (`LinearSaved`), the weight's quantization, and the autograd Function of the
+stateless `functional.linear`. The `Linear` op (ops/linear.py) is a weight cache and three long-lived
+quantizers around the same two calls; ops/functional.py keeps the one-call forms.
+
+Numerics: per-tensor recipes reuse one set of FP8 bits (and its transpose) for every GEMM; per-row and
+block recipes quantize each operand along the dim its GEMM reduces (docs/design.md section 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from float8 import Float8Tensor, Recipe
+from float8.gemm import column_major_only, operand
+from float8.gemm import fp8_mm_or_dequantized as _mm
+from float8.ops.base import plain, second_backward_error, take
+from float8.ops.bias import bias_backward
+from float8.ops.saved import SavedRecord
+from float8.quantizer import LinearQuantizers, Quantizer, QuantRequest, ScaleLayout, TensorwiseQuantizer
+
+
+@dataclass
+class LinearSaved(SavedRecord):
+    """What a Linear's forward keeps for its backward: a typed record, one per call.
+
+    layout: the input quantizer's `ScaleLayout` when the GEMMs ran in FP8; None when they ran in high
+        precision (the small-layer policy). It picks the backward's GEMMs.
+    x: the input in the layout the weight-gradient GEMM reads (FP8 column-major for per-tensor scaling,
+        the transposed quantization for per-row, the Float8Tensor for blocks, plain in high precision).
+    w: the weight operand of the input-gradient GEMM, or None where the backward re-quantizes the weight
+        (`rebuild`).
+    rebuild: (weight, its version counter at the forward) under Recipe.lean_activations: the backward
+        quantizes the weight again (the same bits: per-tensor current scaling of an unchanged tensor) and
+        refuses if the weight was written in place since the forward.
+    """
+
+    layout: Optional[ScaleLayout]
+    x: Optional[object]
+    w: Optional[object]
+    x_dtype: torch.dtype
+    need_wgrad: bool
+    need_dgrad: bool
+    rebuild: Optional[tuple] = None
+
+
+def check_fp8_weight_grad(weight: torch.Tensor) -> None:
+    """An FP8-only weight has no high-precision master to apply a gradient to: refuse to train it."""
+    if isinstance(weight, Float8Tensor) and weight.requires_grad and not weight._gathered_master:
+        raise ValueError(
+            "the weight is an FP8-only Float8Tensor that requires grad, but there is no high-precision master "
+            "weight for an optimizer to update (its gradient would be lost). Freeze it "
+            "(weight.requires_grad_(False)), or keep a high-precision weight and let the op quantize it."
+        )
+
+
+def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bool):
+    """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
+
+    Per-tensor: one kernel writes both layouts. Per-row: the transposed operand is quantized along its own
+    rows. Blocks: the forward copy serves both (their GEMMs dequantize)."""
+    if isinstance(weight, Float8Tensor):
+        return weight, (weight if for_backward else None)
+    with torch.no_grad():
+        w = weight.detach()
+        if quantizer.layout is ScaleLayout.TENSOR:
+            w8 = quantizer._quantize(w, for_backward)
+            return w8, (w8 if for_backward else None)
+        w8 = quantizer._quantize(w, False)
+        if not for_backward:
+            return w8, None
+        if quantizer.layout is ScaleLayout.BLOCK:
+            return w8, w8
+        return w8, quantizer._quantize(w.t(), False).t()
+
+
+def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
+    """Whether the backward can quantize `weight` again instead of keeping its FP8 transpose from the
+    forward (Recipe.lean_activations): a high-precision weight under stateless per-tensor current scaling
+    (no amax history to advance, no collective to repeat), so the second quantization gives the same bits,
+    in a Linear whose GEMMs run per tensor (the input's layout picks the backward's GEMMs).
+
+    Writes into the weight between the forward and the backward that move its version counter are refused
+    there; writes through `weight.data` move none and are not seen (the backward then reads the new
+    weight), as with the weight cache (ops/linear.py)."""
+    q = quantizers.weight
+    return (
+        not isinstance(weight, Float8Tensor)
+        and quantizers.input.layout is ScaleLayout.TENSOR
+        and type(q) is TensorwiseQuantizer
+        and q.amax_group is None
+    )
+
+
+def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
+    weight, version = take(saved, "rebuild")
+    if version is not None and weight._version != version:
+        raise RuntimeError(
+            "Linear backward: the weight was modified in place after the forward (its version counter moved "
+            f"from {version} to {weight._version}). Recipe(lean_activations=True) quantizes the weight again in "
+            "the backward instead of keeping its FP8 copy, so it needs the forward's weight: update weights "
+            "after backward (as optimizers do), or use a recipe without lean_activations."
+        )
+    return column_major_only(quantize_weight(weight, quantizer, True)[1])
+
+
+def linear_fwd(
+    x2,
+    w8,
+    wd,
+    bias,
+    quantizers: LinearQuantizers,
+    *,
+    need_wgrad: bool,
+    need_dgrad: bool,
+    fast_accum: bool,
+    rows_only: bool = False,
+    rebuild_weight: Optional[torch.Tensor] = None,
+):
+    """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
+
+    x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
+    or None (added in the GEMM epilogue). The input is quantized by `quantizers.input`, and saved only in
+    the layout the weight-gradient GEMM reads. rows_only (Recipe.lean_activations): a per-tensor input is
+    quantized without its transpose and saved in rows, the layout the forward GEMM read; the backward's
+    GEMM copies it into the other (float8/gemm.py), so two layouts are never alive at once.
+    rebuild_weight: the weight itself (wd None; `rebuilds_weight` holds): the backward quantizes it again
+    rather than keeping 1 byte per parameter from the forward to the backward.
+    """
+    out_dtype = x2.dtype
+    qi = quantizers.input
+    layout = qi.layout
+    if layout is ScaleLayout.BLOCK:
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, False)
+        y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
+        saved_x = x8 if need_wgrad else None
+    elif layout is ScaleLayout.TENSOR:
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad and not rows_only)
+        y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
+        # Saved for the weight gradient: the column-major layout only (half the bytes of both).
+        saved_x = column_major_only(x8) if need_wgrad else None
+    else:
+        xh = plain(x2)
+        x8 = qi._quantize(xh, False)
+        y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
+        saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
+    saved_w = rebuild = None
+    if need_dgrad and rebuild_weight is not None:
+        if layout is not ScaleLayout.TENSOR:
+            raise ValueError(f"linear_fwd: rebuild_weight needs per-tensor GEMMs, got an input layout {layout}")
+        # Under torch.compile no version counter is read: the compiled graph saves the weight for its
+        # backward itself, and autograd's check on its saved tensors refuses a weight written in between.
+        rebuild = (rebuild_weight, None if torch.compiler.is_compiling() else rebuild_weight._version)
+    elif need_dgrad:
+        # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.
+        saved_w = column_major_only(wd) if layout is ScaleLayout.TENSOR and isinstance(wd, Float8Tensor) else wd
+    return y, LinearSaved(layout, saved_x, saved_w, out_dtype, need_wgrad, need_dgrad, rebuild)
+
+
+def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):
+    """The same in x2's dtype (the small-layer policy: GEMMs too small for FP8 to win)."""
+    # The weight itself where no cast is needed: saved as the autograd Function's input, not as an alias
+    # of it (which torch.compile refuses to carry to the backward).
+    if isinstance(weight, Float8Tensor):
+        weight = weight.dequantize(x2.dtype)  # an FP8-only weight under ops.high_precision
+    w = weight if weight.dtype == x2.dtype else weight.to(x2.dtype)
+    saved = LinearSaved(None, x2 if need_wgrad else None, w if need_dgrad else None, x2.dtype, need_wgrad, need_dgrad)
+    return F.linear(x2, w, bias), saved
+
+
+def grad_request(
+    saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool, rows_only: bool = False
+):
+    """What the backward wants its output gradient as (FP8 from the op before, fused with dact/dbias), or
+    None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too.
+
+    rows_only (Recipe.lean_activations): no transpose, even for the weight gradient; `linear_bwd` makes it
+    after the input-gradient GEMM (float8/gemm.py copies the layout a GEMM lacks)."""
+    if quantizers.grad.layout is not ScaleLayout.TENSOR:
+        return None
+    if saved is not None and saved.layout is not ScaleLayout.TENSOR:
+        return None
+    need_wgrad = saved.need_wgrad if saved is not None else weight_requires_grad
+    return QuantRequest(quantizers.grad, need_wgrad and not rows_only)
+
+
+def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dtype: torch.dtype):
+    """(dx or None, dw or None) of `linear_fwd` for dy2 (M, N) (high precision or FP8 from the op after).
+
+    The weight gradient comes first, and the saved input is let go before the input gradient is written:
+    at the largest Linears of a block (an FFN's second) dx is the largest tensor of the backward, and the
+    input (and its transpose, when the forward kept rows only) need not be alive beside it."""
+    qg = quantizers.grad
+    dx = dw = None
+    x = take(saved, "x")
+    if saved.layout is None:
+        dyh = plain(dy2)
+        if saved.need_wgrad:
+            dw = (dyh.t() @ x).to(weight_dtype)
+        del x
+        if saved.need_dgrad:
+            dx = dyh @ saved.w
+    elif saved.layout is ScaleLayout.BLOCK:
+        dyh = qg._quantize(plain(dy2), False).dequantize()
+        if saved.need_wgrad:
+            dw = (dyh.t().float() @ x.dequantize(torch.float32)).to(weight_dtype)
+        del x
+        if saved.need_dgrad:
+            dx = dyh @ saved.w.dequantize(dyh.dtype)
+    elif saved.layout is ScaleLayout.TENSOR:
+        dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
+        if saved.need_wgrad:
+            dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
+        del x
+        if saved.need_dgrad:
+            w = saved.w if saved.rebuild is None else _rebuilt_weight(saved, quantizers.weight)
+            dx = _mm(dy8, w, out_dtype=saved.x_dtype, pad=True)
+    else:
+        dyh = plain(dy2)
+        if saved.need_wgrad:
+            dw = _mm(qg._quantize(dyh.t(), False), x, out_dtype=weight_dtype, pad=True)
+        del x
+        if saved.need_dgrad:
+            dx = _mm(qg._quantize(dyh, False), saved.w, out_dtype=saved.x_dtype, pad=True)
+    return dx, dw
+
+
+def fp8_pays_off(recipe: Recipe, tokens: int, in_features: int, out_features: int, device: torch.device) -> bool:
+    """The small-layer policy: FP8 unless, on CUDA, the GEMMs do fewer than recipe.min_fp8_gemm_flops FLOPs
+    (2*M*K*N). The CPU path always runs FP8 (it exists to be exact)."""
+    return device.type != "cuda" or 2 * tokens * in_features * out_features >= recipe.min_fp8_gemm_flops
+
+
+def check_linear_args(x, weight, bias, name: str = "linear") -> None:
+    """ValueError/TypeError naming the problem for inputs of the wrong rank, shape or kind."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} takes tensors, got x: {type(x).__name__}, weight: {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{name}: x must be (..., {weight.shape[1]}) for weight {tuple(weight.shape)}, got {tuple(x.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"{name}: bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+        )
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers, fast_accum):
+        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
+        x2 = x.reshape(-1, x.shape[-1])
+        w8, wd = quantize_weight(weight, quantizers.weight, need_dgrad)
+        b = None if bias is None else bias.to(x.dtype)
+        y, saved = linear_fwd(
+            x2, w8, wd, b, quantizers, need_wgrad=need_wgrad, need_dgrad=need_dgrad, fast_accum=fast_accum
+        )
+        ctx.saved, ctx.quantizers, ctx.need_dbias = saved, quantizers, need_dbias
+        ctx.x_shape, ctx.w_dtype, ctx.b_dtype = x.shape, weight.dtype, None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, q = take(ctx, "saved"), ctx.quantizers
+        if saved is None:
+            raise second_backward_error("float8.ops.functional.linear")
+        dy2 = plain(dy).reshape(-1, dy.shape[-1])
+        dbias = None
+        if ctx.need_dbias:
+            dy2, dbias = bias_backward(dy2, grad_request(saved, q, saved.need_wgrad))
+            dbias = dbias.to(ctx.b_dtype)
+        dx, dw = linear_bwd(dy2, saved, q, ctx.w_dtype)
+        if isinstance(dx, Float8Tensor):
+            dx = dx.dequantize()
+        return (None if dx is None else dx.reshape(ctx.x_shape)), dw, dbias, None, None
