@@ -65,28 +65,38 @@ def _pack(value, tensors: List[torch.Tensor], inputs):
     return _map(value, slot)
 
 
+def _tensors_in(value, out: list) -> None:
+    """Append every tensor in value, through tuples, lists and saved records, to out (a walk: nothing is
+    rebuilt, unlike `_map`)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, SavedRecord):
+        for f in type(value).__match_args__:
+            _tensors_in(getattr(value, f), out)
+
+
 def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
     """Whether any context (any attribute, and the run's residual stacks) holds a tensor over x's memory:
     then an in-place write into x would change what a backward reads. Eager only (it reads every attribute
     of each context, which dynamo cannot iterate); FP8 copies are the op's own memory and are skipped."""
-    ptr, device = x.untyped_storage().data_ptr(), x.device
-    found = []
-
-    def leaf(t):
-        if type(t) is not Float8Tensor and t.device == device and t.untyped_storage().data_ptr() == ptr:
-            found.append(t)
-        return t
-
-    runs = {}
+    held, runs = [], {}
     for ctx in ctxs:
         for value in vars(ctx).values():
             if isinstance(value, RunState):
                 runs[id(value)] = value
             else:
-                _map(value, leaf)
+                _tensors_in(value, held)
     for run in runs.values():
-        _map(run.residuals, leaf)
-    return bool(found)
+        _tensors_in(run.residuals, held)
+    if not held:
+        return False
+    ptr, device = x.untyped_storage().data_ptr(), x.device
+    return any(
+        type(t) is not Float8Tensor and t.device == device and t.untyped_storage().data_ptr() == ptr for t in held
+    )
 
 
 def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple):
