@@ -115,19 +115,23 @@ def dact_ref_fp32(
 
 
 def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(x + bias) in float32, rounded to x's dtype: what act_fwd computes."""
     return act_ref_fp32(x, kind, bias).to(x.dtype)
 
 
 def act_fp8_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    """act(x + bias) in float32, quantized per tensor as quantize_tensorwise_ref does: what act_fp8 returns."""
     return quantize_tensorwise_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
 def act_fp8_save_input_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    """act_fp8_ref's outputs, then the FP8 copy of x the backward reads (its data and scale-inverse)."""
     saved = quantize_tensorwise_ref(x, SAVED_X_DTYPE)
     return (*act_fp8_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose), saved[0], saved[2])
 
 
 def act_bwd_ref(dy, x, kind, bias=None, x_scale_inv=None):
+    """dy * act'(x + bias) in float32, in the gradient's dtype: what act_bwd computes."""
     return dact_ref_fp32(dy, x, kind, bias, x_scale_inv).to(_grad_dtype(dy, x))
 
 
@@ -144,6 +148,8 @@ def dact_fp8_ref(
     with_dbias=True,
     x_scale_inv=None,
 ):
+    """(data, data_t, scale_inv, amax, dbias): dy * act'(x + bias) in float32 quantized per tensor, and its
+    column sums: what dact_fp8 returns."""
     dx = dact_ref_fp32(dy, x, kind, bias, x_scale_inv)
     data, data_t, scale_inv, amax = quantize_tensorwise_ref(dx, fp8_dtype, scale, margin, power_of_2, with_transpose)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0).to(dy.dtype) if with_dbias else dy.new_empty((0,))

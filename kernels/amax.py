@@ -42,6 +42,7 @@ def launch_amax(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def amax_triton(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as a () float32 tensor, by the Triton kernel (no checks: `amax` checks)."""
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     launch_amax(x.contiguous(), out)
     return out
@@ -63,4 +64,5 @@ def _(x):
 
 
 def amax_ref(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as a () float32 tensor, in torch: the semantics of `amax`."""
     return _amax_ref(x)

@@ -65,6 +65,7 @@ def _block2d_kernel(
 
 
 def quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
+    """(data, scale_inv), one scale per block_rows x block_cols block, by the Triton kernels (no checks)."""
     K = x.shape[-1]
     if block_rows == 1:
         x2 = x.reshape(math.prod(x.shape[:-1]) * (K // block_cols), block_cols)
@@ -168,6 +169,8 @@ def blockwise_amax_ref(x: torch.Tensor, block_rows: int, block_cols: int) -> tor
 
 
 def quantize_blockwise_ref(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
+    """(data, scale_inv), one scale per block_rows x block_cols block from that block's amax: the semantics
+    of quantize_blockwise."""
     check_block(x.shape, block_rows, block_cols)
     scale = scale_from_amax_ref(blockwise_amax_ref(x, block_rows, block_cols), fp8_dtype, margin, power_of_2)
     data = cast_to_fp8_ref(x.contiguous(), expand_blocks(scale, x.shape), fp8_dtype)

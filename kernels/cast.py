@@ -101,5 +101,6 @@ def cast_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
 
 
 def cast_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    """(data, scale_inv, amax): x cast with the given scale, as quantize_tensorwise_ref casts."""
     data, _, scale_inv, amax = quantize_tensorwise_ref(x, fp8_dtype, scale)
     return data, scale_inv, amax

@@ -47,6 +47,7 @@ def abs_bits(x):
 
 @triton.jit
 def atomic_amax(amax_ptr, bits):
+    """Device code: raise the () float32 amax at amax_ptr to the non-negative float whose bits are `bits`."""
     # amax_ptr: () fp32, zero-initialised (+0.0 has bits 0); bits: a scalar from abs_bits + tl.max.
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
 
@@ -101,6 +102,7 @@ def check_hp_input(x, op: str, name: str = "x") -> None:
 
 
 def check_scale(scale, x: torch.Tensor, op: str) -> None:
+    """TypeError or ValueError naming `op` unless scale is a one-element float32 tensor on x's device."""
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{op}: scale must be a float32 tensor with one element, got {type(scale).__name__}")
     if scale.dtype != torch.float32:
@@ -137,6 +139,7 @@ def check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op: str) -> N
 
 
 def check_flag(value, name: str, op: str) -> None:
+    """TypeError naming `op` unless value is a bool."""
     if not isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
 
@@ -167,6 +170,7 @@ def fake_fp8_outputs(like: torch.Tensor, shape, t_shape, fp8_dtype) -> tuple:
 
 
 def margin_div(margin: int) -> float:
+    """2**margin as a float: what a margin divides the scale by."""
     return float(2.0**margin)
 
 
@@ -190,6 +194,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_pow2(n: int) -> int:
+    """The smallest power of two >= max(1, n)."""
     return triton.next_power_of_2(max(1, n))
 
 

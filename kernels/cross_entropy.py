@@ -81,6 +81,8 @@ def _ce_rows_kernel(
 
 
 def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_grad: bool):
+    """Per-row loss and log-sum-exp of the logits z (and, with write_grad, their gradient in place), by the
+    Triton kernel (no checks)."""
     rows, cols = z.shape
     loss = torch.empty(rows, dtype=torch.float32, device=z.device)
     lse = torch.empty(rows, dtype=torch.float32, device=z.device)

@@ -71,6 +71,7 @@ def flat_row_block(data_shape, scale_shape):
 
 
 def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+    """data * scale_inv (broadcast over its blocks) in dtype, by the Triton kernel (no checks)."""
     per_tensor = scale_inv.numel() == 1
     if per_tensor:
         row_block = 1
@@ -143,4 +144,5 @@ def _(data, scale_inv, dtype):
 
 
 def dequantize_ref(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """data.float() * scale_inv (broadcast over its blocks), in dtype: the semantics of dequantize."""
     return _dequantize_ref(data.contiguous(), scale_inv, dtype)

@@ -157,6 +157,8 @@ def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
 def quantize_tensorwise_multi_triton(
     xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False
 ):
+    """Current-scaling quantization of several 2-D tensors, each with its own scale, in few launches (no
+    checks)."""
     dev = xs[0].device
     T = len(xs)
     steps = max(1, (T - 1).bit_length()) + 1  # halvings of [0, T) down to one tensor

@@ -79,12 +79,14 @@ def quantize_y_ref(y_hp, fp8_dtype, scale=None, margin=0, power_of_2=False, with
 
 
 def norm_fwd_ref(x, weight, bias, eps, rms):
+    """(y, mean, rstd): RMSNorm (rms) or LayerNorm of x in float32, y in x's dtype: what norm_fwd computes."""
     mean, rstd = norm_stats_ref(x, eps, rms)
     y = norm_apply_ref(x, weight, bias, mean, rstd).to(x.dtype).reshape(x.shape)
     return y, _no_mean(x) if mean is None else mean, rstd
 
 
 def norm_fp8_ref(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+    """norm_fwd_ref's y quantized per tensor, then mean and rstd: what norm_fp8 returns."""
     y, mean, rstd = norm_fwd_ref(x, weight, bias, eps, rms)
     return (*quantize_y_ref(y, fp8_dtype, scale, margin, power_of_2, with_transpose), mean, rstd)
 

@@ -166,6 +166,8 @@ def pack_heads(parts: List[torch.Tensor], sequence_first: bool = False) -> torch
 def pack_heads_fp8_triton(
     parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True
 ):
+    """The packed (tokens, features) matrix of head-major parts, quantized per tensor, by the Triton kernel
+    (no checks)."""
     views = [_token_major(p, sequence_first) for p in parts]
     O, I = views[0].shape[:2]
     T, D = O * I, views[0].shape[3]
@@ -212,6 +214,7 @@ def pack_heads_fp8_triton(
 
 
 def pack_heads_fp8_ref(parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True):
+    """pack_heads, then quantize_tensorwise_ref: the semantics of pack_heads_fp8."""
     return quantize_tensorwise_ref(
         pack_heads(parts, sequence_first), fp8_dtype, scale, margin, power_of_2, with_transpose
     )

@@ -37,6 +37,7 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 
 def check_fp8_dtype(fp8_dtype) -> None:
+    """TypeError unless fp8_dtype is torch.float8_e4m3fn or torch.float8_e5m2."""
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
 
@@ -153,4 +154,5 @@ def expand_blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def dequantize_ref(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """data.float() * scale_inv (broadcast over its blocks), in dtype."""
     return (data.float() * expand_blocks(scale_inv, data.shape)).to(dtype)

@@ -112,6 +112,7 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
 
 
 def quantize_rowwise_triton(x: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+    """(data, scale_inv of shape x.shape[:-1] + (1,)): one scale per row, by the Triton kernel (no checks)."""
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (-1, K) fails for an empty x
     data, scale_inv = launch_rowwise(x2, fp8_dtype, margin, power_of_2, max_single_k)
     return data.view(x.shape), scale_inv.view(*x.shape[:-1], 1)
@@ -149,5 +150,6 @@ def rowwise_amax_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rowwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+    """(data, scale_inv of shape x.shape[:-1] + (1,)): each row scaled from its own amax."""
     scale = scale_from_amax_ref(rowwise_amax_ref(x), fp8_dtype, margin, power_of_2)
     return cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype), scale.reciprocal()

@@ -45,6 +45,7 @@ def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
 
 
 def transpose_fp8_ref(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of FP8 data's last two dims: the semantics of transpose_fp8."""
     return data.t().contiguous()
 
 

@@ -43,6 +43,8 @@ class Unit:
 
 
 class LinearBiasForward(Unit):
+    """Linear + Bias forward: the bias joins the GEMM's epilogue."""
+
     @staticmethod
     def can_fuse(ops) -> bool:
         linear, bias = ops
@@ -55,6 +57,8 @@ class LinearBiasForward(Unit):
 
 
 class BiasActivationForward(Unit):
+    """Bias + activation forward: act(x + bias) in one kernel, FP8 where the next op asks for it."""
+
     @staticmethod
     def can_fuse(ops) -> bool:
         return True  # any bias size: a mismatch is reported by forward, naming both shapes
@@ -68,6 +72,8 @@ class BiasActivationForward(Unit):
 
 
 class BiasActivationBackward(Unit):
+    """Bias + activation backward: dact, dbias and the gradient's FP8 cast-transpose in one kernel."""
+
     @staticmethod
     def can_fuse(ops) -> bool:
         return True
@@ -79,6 +85,8 @@ class BiasActivationBackward(Unit):
 
 
 class ResidualNormBackward(Unit):
+    """Residual + norm backward: the norm's backward adds the residual branch's gradient as it writes dx."""
+
     @staticmethod
     def can_fuse(ops) -> bool:
         return True
