@@ -80,20 +80,14 @@ def gpu_gaps(step: Callable[[], None], device: torch.device, min_us: float = 20.
 
 
 def main(argv=None) -> None:
-    from benchmarks.harness import environment, figures_from_rows, free_memory, record
+    from benchmarks.harness import add_out_argument, environment, figures_from_rows, free_memory, record
     from benchmarks.step_llama import build_step
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.gaps", description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="float8 ops eager", help="comma-separated step_llama variants")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the default without CUDA)")
     p.add_argument("--min-us", type=float, default=20.0, help="shortest idle interval counted, in microseconds")
-    p.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default=None,
-        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if args.tiny or device.type == "cpu" else LlamaShape()

@@ -150,6 +150,17 @@ ENV_KEYS = ["device", "date", "torch", "triton", "torchao", "command", "commit"]
 _APPENDED: dict = {}  # (history.csv, area) -> the lines this process appended last for that area
 
 
+def add_out_argument(parser) -> None:
+    """`--out DIR` (also spelled `--json`, its older name) on a benchmark's argument parser: see results_dir."""
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=None,
+        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
+    )
+
+
 def results_dir(out: Optional[str] = None) -> pathlib.Path:
     """Where a run's results go: benchmarks/results/ unless given; a file path given (an old `--out x.json`
     or `--json x.json`) stands for its folder."""

@@ -24,7 +24,7 @@ import statistics
 
 import torch
 
-from benchmarks.harness import environment, figures_from_rows, host_us, markdown_table, record
+from benchmarks.harness import add_out_argument, environment, figures_from_rows, host_us, markdown_table, record
 
 
 class Step:
@@ -128,13 +128,7 @@ def profile(step, calls=200) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
-    p.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default=None,
-        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
     from float8 import Recipe
 

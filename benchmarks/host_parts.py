@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import environment, figure, host_us, record
+from benchmarks.harness import add_out_argument, environment, figure, host_us, record
 
 
 @triton.jit
@@ -80,13 +80,7 @@ def measure() -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default=None,
-        help="results folder (default benchmarks/results/; a file path given stands for its folder)",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
     result = measure()
     for name, us in result.items():

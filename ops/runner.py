@@ -317,7 +317,7 @@ def plan(ops: list, x: torch.Tensor, as_torch: bool = True) -> RunPlan:
     (`as_torch=False`: the plain-torch twins are not allowed). Raises where an op cannot run under
     torch.compile (`BasicOp.not_compilable`)."""
     compiling = torch.compiler.is_compiling()
-    if as_torch and _runs_as_torch(ops, x.reshape(-1, x.shape[-1])):
+    if as_torch and _runs_as_torch(ops, x if x.dim() == 2 else x.reshape(-1, x.shape[-1])):
         return RunPlan("torch", torch.is_grad_enabled(), [])
     if compiling and any(op.splits_compiled_run for op in ops):
         return RunPlan("split", torch.is_grad_enabled(), [])
@@ -342,9 +342,9 @@ def run_ops(ops: list, x: torch.Tensor, fuse: bool = True, as_torch: bool = True
     if not torch.compiler.is_compiling():
         _check_precision(x, ops)  # dynamo cannot trace warnings.warn: checked on eager calls only
         _refuse_forward_ad(x)
-    route, grad, params = plan(ops, x, as_torch)
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])
+    route, grad, params = plan(ops, x2, as_torch)  # the 2-D view: the same route, one reshape
     if route == "torch":
         y = _run_as_torch(ops, x2, lead, fuse)
         return y.reshape(*lead, y.shape[-1])
