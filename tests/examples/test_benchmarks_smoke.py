@@ -116,3 +116,15 @@ def test_distributed_benchmark_drops_a_variant_that_failed_on_any_rank():
     r0, r1 = run_ranks(_agree, timeout=60)
     assert r0["b"] == {"error": "failed on another rank"} and r1["b"]["error"] == "RuntimeError: only here"
     assert "error" not in r0["a"] and "error" not in r1["a"]
+
+
+def test_host_inference_says_it_needs_a_gpu_and_records_nothing(tmp_path):
+    """benchmarks.host_inference times CUDA launches: on a CPU it imports, says so, and writes no results."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_inference", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "without a GPU" in out.stdout and not any(tmp_path.iterdir())

@@ -1,0 +1,107 @@
+"""Host time of decode-size inference calls (CUDA): an FP8-only ops.Linear against nn.Linear, per call, and
+the Llama-style model under CUDA graphs (torch.compile mode="reduce-overhead"), bf16 against float8.
+
+    python -m benchmarks.host_inference [--tokens 16] [--out DIR]
+
+- linear: microseconds of host per call, calls issued back to back under inference_mode (the GPU keeps up,
+  so the loop measures the host), 4096->4096 and 4096->1024 (a split-K layer: two launches).
+- graphs: per call, the host time before the replay returns ("host_ms", calls back to back without a
+  synchronize, divided by their count), the time per call back to back ("pipelined_ms") and one call at a
+  time ("synchronized_ms", the median): bf16 and float8 weights of benchmarks.inference's Llama-style model.
+
+Recorded as the area "host_inference" in DIR (default benchmarks/results/; benchmarks.harness.record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import float8.ops as ops
+from benchmarks.harness import add_out_argument, environment, figure, record
+from benchmarks.inference import build_bf16, quantize_weights
+from benchmarks.llama import LlamaShape
+
+
+def linear_host_us(tokens: int, n: int, reps: int = 200) -> dict:
+    """{variant: best-of-5 host microseconds per call} of nn.Linear and an FP8-only ops.Linear, 4096 -> n."""
+    make = lambda: torch.nn.Linear(4096, n, bias=False, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    variants = {"nn.Linear": make(), "float8": ops.convert(torch.nn.Sequential(make()), fp8_weights=True)[0]}
+    x = torch.randn(1, tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    with torch.inference_mode():
+        for name, m in variants.items():
+            for _ in range(50):
+                m(x)
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    m(x)
+                best = min(best, (time.perf_counter() - t) / reps * 1e6)
+                torch.cuda.synchronize()
+            out[name] = round(best, 1)
+    return out
+
+
+def graphed_ms(weights: str, tokens: int) -> dict:
+    """host_ms, pipelined_ms, synchronized_ms of the model under torch.compile(mode="reduce-overhead")."""
+    dev = torch.device("cuda")
+    model = quantize_weights(build_bf16("llama", LlamaShape(), dev), weights, dev)
+    fn = torch.compile(model, mode="reduce-overhead", fullgraph=weights == "float8", dynamic=False)
+    ids = torch.randint(0, LlamaShape().vocab, (1, tokens), device=dev)
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(ids)
+
+    with torch.inference_mode():
+        for _ in range(23):
+            call()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            call()
+        host = (time.perf_counter() - t) / 50 * 1e3
+        torch.cuda.synchronize()
+        pipelined = (time.perf_counter() - t) / 50 * 1e3
+        single = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            single.append((time.perf_counter() - t) * 1e3)
+    return {
+        "host_ms": round(host, 3),
+        "pipelined_ms": round(pipelined, 3),
+        "synchronized_ms": round(statistics.median(single), 3),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=16)
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.host_inference measures CUDA launches: nothing to do without a GPU")
+        return
+    figures = []
+    for n in (4096, 1024):
+        for variant, us in linear_host_us(args.tokens, n).items():
+            figures.append(figure(f"linear 4096->{n}, {args.tokens} tokens", variant, "host_us", us))
+            print(f"{variant} 4096->{n}: {us} us of host per call", flush=True)
+    for weights in ("bf16", "float8"):
+        for metric, v in graphed_ms(weights, args.tokens).items():
+            figures.append(figure(f"llama graphed, {args.tokens} tokens", weights, metric, v))
+            print(f"{weights} graphed: {metric} {v}", flush=True)
+    print(record("host_inference", args.out, environment(torch.device("cuda")), figures))
+
+
+if __name__ == "__main__":
+    main()
