@@ -22,13 +22,14 @@ from .common import (
     check_hp_input,
     check_scaling_args,
     clamp_keep_nan,
-    custom_op,
     fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
+    triton_op,
     use_triton,
 )
+from .launch import FastLauncher
 from .reference import cast_to_fp8_ref
 from .reference import scale_from_amax as scale_from_amax_ref
 
@@ -81,6 +82,28 @@ def _rowwise_kernel(
     tl.store(scale_inv_ptr + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=row_mask)
 
 
+_launch = FastLauncher(_rowwise_kernel)
+
+
+def rowwise_launch(R: int, K: int, max_single_k: int = MAX_SINGLE_K) -> tuple:
+    """(grid, ROWS, BLOCK_K, SINGLE, num_warps) of the kernel for R rows of K elements."""
+    single = K <= max_single_k
+    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
+    rows = max(1, TILE // block_k) if single else 1
+    return (cdiv(R, rows),), rows, block_k, single, 8 if rows * block_k >= 4096 else 4
+
+
+def rowwise_args(x2, data, scale_inv, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+    """(grid, the kernel's arguments in its parameter order, num_warps) for x2 (R, K) with unit column
+    stride into data (R, K) and scale_inv (R,) (or (R, 1)): what launch_rowwise launches, for a caller that
+    keeps the launch (kernels/rowwise_input_mm.py)."""
+    R, K = x2.shape
+    grid, rows, block_k, single, warps = rowwise_launch(R, K, max_single_k)
+    c = fp8_constants(fp8_dtype)
+    args = (x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2)
+    return grid, (*args, rows, block_k, single), warps
+
+
 def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
     """x2: (R, K). Returns data (R, K) fp8 and scale_inv (R,) fp32."""
     if x2.stride(-1) != 1:
@@ -90,24 +113,8 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
     scale_inv = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R == 0:
         return data, scale_inv
-    single = K <= max_single_k
-    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
-    rows = max(1, TILE // block_k) if single else 1
-    _rowwise_kernel[(cdiv(R, rows),)](
-        x2,
-        data,
-        scale_inv,
-        R,
-        K,
-        x2.stride(0),
-        margin_div(margin),
-        **fp8_constants(fp8_dtype),
-        POWER_OF_2=power_of_2,
-        ROWS=rows,
-        BLOCK_K=block_k,
-        SINGLE=single,
-        num_warps=8 if rows * block_k >= 4096 else 4,
-    )
+    grid, args, warps = rowwise_args(x2, data, scale_inv, fp8_dtype, margin, power_of_2, max_single_k)
+    _launch(grid, *args, num_warps=warps)
     return data, scale_inv
 
 
@@ -125,7 +132,7 @@ def _check(x, fp8_dtype, margin, power_of_2):
         raise ValueError("quantize_rowwise: x must have at least 1 dim (rows run along the last), got a 0-d tensor")
 
 
-@custom_op("float8::quantize_rowwise")
+@triton_op("float8::quantize_rowwise")
 def quantize_rowwise(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,12 +141,6 @@ def quantize_rowwise(
     if use_triton(x):
         return quantize_rowwise_triton(x, fp8_dtype, margin, power_of_2)
     return quantize_rowwise_ref(x, fp8_dtype, margin, power_of_2)
-
-
-@quantize_rowwise.register_fake
-def _(x, fp8_dtype, margin=0, power_of_2=False):
-    _check(x, fp8_dtype, margin, power_of_2)
-    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
 def rowwise_amax_ref(x: torch.Tensor) -> torch.Tensor:
