@@ -3,8 +3,8 @@
 CPU: the reference's semantics (per-row scales, the weight's scale per tensor or per row, the bias, the
 non-finite contract), which operands it takes, and that the op is its reference there. GPU tier: the
 kernel's quantized bytes and scales are the reference's bit for bit, the GEMM's output matches the
-reference's float32 product, prepared calls give the unprepared call's bits (CUDA graphs too) and
-re-prepare when the weight's scale changes in place.
+reference's float32 product, prepared calls give the unprepared call's bits (CUDA graphs too) and read
+a weight's scale changed in place.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 
 from float8 import Float8Tensor
 from float8.kernels import rowwise_input_mm as R
-from float8.kernels.rowwise import quantize_rowwise, quantize_rowwise_ref
+from float8.kernels.rowwise import launch_rowwise, quantize_rowwise, quantize_rowwise_ref
 from tests.tolerances import SQNR_DB, assert_same_bits, sqnr_db
 
 E4M3 = torch.float8_e4m3fn
@@ -59,12 +59,16 @@ def test_each_row_keeps_its_own_scale():
     assert sqnr_db(exact[3], y[3]) > sqnr_db(exact[0], y[0]) - 6
 
 
-def test_weight_scale_row():
-    x, w8, s = _operands(n=48)
-    row = R.weight_scale_row(w8, s)
-    assert row.shape == (1, 48) and row.is_contiguous() and torch.equal(row, s.expand(1, 48))
-    _, w8r, sr = _operands(n=48, per_row_weight=True)
-    assert torch.equal(R.weight_scale_row(w8r, sr), sr.reshape(1, 48))
+def test_a_per_tensor_weight_scale_is_folded_into_the_row_scales():
+    """sx * sw is rounded once in float32 and multiplies the float32 product: the GEMM's column scales are
+    ones, so no call keeps a copy of the weight's scale."""
+    x, w8, s = _operands()
+    x8, sx = quantize_rowwise_ref(x, E4M3)
+    want = ((x8.float() @ w8.float().t()) * (sx * s)).to(torch.bfloat16)
+    assert_same_bits(R.fp8_rowwise_input_mm_ref(x, w8, s), want)
+    _, w8r, sr = _operands(per_row_weight=True)
+    want = ((x8.float() @ w8r.float().t()) * sx * sr.reshape(1, -1)).to(torch.bfloat16)
+    assert_same_bits(R.fp8_rowwise_input_mm_ref(x, w8r, sr), want)
 
 
 def test_supports():
@@ -120,6 +124,10 @@ def test_gpu_kernel_against_the_reference(m, per_row_weight):
     r8, rs = quantize_rowwise_ref(x, E4M3)
     assert_same_bits(x8, r8)
     assert_same_bits(sx, rs)
+    if not per_row_weight:  # the weight's scale folded in by the kernel: the reference's float32 product
+        folded8, folded = launch_rowwise(x, E4M3, times=s.reshape(()))
+        assert_same_bits(folded8, r8)
+        assert_same_bits(folded, (rs * s).reshape(-1))
     y = R.fp8_rowwise_input_mm(x, w8, s, bias)
     want = R.fp8_rowwise_input_mm_ref(x, w8, s, bias)
     # The same FP8 operands and scales; only the GEMM's float32 summation order and the rounding differ.
@@ -156,14 +164,17 @@ def test_gpu_prepared_call_gives_the_unprepared_bits(bias):
 
 
 @pytest.mark.gpu
-def test_gpu_a_scale_changed_in_place_is_not_matched():
-    """The prepared call holds a copy of a per-tensor scale as a row: an in-place write to the scale moves its
-    version, so the caller re-prepares instead of multiplying by the old value."""
-    x, w8, s = _operands(m=64, device="cuda")
+@pytest.mark.parametrize("per_row_weight", [False, True], ids=["tensor-scaled weight", "row-scaled weight"])
+def test_gpu_a_scale_changed_in_place_is_read_by_the_next_prepared_call(per_row_weight):
+    """The prepared call keeps no copy of the weight's scale: the quantize kernel reads a per-tensor scale
+    at every call, the GEMM a per-row one."""
+    x, w8, s = _operands(m=64, device="cuda", per_row_weight=per_row_weight)
     _, prepared = R.prepare(x, w8, s)
-    assert prepared.matches(w8, s, None)
+    before = prepared(x, w8, s, None)
     s.mul_(2)
-    assert not prepared.matches(w8, s, None)
+    after = prepared(x, w8, s, None)
+    assert_same_bits(after, R.fp8_rowwise_input_mm(x, w8, s))
+    assert not torch.equal(after, before)
 
 
 @pytest.mark.gpu
