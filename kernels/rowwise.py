@@ -43,7 +43,6 @@ def _rowwise_kernel(
     x_ptr,  # (R, K) hp, unit column stride, row stride stride_xr
     data_ptr,  # (R, K) fp8, contiguous
     scale_inv_ptr,  # (R,) fp32
-    times_ptr,  # a float32 scalar that multiplies every written scale_inv (TIMES), else unused
     R,
     K,
     stride_xr,
@@ -54,8 +53,10 @@ def _rowwise_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SINGLE: tl.constexpr,  # K <= BLOCK_K: the whole row in registers
-    TIMES: tl.constexpr,
 ):
+    # A float argument is float32 in Triton's own launcher but float64 in inductor's (quantize_rowwise is a
+    # triton_op): scale_from_amax's div_rn refused the float64 (GPU tier, 2026-11-26).
+    margin_div = tl.cast(margin_div, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_K)
@@ -81,39 +82,14 @@ def _rowwise_kernel(
             x = tl.load(x_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = clamp_keep_nan(x * scale[:, None], FP8_MAX)
             tl.store(d_rows + k + cols[None, :], y.to(data_ptr.dtype.element_ty), mask=mask)
-    scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    if TIMES:
-        scale_inv = scale_inv * tl.load(times_ptr)
-    tl.store(scale_inv_ptr + rows, scale_inv, mask=row_mask)
+    tl.store(scale_inv_ptr + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=row_mask)
 
 
 _launch = FastLauncher(_rowwise_kernel)
 
 
-def rowwise_launch(R: int, K: int, max_single_k: int = MAX_SINGLE_K) -> tuple:
-    """(grid, ROWS, BLOCK_K, SINGLE, num_warps) of the kernel for R rows of K elements."""
-    single = K <= max_single_k
-    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
-    rows = max(1, TILE // block_k) if single else 1
-    return (cdiv(R, rows),), rows, block_k, single, 8 if rows * block_k >= 4096 else 4
-
-
-def rowwise_args(x2, data, scale_inv, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K, times=None):
-    """(grid, the kernel's arguments in its parameter order, num_warps) for x2 (R, K) with unit column
-    stride into data (R, K) and scale_inv (R,) (or (R, 1)): what launch_rowwise launches, for a caller that
-    keeps the launch (kernels/rowwise_input_mm.py). The arguments are (x2, data, scale_inv, times, ...)."""
-    R, K = x2.shape
-    grid, rows, block_k, single, warps = rowwise_launch(R, K, max_single_k)
-    c = fp8_constants(fp8_dtype)
-    head = (x2, data, scale_inv, scale_inv if times is None else times)
-    args = (*head, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2)
-    return grid, (*args, rows, block_k, single, times is not None), warps
-
-
-def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K, times=None):
-    """x2: (R, K). Returns data (R, K) fp8 and scale_inv (R,) fp32. times: a float32 scalar tensor that
-    multiplies every scale_inv as it is written (the product rounded once; kernels/rowwise_input_mm.py folds
-    a weight's scale into it), or None."""
+def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+    """x2: (R, K). Returns data (R, K) fp8 and scale_inv (R,) fp32."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     R, K = x2.shape
@@ -121,8 +97,16 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
     scale_inv = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R == 0:
         return data, scale_inv
-    grid, args, warps = rowwise_args(x2, data, scale_inv, fp8_dtype, margin, power_of_2, max_single_k, times)
-    _launch(grid, *args, num_warps=warps)
+    single = K <= max_single_k
+    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
+    rows = max(1, TILE // block_k) if single else 1
+    c = fp8_constants(fp8_dtype)
+    _launch(
+        (cdiv(R, rows),),
+        *(x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2),
+        *(rows, block_k, single),
+        num_warps=8 if rows * block_k >= 4096 else 4,
+    )
     return data, scale_inv
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
-from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, rowwise_input_mm, weight_only
+from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
@@ -325,13 +325,9 @@ class Linear(BasicOp):
         GEMM called directly. None where it does not apply (then the general path runs): a backward to
         record, a tensor-parallel layer, an amax group, operands the kernels do not take.
 
-        - At < rowwise_input_mm.MIN_TOKENS (33) tokens: one kernel reads the weight's FP8 bytes and
-          multiplies them with x as it is (kernels/weight_only.py): no activation quantization, one launch.
-          Its numerics are the product with the dequantized weight in float32, rounded once.
-        - At 33 to weight_only.MAX_TOKENS (128) tokens, for a bf16 x and an E4M3 weight scaled per tensor or
-          per row: x quantized one row at a time (one launch, no amax pass), then the row-wise scaled FP8
-          GEMM (kernels/rowwise_input_mm.py): half the MMA work of the weight-only kernel, whose GPU time
-          grows with the tokens. Other operands at these sizes take the weight-only kernel.
+        - At <= weight_only.MAX_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
+          with x as it is (kernels/weight_only.py): no activation quantization, one launch. Its numerics are
+          the product with the dequantized weight in float32, rounded once.
         - Above: `linear_fwd`, the general path's own forward (the same bits): x quantized by the input
           quantizer (one cast with a calibrated scale), then the FP8 GEMM.
 
@@ -360,20 +356,16 @@ class Linear(BasicOp):
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()  # a transposed input: the same kernel and bits as its contiguous copy
             data, scale_inv = w.fp8_data, w.scale_inv
+            if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features:
+                return None
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
                 return None
-            if tokens >= rowwise_input_mm.MIN_TOKENS and rowwise_input_mm.supports(x2, data, scale_inv):
-                kernel, unprepared = rowwise_input_mm, rowwise_input_mm.fp8_rowwise_input_mm
-            elif weight_only.supports(x2, data, scale_inv) and data.shape[1] == self.in_features:
-                kernel, unprepared = weight_only, weight_only.fp8_weight_mm_prechecked
-            else:
-                return None
             if self._plannable(x, x2, bias):
-                y, prepared = kernel.prepare(x2, data, scale_inv, bias)
+                y, prepared = weight_only.prepare(x2, data, scale_inv, bias)
                 if prepared is not None:
                     self._inference_plans.add((x.shape, x.dtype), prepared)
             else:
-                y = unprepared(x2, data, scale_inv, bias)
+                y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
         else:
             if x.dtype not in (torch.bfloat16, torch.float16):
                 return None

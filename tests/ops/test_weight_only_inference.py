@@ -1,7 +1,6 @@
 """ops.Linear's inference forward with an FP8-only weight, without the op runner (`Linear._inference_forward`).
 
-At <= 32 tokens one fp8_weight_mm (kernels/weight_only.py), at 33-128 one fp8_rowwise_input_mm
-(kernels/rowwise_input_mm.py, tests/ops/test_rowwise_input_inference.py); above, the general path's own
+At <= weight_only.MAX_TOKENS (128) tokens one fp8_weight_mm (kernels/weight_only.py); above, the general path's own
 `linear_fwd` called directly (the same bits as the one-op Sequential). Which calls take it (no backward to
 record, a per-tensor or per-row FP8 weight, a bf16/fp16 input), that it gives the kernel's reference bits
 (on the CPU the op is its reference) or the general path's, that every other call takes the general path,
@@ -18,9 +17,9 @@ from float8.ops.base import BasicOp
 from tests.tolerances import sqnr_db
 
 
-def _linear(k=64, n=48, bias=False, recipe=None, dtype=torch.bfloat16, seed=0, device="cpu"):
+def _linear(k=64, n=48, bias=False, recipe=None, dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(device, dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(dtype)
     ops.convert(model, recipe=recipe, fp8_weights=True)
     return model[0]
 
@@ -35,7 +34,7 @@ def _general(lin, x):
     return BasicOp.forward(lin, x)  # the one-op Sequential the fast path stands in for
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (32, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (128, 64)])
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_few_tokens_take_the_weight_only_kernel(shape, mode):
     lin = _linear()
@@ -193,7 +192,7 @@ def test_gpu_inductor_and_cuda_graphs_give_eagers_bits(mode):
     CUDA graphs (compile's reduce-overhead) too, replay after replay."""
     model = _gpu_mlp()
     compiled = torch.compile(model, mode=mode)
-    for tokens in (1, 16, 64, 128, 200, 16, 1):  # weight-only, row-wise input + FP8 GEMM, the general path
+    for tokens in (1, 16, 128, 200, 16, 1):  # the weight-only kernel, then quantize + FP8 GEMM
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             want = model(x)
