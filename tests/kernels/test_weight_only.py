@@ -230,9 +230,9 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
     assert _arg_key(True) != _arg_key(1)
     launcher = FastLauncher(W._fp8_weight_mm_kernel)
-    assert launcher.constexpr == frozenset(range(14, 20))  # SCALE_MODE ... SPLIT_K
-    args = (t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1)
-    other = args[:16] + (32,) + args[17:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
+    assert launcher.constexpr == frozenset(range(16, 23))  # SCALE_MODE ... SPLIT_K, FIXUP
+    args = (t, t, t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1, False)
+    other = args[:18] + (32,) + args[19:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
 

@@ -75,7 +75,7 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.parametrize("shape", [(1, 4096), (16, 4096), (2, 3, 4096), (128, 4096)])
-@pytest.mark.parametrize("n", [256, 4096])  # 256 columns: split K and its summing kernel
+@pytest.mark.parametrize("n", [256, 4096])  # 256 columns: split K, summed in one launch when prepared
 @pytest.mark.parametrize("bias", [False, True])
 def test_gpu_prepared_calls_give_the_checked_ops_bits(shape, n, bias):
     lin = _linear(k=4096, n=n, bias=bias)
@@ -151,3 +151,81 @@ def test_gpu_a_cuda_graph_captures_prepared_calls():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+def _split_k_linear():
+    lin = _linear(k=4096, n=256)  # 16 tokens: 8 column tiles, K split in 8 (kernels/weight_only.py split_k_for)
+    x = torch.randn(16, 4096, device="cuda", dtype=BF16)
+    return lin, x
+
+
+@gpu
+def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero():
+    """The prepared split-K call sums its partials in its one kernel (the last program of each tile): the
+    checked op's bits (two launches), call after call, and its tile counters are back to zero after each."""
+    lin, x = _split_k_linear()
+    with torch.inference_mode():
+        want = _checked(lin, x)
+        lin(x)
+        prepared = lin._inference_plans[(x.shape, x.dtype)]
+        assert prepared.split_shape is not None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            lin(x)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if "kernel" in e.name]
+        assert sum("_fp8_weight_mm_kernel" in k for k in kernels) == 1, kernels
+        assert not any("_split_k_sum_kernel" in k for k in kernels), kernels
+        for i in range(20):
+            assert torch.equal(lin(x + i), _checked(lin, x + i))
+        torch.cuda.synchronize()
+        for counts in prepared.counts.values():
+            assert counts.numel() == 8 and not counts.any()
+        assert torch.equal(lin(x), want)
+
+
+@gpu
+def test_gpu_split_k_prepared_calls_on_two_streams_count_apart():
+    """Two streams running the same prepared layer at once: each stream has its own tile counters, so each
+    call's last program sees only its own partials."""
+    lin, x = _split_k_linear()
+    xs = [torch.randn(16, 4096, device="cuda", dtype=BF16) for _ in range(2)]
+    with torch.inference_mode():
+        wants = [_checked(lin, v) for v in xs]
+        lin(x)
+        streams = [torch.cuda.Stream() for _ in xs]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        outs = [[], []]
+        for _ in range(10):
+            for i, s in enumerate(streams):
+                with torch.cuda.stream(s):
+                    outs[i].append(lin(xs[i]))
+        torch.cuda.synchronize()
+        assert len(lin._inference_plans[(x.shape, x.dtype)].counts) == 3
+        for i in range(2):
+            assert all(torch.equal(o, wants[i]) for o in outs[i])
+
+
+@gpu
+@pytest.mark.parametrize("warm_on_the_capture_stream", [False, True])
+def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
+    """Captured with counters made beforehand (a warm-up on the capture stream), the graph replays the one
+    launch; captured on a stream without counters, the call takes the two-launch path (nothing is allocated
+    for it during the capture). Both replay the checked op's bits."""
+    lin, x = _split_k_linear()
+    with torch.inference_mode():
+        want = _checked(lin, x)
+        lin(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        if warm_on_the_capture_stream:
+            with torch.cuda.stream(stream):
+                lin(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = lin(x)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
