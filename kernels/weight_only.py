@@ -21,8 +21,9 @@ Non-finite values propagate: inf/NaN in x or a NaN weight code give non-finite o
 a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
 
 The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K, except on narrow layers,
-whose K is split (`split_k_for`) and whose fp32 partial sums a second kernel adds in a fixed order: the
-result never depends on scheduling (no atomics). The tile table `CONFIGS` comes from the sweep of
+whose K is split (`split_k_for`) and whose fp32 partial sums are added in split order: by a second kernel,
+or, in a prepared call, by the last program of each tile (counted with one atomic per tile; FIXUP). Either
+way the result never depends on scheduling. The tile table `CONFIGS` comes from the sweep of
 benchmarks/weight_only.py.
 """
 
@@ -45,7 +46,10 @@ from .reference import FP8_DTYPES
 # against 0.22 at 128; bf16 0.31-0.34), but that path is three launches and a Float8Tensor: 264-293 us of
 # host time per call at 17-128 tokens on the H100 machine against 38-75 us for this one. Eager forwards at
 # these sizes wait for the host (the Llama-style model at 128 tokens ran at 0.27x bf16 eager with the
-# FP8 x FP8 path above 16 tokens, 0.63x with this kernel up to 128), so this kernel serves up to 128.
+# FP8 x FP8 path above 16 tokens, 0.63x with this kernel up to 128), so this kernel serves up to 128. A
+# leaner FP8 x FP8 call (x quantized per row in one launch, cuBLASLt's row-wise GEMM, prepared) still took
+# 33 us of host against 12.7 for this kernel's prepared call, and lost at 64-128 tokens too (2026-11-26:
+# docs/performance.md).
 MAX_TOKENS = 128
 
 # (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row whose max M >= M. The tile with
