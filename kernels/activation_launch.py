@@ -19,6 +19,10 @@ from .activation_fwd_kernel import _act_fwd_kernel
 from .activation_math import SAVED_X_DTYPE
 from .activation_ref import _grad_dtype, _n_out, _out_shape
 from .common import cdiv, fp8_constants, next_pow2, transposed_shape
+from .launch import FastLauncher
+
+_launch_act_fwd = FastLauncher(_act_fwd_kernel)
+_launch_act_bwd = FastLauncher(_act_bwd_kernel)
 
 # Tiles. Row-wise passes (high-precision output, amax, FP8 without transpose): (BLOCK_S, BLOCK_N) with
 # BLOCK_S * BLOCK_N <= 4096, looping over up to MAX_ITERS tiles down the rows (fewer atomics and dbias
@@ -87,7 +91,8 @@ def launch_fwd(
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
-    _act_fwd_kernel[grid](
+    _launch_act_fwd(
+        grid,
         x,
         bias if bias is not None else x,
         y if y is not None else x,
@@ -139,7 +144,8 @@ def launch_bwd(
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
-    _act_bwd_kernel[grid](
+    _launch_act_bwd(
+        grid,
         dy,
         x,
         bias if bias is not None else dy,

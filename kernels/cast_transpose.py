@@ -39,6 +39,7 @@ from .common import (
     small_num_warps,
     transposed_shape,
 )
+from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
 
 # Per input element size. (64, 128) tiles: 256 B row segments read (bf16), 128 B / 64 B written. For
@@ -148,6 +149,10 @@ def _quantize_transpose_small_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
+_launch_ct = FastLauncher(_cast_transpose_kernel)
+_launch_small_t = FastLauncher(_quantize_transpose_small_kernel)
+
+
 def _is_small(x: torch.Tensor) -> bool:
     """One (M, K) matrix (leading dims all 1) that one program holds in registers (common.SMALL_NUMEL)."""
     *batch, M, K = x.shape
@@ -163,7 +168,8 @@ def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     block_m = max(SMALL_MIN_TILE, next_pow2(M))
     block_k = max(SMALL_MIN_TILE, next_pow2(K))
-    _quantize_transpose_small_kernel[(1,)](
+    _launch_small_t(
+        (1,),
         x,
         data,
         data_t,
@@ -194,7 +200,8 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
     tiles_m = max(1, cdiv(M, cfg["BLOCK_M"]))
     tiles_k = max(1, cdiv(K, cfg["BLOCK_K"]))
     amax_arg = scale_or_amax if current else amax_out
-    _cast_transpose_kernel[(max(1, B * tiles_m * tiles_k),)](  # >= 1 program: program 0 writes scale_inv
+    _launch_ct(
+        (max(1, B * tiles_m * tiles_k),),  # >= 1 program: program 0 writes scale_inv
         x3,
         scale_or_amax,
         amax_arg if amax_arg is not None else scale_inv,  # unused when neither

@@ -43,9 +43,19 @@ def _constexpr_positions(kernel) -> frozenset:
     params = getattr(kernel, "params", None)
     if params is not None:
         return frozenset(i for i, p in enumerate(params) if p.is_constexpr)
-    fn = getattr(kernel, "fn", kernel)  # interpreted: read the annotations of the Python function
-    sig = inspect.signature(fn)
+    sig = inspect.signature(getattr(kernel, "fn", kernel))  # interpreted: the Python function's annotations
     return frozenset(i for i, p in enumerate(sig.parameters.values()) if "constexpr" in str(p.annotation))
+
+
+def _parameters(kernel) -> tuple:
+    """(names, defaults) of the kernel's parameters in order; a default is inspect.Parameter.empty if none."""
+    sig = inspect.signature(getattr(kernel, "fn", kernel))
+    return tuple(sig.parameters), tuple(p.default for p in sig.parameters.values())
+
+
+# Triton compile options a launch may name besides num_warps and num_stages (the norms turn FMA fusion off
+# for bits that match their references): passed through, and part of the key.
+_COMPILE_OPTIONS = frozenset({"enable_fp_fusion", "num_ctas", "maxnreg"})
 
 
 def runtime_settings() -> tuple:
@@ -61,9 +71,10 @@ def runtime_settings() -> tuple:
 
 
 class FastLauncher:
-    """Launches one @triton.jit kernel. Call with every kernel parameter positionally, in the kernel's
-    order (constexprs too), then the options: `launcher(grid, *args, num_warps=4, num_stages=3)`. The first
-    argument is a tensor; the shortcut is taken only when it is on a CUDA device."""
+    """Launches one @triton.jit kernel: `launcher(grid, *args, num_warps=4, num_stages=3, **named)`, the
+    kernel's parameters positionally in its order and/or by name (constexprs too; a parameter left out takes
+    its default), as `kernel[grid](...)` takes them. The first parameter is a tensor; the shortcut is taken
+    only when it is on a CUDA device."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -71,43 +82,68 @@ class FastLauncher:
         # pointer on whether its storage spans under 2 GiB, which this key does not hold: no shortcut there.
         self.interpreted = not hasattr(kernel, "device_caches") or torch.version.hip is not None
         self.constexpr = _constexpr_positions(kernel)
+        names, self.defaults = _parameters(kernel)
+        self.index = {name: i for i, name in enumerate(names)}
+        self.name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
         self.compiled: dict = {}
+
+    def bind(self, args: tuple, named: dict) -> tuple:
+        """Every parameter's value in the kernel's order: args, then `named` by name, then the defaults."""
+        if not named and len(args) == len(self.defaults):
+            return args
+        full = list(args) + [inspect.Parameter.empty] * (len(self.defaults) - len(args))
+        for name, value in named.items():
+            i = self.index.get(name)
+            if i is None or i < len(args):
+                what = "no parameter" if i is None else "a positional value for"
+                raise TypeError(f"{self.name}: has {what} {name!r}")
+            full[i] = value
+        for i, value in enumerate(full):
+            if value is inspect.Parameter.empty:
+                full[i] = self.defaults[i]
+                if full[i] is inspect.Parameter.empty:
+                    raise TypeError(f"{self.name}: no value for parameter {list(self.index)[i]!r}")
+        return tuple(full)
 
     def _key(self, args, options):
         return tuple(a if i in self.constexpr else _arg_key(a) for i, a in enumerate(args)) + options
 
-    def __call__(self, grid, *args, num_warps: int = 4, num_stages: int = 3):
+    def __call__(self, grid, *args, num_warps: int = 4, num_stages: int = 3, **named):
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if named:
+            options.update((k, named.pop(k)) for k in _COMPILE_OPTIONS & named.keys())
+        args = self.bind(args, named)
         if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             # Traced (the body of a triton_op under torch.compile, fake tensors, make_fx): the launch becomes
             # a node of the graph, which inductor launches with its own code.
-            return torch.library.wrap_triton(self.kernel)[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **options)
         if self.interpreted:
-            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return self.kernel[grid](*args, **options)
         first = args[0]
         if not (isinstance(first, torch.Tensor) and first.is_cuda):
             # Not a CUDA launch (a CPU build tracing launches, tests/kernels/sm90_lowering.py): Triton's own path.
-            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return self.kernel[grid](*args, **options)
         device = first.device.index
         if device != torch._C._cuda_getDevice():
             # Triton launches on the current device; a compiled kernel is loaded per device: no shortcut.
-            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return self.kernel[grid](*args, **options)
         if getattr(self.kernel, "pre_run_hooks", None):
-            return self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
-        key = (device, self._key(args, (num_warps, num_stages, *runtime_settings())))
+            return self.kernel[grid](*args, **options)
+        key = (device, self._key(args, (*options.items(), *runtime_settings())))
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            compiled = self.kernel[grid](*args, **options)
             if shortcut_ready(compiled):
                 self.compiled[key] = compiled
             return compiled
         run_compiled(compiled, grid, device, args)
         return compiled
 
-    def launch_and_keep(self, grid, *args, num_warps: int = 4, num_stages: int = 3):
+    def launch_and_keep(self, grid, *args, num_warps: int = 4, num_stages: int = 3, **named):
         """Launch as `__call__` does and return the compiled kernel when a later call may run it directly
         with `run_compiled` (CUDA, the current device, no pre-run hooks), else None. For a caller that
         fixes every argument but its activation and output tensors (kernels/weight_only.py PreparedMM)."""
-        first = args[0]
+        first = args[0] if args else None
         plain = not (self.interpreted or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
         ready = plain and isinstance(first, torch.Tensor) and first.is_cuda
         ready = (
@@ -115,7 +151,7 @@ class FastLauncher:
             and first.device.index == torch._C._cuda_getDevice()
             and not getattr(self.kernel, "pre_run_hooks", None)
         )
-        compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages)
+        compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages, **named)
         return compiled if ready and shortcut_ready(compiled) else None
 
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .common import cdiv, custom_op, fake_fp8_outputs, fp8_constants, margin_div, next_pow2, use_triton
+from .launch import FastLauncher
 from .norm_bwd_kernel import _norm_bwd_kernel
 from .norm_checks import _check_bwd, _check_fp8, _check_fwd, _fake_stats, _rows
 from .norm_fwd_kernel import ROWS_NOT_SPECIALIZED, _norm_fp8_tiles_kernel, _norm_rows_kernel
@@ -39,6 +40,10 @@ from .norm_ref import (
     quantize_y_ref,
     sqrt_rn,
 )
+
+_rows_launcher = FastLauncher(_norm_rows_kernel)
+_fp8_tiles_launcher = FastLauncher(_norm_fp8_tiles_kernel)
+_bwd_launcher = FastLauncher(_norm_bwd_kernel)
 
 __all__ = [
     "norm_fwd",
@@ -139,7 +144,8 @@ def _launch_rows(x2, weight, bias, eps, is_rms, y, amax, config):
     if amax is None:
         amax = rstd  # fp32, fresh: the same specialization as a zeroed amax
     cfg = _rows_config(N, config)
-    _norm_rows_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
+    _rows_launcher(
+        (cdiv(M, cfg["BLOCK_M"]),),
         x2,
         weight,
         bias if bias is not None else weight,
@@ -196,7 +202,8 @@ def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margi
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     cfg = _tiles_config(N, with_t, config)
     tiles_n = cdiv(N, cfg["BLOCK_N"])
-    _norm_fp8_tiles_kernel[(cdiv(M, cfg["BLOCK_M"]) * tiles_n,)](
+    _fp8_tiles_launcher(
+        (cdiv(M, cfg["BLOCK_M"]) * tiles_n,),
         x2,
         w,
         b if b is not None else w,
@@ -274,7 +281,8 @@ def norm_bwd_triton(dy, x, weight, mean, rstd, config=None, dres=None):
     dw_part = torch.zeros((grid, N), dtype=torch.float32, device=x.device)
     db_part = None if is_rms else torch.zeros((grid, N), dtype=torch.float32, device=x.device)
     if M:
-        _norm_bwd_kernel[(grid,)](
+        _bwd_launcher(
+            (grid,),
             dy2,
             x2,
             weight.contiguous(),

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, custom_op
+from .launch import FastLauncher
 from .reference import FP8_DTYPES
 
 TILE_M, TILE_N, NUM_WARPS = 64, 128, 4
@@ -31,6 +32,9 @@ def _transpose_kernel(x_ptr, y_ptr, M, N, TILE_M: tl.constexpr, TILE_N: tl.const
     tl.store(y_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], t, mask=tl.trans(mask))
 
 
+_launch_transpose = FastLauncher(_transpose_kernel)
+
+
 def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
     """(N, M) contiguous copy of the (M, N) FP8 matrix data."""
     x = data.contiguous()
@@ -38,8 +42,8 @@ def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
     y = torch.empty((n, m), dtype=x.dtype, device=x.device)
     if x.numel():
         grid = (cdiv(m, TILE_M), cdiv(n, TILE_N))
-        _transpose_kernel[grid](
-            x.view(torch.uint8), y.view(torch.uint8), m, n, TILE_M=TILE_M, TILE_N=TILE_N, num_warps=NUM_WARPS
+        _launch_transpose(
+            grid, x.view(torch.uint8), y.view(torch.uint8), m, n, TILE_M=TILE_M, TILE_N=TILE_N, num_warps=NUM_WARPS
         )
     return y
 

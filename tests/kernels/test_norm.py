@@ -382,8 +382,8 @@ def test_fp8_stats_come_from_the_forward_kernel(monkeypatch, kind, shape, dtype,
     int argument is, where it is 1), the keys differ and this test fails.
     """
     rows = Recorder(nm._norm_rows_kernel)
-    monkeypatch.setattr(nm, "_norm_rows_kernel", rows)
-    monkeypatch.setattr(nm, "_norm_fp8_tiles_kernel", Recorder(nm._norm_fp8_tiles_kernel))
+    monkeypatch.setattr(nm._rows_launcher, "kernel", rows)  # the kernel its FastLauncher launches
+    monkeypatch.setattr(nm._fp8_tiles_launcher, "kernel", Recorder(nm._norm_fp8_tiles_kernel))
     assert "write_y" in nm.ROWS_NOT_SPECIALIZED
     x, w, b = inputs(shape, dtype, kind)
     x_slice = inputs((shape[0], 2 * shape[-1]), dtype, kind)[0][:, 1 : shape[-1] + 1]  # row stride 2N, offset
@@ -413,8 +413,8 @@ calls = []
 class Rec:
     def __init__(self, fn): self.fn = fn
     def __getitem__(self, grid): return lambda *a, **k: calls.append((self.fn, a, k))
-for name in ("_norm_rows_kernel", "_norm_fp8_tiles_kernel", "_norm_bwd_kernel"):
-    setattr(nm, name, Rec(getattr(nm, name)))
+for launcher in (nm._rows_launcher, nm._fp8_tiles_launcher, nm._bwd_launcher):  # FastLaunchers
+    launcher.kernel = Rec(launcher.kernel)
 for dtype in (torch.bfloat16, torch.float32):
     for N in (96, 4096, 9000):
         x = torch.randn(64, N).to(dtype); w = torch.randn(N).to(dtype)
