@@ -5,6 +5,7 @@ group. Below float8/tensor.py in the import order."""
 from __future__ import annotations
 
 import enum
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,7 +21,7 @@ def _describe_scale(s: torch.Tensor) -> str:
     return f"shape {tuple(s.shape)}"
 
 
-def block_shape(data_shape, scale_shape) -> tuple:
+def block_shape(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple:
     """Block length along each dim of a scale layout; () for one scale per tensor."""
     if len(scale_shape) == 0:
         return ()
@@ -40,7 +41,7 @@ def block_shape(data_shape, scale_shape) -> tuple:
     return tuple(blocks)
 
 
-def storage_address(t: torch.Tensor):
+def storage_address(t: torch.Tensor) -> Optional[int]:
     """The address of t's storage, or None where storages have none: fake and functional tensors while
     torch.compile traces."""
     if torch.compiler.is_compiling():
@@ -76,7 +77,7 @@ def check_dense(x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} takes a dense tensor, got layout {x.layout}: call .to_dense() first")
 
 
-def check_amax_group(group):
+def check_amax_group(group: object) -> Optional[torch.distributed.ProcessGroup]:
     """None, or a torch.distributed process group (the amax reduction group of a per-tensor quantizer)."""
     if group is None:
         return None
@@ -102,7 +103,7 @@ def _poison_if_non_finite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.
     return torch.add(scale_inv, amax, alpha=0)
 
 
-def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_amax(amax: torch.Tensor, group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
     """MAX of `amax` over `group`, in place. A NaN becomes inf first: a MAX reduction may drop a NaN
     (whether it does depends on the rank order), an inf it keeps, and both give a non-finite scale."""
     amax.copy_(torch.where(amax.isnan(), torch.full_like(amax, float("inf")), amax))
@@ -135,7 +136,7 @@ def _check_parts(data, scale_inv, nominal_dtype, transpose) -> None:
             )
 
 
-def is_whole(t) -> bool:
+def is_whole(t: torch.Tensor) -> bool:
     """Whether t's bits fill their storage: not a part of a larger tensor (whose scale and transpose the
     part would share)."""
     d = t._data

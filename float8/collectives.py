@@ -36,6 +36,8 @@ float32 scale-inverse, and leaves correct Float8Tensors behind (docs/design.md Â
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, Union
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops it defines)
@@ -67,7 +69,7 @@ def _bits(t: Float8Tensor) -> torch.Tensor:
     return t._data.view(torch.uint8)
 
 
-def describe(t) -> torch.Tensor:
+def describe(t: torch.Tensor) -> torch.Tensor:
     """(DESCRIPTION_LEN,) int64: format, nominal dtype, shape and scale shape of a Float8Tensor (-1 = not one)."""
     d = torch.full((DESCRIPTION_LEN,), -1, dtype=torch.int64)
     if not _is_float8(t):
@@ -101,7 +103,9 @@ PROBLEMS = (
 )
 
 
-def problem_of(tensors, inputs=None, receiving: bool = True) -> int:
+def problem_of(
+    tensors: Sequence[Float8Tensor], inputs: Optional[Sequence[Float8Tensor]] = None, receiving: bool = True
+) -> int:
     """The PROBLEMS index of a rank's own arguments: tensors that receive (whole, contiguous, distinct, and
     matching `inputs`' description where given)."""
     seen = set()
@@ -122,7 +126,9 @@ def problem_of(tensors, inputs=None, receiving: bool = True) -> int:
     return 0
 
 
-def agree(tensors, pg, op: str, problem: int = 0) -> None:
+def agree(
+    tensors: Sequence[Float8Tensor], pg: Union[dist.ProcessGroup, torch.ScriptObject], op: str, problem: int = 0
+) -> None:
     """Every rank holds tensors of the same description (format, dtype, shape, scale layout) and found no
     problem with its own arguments (`problem`, a PROBLEMS index), or every rank raises a ValueError naming
     the rank and the difference. One all-gather of a few int64s; nothing is moved before it."""

@@ -16,8 +16,9 @@ float8/gemm.py, which import both.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Any, Callable, Iterable, Optional, Union
 
+import torch
 from torch.utils._pytree import tree_map
 
 
@@ -28,7 +29,7 @@ class Float8FallbackWarning(UserWarning):
 _TABLE: dict = {}
 
 
-def implements(ops) -> Callable:
+def implements(ops: Iterable[Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]]) -> Callable:
     """Register a handler `fn(func, args, kwargs)` for each aten op (overload packet or overload)."""
 
     def decorator(fn):
@@ -41,7 +42,7 @@ def implements(ops) -> Callable:
     return decorator
 
 
-def lookup(func):
+def lookup(func: torch._ops.OpOverload) -> Optional[Callable]:
     """The handler for `func` (an OpOverload), looked up by overload first, then by its packet."""
     handler = _TABLE.get(func)
     if handler is None:
@@ -49,7 +50,9 @@ def lookup(func):
     return handler
 
 
-def fallback(func, args, kwargs, is_float8: Callable, requantize_into: Callable):
+def fallback(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict, is_float8: Callable, requantize_into: Callable
+) -> Any:
     """Run `func` on dequantized copies; re-quantize into the mutated Float8Tensor for in-place ops."""
     warnings.warn(
         f"Float8Tensor has no FP8 implementation of {func}; it ran in high precision on dequantized "

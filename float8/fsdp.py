@@ -119,7 +119,14 @@ class Float8TrainingWeight(torch.Tensor):
         return out
 
     # ---- FSDP2 ----------------------------------------------------------------------------------------
-    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+    def fsdp_pre_all_gather(
+        self,
+        mesh: torch.distributed.device_mesh.DeviceMesh,
+        outer_size: Optional[torch.Size] = None,
+        outer_stride: Optional[tuple[int, ...]] = None,
+        module: Optional[torch.nn.Module] = None,
+        mp_policy: Optional[torch.distributed.fsdp.MixedPrecisionPolicy] = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The local shard as FP8 bytes (uint8) under one scale for the whole weight."""
         scale = self.precomputed_scale
         if scale is None:  # one all-reduce for this weight; precompute_scales does all weights in one
@@ -135,7 +142,14 @@ class Float8TrainingWeight(torch.Tensor):
                 bits = torch.cat([bits, bits.new_zeros((padded_rows - bits.shape[0], *bits.shape[1:]))])
         return (bits,), (scale_inv,)
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: tuple[torch.Tensor, ...],
+        param_dtype: torch.dtype,
+        *,
+        out: Optional[Float8Tensor] = None,
+    ) -> Optional[tuple[Float8Tensor, tuple[torch.Tensor, ...]]]:
         """The unsharded weight: a Float8Tensor of the gathered bytes, marked as a trainable master's copy."""
         (bits,) = all_gather_outputs
         (scale_inv,) = metadata
@@ -171,7 +185,7 @@ def _reduce_over(amax: torch.Tensor, groups) -> torch.Tensor:
     return amax
 
 
-def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype=torch.float8_e4m3fn) -> list:
+def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> list:
     """Wrap the weights of the model's float8.ops Linears (per-tensor weight scaling) so that FSDP2
     all-gathers them as FP8; call before fully_shard. Returns the names of the wrapped weights. A Linear
     whose weight cannot be served (row-wise or block weight scaling, an FP8-only weight) keeps the

@@ -15,7 +15,7 @@ The output has the nominal dtype of the operands.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +37,17 @@ class Operand(NamedTuple):
     dtype: torch.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:
         """The operand's logical shape."""
         return self.data.shape
 
     @property
-    def fp8_dtype(self):
+    def fp8_dtype(self) -> torch.dtype:
         """The operand's FP8 format."""
         return self.data.dtype
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The operand's device."""
         return self.data.device
 
@@ -167,7 +167,14 @@ def _pad_to_16(mat_a, mat_b, sb):
     return mat_a, bt.t(), sb, n
 
 
-def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool = False):
+def fp8_mm(
+    a: Union[Float8Tensor, Operand],
+    b: Union[Float8Tensor, Operand],
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    pad: bool = False,
+    fast_accum: bool = False,
+) -> Optional[torch.Tensor]:
     """a @ b (+ bias) as one FP8 GEMM; None if the scale layouts need the fallback.
 
     a, b: Float8Tensors or `operand(...)`s (ops pass `operand(w8, transposed=True)` for w8.t()).
@@ -195,7 +202,14 @@ def fp8_mm(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool 
     return out if n_out is None or n_out == out.shape[1] else out[:, :n_out].contiguous()
 
 
-def fp8_mm_or_dequantized(a, b, bias=None, out_dtype=None, pad: bool = False, fast_accum: bool = False):
+def fp8_mm_or_dequantized(
+    a: Union[Float8Tensor, Operand],
+    b: Union[Float8Tensor, Operand],
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    pad: bool = False,
+    fast_accum: bool = False,
+) -> torch.Tensor:
     """fp8_mm, or, where the two operands' scale layouts cannot meet in one FP8 GEMM (e.g. per-row
     gradients against a per-tensor input), the same product from the dequantized operands, in float32."""
     out = fp8_mm(a, b, bias=bias, out_dtype=out_dtype, pad=pad, fast_accum=fast_accum)

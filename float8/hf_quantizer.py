@@ -9,6 +9,9 @@ pointer on an invalid python storage"). Importing this module needs transformers
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 from transformers import FineGrainedFP8Config
 from transformers.quantizers.base import HfQuantizer
 
@@ -26,10 +29,10 @@ class Float8HubQuantizer(HfQuantizer):
             pre_quantized=True,
         )
 
-    def get_state_dict_and_metadata(self, model):
+    def get_state_dict_and_metadata(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
         return hub_state_dict(model), {}
 
-    def is_serializable(self, safe_serialization=None):
+    def is_serializable(self, safe_serialization: Optional[bool] = None) -> bool:
         return True
 
     @property

@@ -11,6 +11,7 @@ The transpose cache is decided in one place, `transpose_cache_after`.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -23,7 +24,9 @@ aten = torch.ops.aten
 
 
 # ---- the transpose cache ---------------------------------------------------------------------------
-def transpose_cache_after(how: str, src: Float8Tensor, derive=None):
+def transpose_cache_after(
+    how: str, src: Float8Tensor, derive: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+) -> Optional[torch.Tensor]:
     """The transpose cache of an op's result, from the source's. The only place that decides it.
 
     how: "alias"  the result aliases src's bits in the same layout (detach, alias): alias the cache too.

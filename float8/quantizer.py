@@ -47,7 +47,7 @@ from float8.checks import (  # ScaleLayout and the checks: exported from here to
 )
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
-from float8.scaling import DelayedScaling
+from float8.scaling import DelayedScaling, Scaling
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
     Float8Tensor,
@@ -95,7 +95,7 @@ class StaticScalingState(torch.nn.Module, StaticQuantizer):
         """The scale (the `static_scale` buffer)."""
         return self.static_scale
 
-    def kernel_scale(self):
+    def kernel_scale(self) -> torch.Tensor:
         """The scale buffer (validated, or NaN if an invalid scale reached it on a CUDA device)."""
         return self.static_scale
 
@@ -111,11 +111,11 @@ class StaticScalingState(torch.nn.Module, StaticQuantizer):
             state_dict[key] = _static_scale(loaded, self.fp8_dtype, None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> dict[str, str]:
         """The format the scale was made for: what the buffer alone does not say."""
         return {"fp8_dtype": str(self.fp8_dtype)}
 
-    def set_extra_state(self, state) -> None:
+    def set_extra_state(self, state: dict[str, str]) -> None:
         loaded = getattr(torch, str(state.get("fp8_dtype", self.fp8_dtype)).replace("torch.", ""))
         if loaded != self.fp8_dtype:
             raise ValueError(
@@ -180,7 +180,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
             self.scale.fill_(float("nan"))
         self.has_history = False
 
-    def bind(self, fp8_dtype) -> None:
+    def bind(self, fp8_dtype: torch.dtype) -> None:
         """Tie this state to one FP8 format; a second format is an error (its scales would be wrong)."""
         check_fp8_dtype(fp8_dtype)
         if self.fp8_dtype is None:
@@ -215,11 +215,11 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
         _check_delayed_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> dict[str, Union[str, bool, None]]:
         """The format and whether a step was recorded: what the buffers alone do not say."""
         return {"fp8_dtype": None if self.fp8_dtype is None else str(self.fp8_dtype), "has_history": self.has_history}
 
-    def set_extra_state(self, state) -> None:
+    def set_extra_state(self, state: dict[str, Union[str, bool, None]]) -> None:
         fp8 = state.get("fp8_dtype")
         if fp8 is not None:
             loaded = getattr(torch, fp8.replace("torch.", ""))
@@ -236,7 +236,7 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
         """Fused kernels can write it, but for a first step with an amax group (reduced before the cast)."""
         return self.has_history or self.amax_group is None
 
-    def kernel_scale(self):
+    def kernel_scale(self) -> Optional[torch.Tensor]:
         """The scale of this step, or None on the first step (current scaling in the kernel)."""
         return self.scale if self.has_history else None
 
@@ -343,7 +343,13 @@ class LinearQuantizers(NamedTuple):
     grad: Quantizer
 
 
-def quantizer_for(scaling, fp8_dtype=None, *, device=None, amax_group=None) -> Quantizer:
+def quantizer_for(
+    scaling: Union[Scaling, Quantizer],
+    fp8_dtype: Optional[torch.dtype] = None,
+    *,
+    device: Union[torch.device, str, None] = None,
+    amax_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> Quantizer:
     """The quantizer of one scaling dataclass (or a quantizer, returned as it is) for `fp8_dtype`.
 
     A DelayedScaling gives a new DelayedScalingState on `device` (without a device it is refused: a
@@ -411,6 +417,13 @@ class QuantRequest:
         quantizer's `_quantize`: for ops, inside their autograd Functions)."""
         return self.quantizer._quantize(x, self.with_transpose)
 
-    def finish(self, data, data_t, scale_inv, amax, nominal_dtype) -> Float8Tensor:
+    def finish(
+        self,
+        data: torch.Tensor,
+        data_t: torch.Tensor,
+        scale_inv: torch.Tensor,
+        amax: Optional[torch.Tensor],
+        nominal_dtype: torch.dtype,
+    ) -> Float8Tensor:
         """The Float8Tensor from the producer kernel's outputs (after the quantizer's amax bookkeeping)."""
         return self.quantizer.finish(data, data_t, scale_inv, amax, nominal_dtype, self.with_transpose)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import torch
 
@@ -106,7 +107,12 @@ class Recipe:
                     f"(the largest margin for this format is {max_margin(fp8)})"
                 )
 
-    def quantizers(self, *, device=None, amax_group=None) -> LinearQuantizers:
+    def quantizers(
+        self,
+        *,
+        device: Union[torch.device, str, None] = None,
+        amax_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> LinearQuantizers:
         """The (input, weight, grad) quantizers this recipe describes (float8.quantizer.LinearQuantizers).
 
         Delayed scaling gives new DelayedScalingState modules on `device` (default: the CPU; the caller owns

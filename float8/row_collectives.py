@@ -27,7 +27,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def check_group(group, who: str):
+def check_group(group: object, who: str) -> dist.ProcessGroup:
     """`group`, if it is a ProcessGroup of an initialized torch.distributed; else a ValueError naming `who`."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"{who} needs torch.distributed initialized (init_process_group) and a process group")
@@ -39,7 +39,7 @@ def check_group(group, who: str):
 MAX_DIMS = 8
 
 
-def check_same_shape(x: torch.Tensor, group, who: str) -> None:
+def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str) -> None:
     """Every rank of `group` holds an activation of x's shape, or every rank raises a ValueError naming the
     shapes (a collective of tensors of different sizes would hang or mix up data). One all-gather of a few
     int64s and one host sync: the ops call it once per run, not once per collective."""
@@ -64,7 +64,9 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def gather_rows(x: torch.Tensor, group, *, with_transpose: bool = False, one_scale: bool = False) -> torch.Tensor:
+def gather_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, *, with_transpose: bool = False, one_scale: bool = False
+) -> torch.Tensor:
     """All-gather the rows of x (M, ...) into (world * M, ...): a plain tensor in its dtype, a Float8Tensor
     as FP8 bytes with its scales (see the module docstring for per-tensor scales and `one_scale`). With
     `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM)."""
@@ -101,7 +103,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum x (world * M, ...) over the group, in high precision, and keep this rank's block of M rows."""
     x = _plain(x)
     world = group.size()
@@ -115,7 +117,7 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """x summed over the group, in high precision (a new tensor; x is left as it is)."""
     out = _plain(x).clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)

@@ -93,7 +93,7 @@ class Float8Tensor(torch.Tensor):
         fp8_dtype: Optional[torch.dtype] = None,
         *,
         scale: Union[torch.Tensor, float, None] = None,
-        scaling=None,
+        scaling: Union[TensorwiseScaling, RowwiseScaling, BlockwiseScaling, Quantizer, None] = None,
         with_transpose: bool = False,
     ) -> "Float8Tensor":
         """Quantize a float32/bfloat16/float16 tensor to FP8 (E4M3 unless fp8_dtype says otherwise).
@@ -300,7 +300,7 @@ class _DequantizeSTE(torch.autograd.Function):
 # answers is stated at the top of float8/quantizer.py and in docs/design.md §4.
 
 
-def check_quantize_input(x) -> None:
+def check_quantize_input(x: object) -> None:
     """TypeError unless x is a plain, dense float32/bfloat16/float16 tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize needs a torch.Tensor, got {type(x).__name__}")
@@ -352,7 +352,15 @@ class Quantizer:
         """The scale a fused kernel casts with; None: the kernel computes the amax (current scaling)."""
         return None
 
-    def finish(self, data, data_t, scale_inv, amax, nominal_dtype, with_transpose: bool) -> Float8Tensor:
+    def finish(
+        self,
+        data: torch.Tensor,
+        data_t: torch.Tensor,
+        scale_inv: torch.Tensor,
+        amax: Optional[torch.Tensor],
+        nominal_dtype: torch.dtype,
+        with_transpose: bool,
+    ) -> Float8Tensor:
         """The Float8Tensor from a kernel's outputs, after the amax bookkeeping (`record`)."""
         scale_inv = self._after_kernel(scale_inv, amax)
         t = data_t if with_transpose and data_t.numel() == data.numel() and data.dim() >= 2 else None
@@ -441,7 +449,7 @@ class StaticQuantizer(Quantizer):
         """Yes: the kernel casts with the given scale."""
         return True
 
-    def kernel_scale(self):
+    def kernel_scale(self) -> torch.Tensor:
         """The given scale (validated, or NaN if a device scale was invalid)."""
         return self.scale
 

@@ -68,23 +68,23 @@ def _tiles(B: int, S: int, N: int, transpose: bool, iterate: bool, config=None):
 
 
 def launch_fwd(
-    x,
-    kind,
-    bias,
-    y,
-    y_t,
-    scale,
-    amax,
-    scale_inv,
+    x: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None,
+    y: torch.Tensor | None,
+    y_t: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
     *,
-    mode,
-    transpose,
-    fp8_dtype=None,
-    margin=0,
-    power_of_2=False,
-    config=None,
-    saved_x=None,
-):
+    mode: str,
+    transpose: bool,
+    fp8_dtype: torch.dtype | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    config: dict | None = None,
+    saved_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """One pass of _act_fwd_kernel over x (contiguous) in `mode`; None for what the mode does not use.
     saved_x: (xq, x_amax, x_scale_inv) to quantize x itself as well (x_amax zeroed before the "amax" pass)."""
     xq, x_amax, x_scale_inv = saved_x if saved_x is not None else (x, amax, amax)
@@ -120,25 +120,25 @@ def launch_fwd(
 
 
 def launch_bwd(
-    dy,
-    x,
-    kind,
-    bias,
-    dx,
-    dx_t,
-    dbias_parts,
-    scale,
-    amax,
-    scale_inv,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None,
+    dx: torch.Tensor | None,
+    dx_t: torch.Tensor | None,
+    dbias_parts: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
     *,
-    mode,
-    transpose,
-    fp8_dtype=None,
-    margin=0,
-    power_of_2=False,
-    config=None,
-    x_scale_inv=None,
-):
+    mode: str,
+    transpose: bool,
+    fp8_dtype: torch.dtype | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    config: dict | None = None,
+    x_scale_inv: torch.Tensor | None = None,
+) -> None:
     """One pass of _act_bwd_kernel over dy, x (contiguous) in `mode`; None for what the mode does not use.
     dbias_parts (mode "amax"): a dbias_partials buffer. x_scale_inv: x is FP8 with this scale-inverse."""
     n = dy.shape[-1]
@@ -201,7 +201,9 @@ def _fp8_mode(scale, margin, power_of_2):
     return "delayed", scale.reshape(1).float(), 0, False
 
 
-def act_fwd_triton(x, kind, bias=None, out_dtype=None):
+def act_fwd_triton(
+    x: torch.Tensor, kind: str, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """act(x + bias) in out_dtype (default x.dtype; float32 gives the kernel's registers unrounded)."""
     x, bias = x.contiguous(), _contig(bias)
     y = torch.empty(_out_shape(x, kind), dtype=out_dtype or x.dtype, device=x.device)
@@ -211,17 +213,17 @@ def act_fwd_triton(x, kind, bias=None, out_dtype=None):
 
 
 def act_fp8_triton(
-    x,
-    kind,
-    bias,
-    fp8_dtype,
-    scale=None,
-    margin=0,
-    power_of_2=False,
-    with_transpose=False,
-    config=None,
-    save_input=False,
-):
+    x: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+    config: dict | None = None,
+    save_input: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """act_fp8: current scaling in two passes (amax; cast), a given scale in one (cast, amax folded in).
     save_input (act_fp8_save_input): x's own amax joins pass 1 (always run then) and pass 2 writes x in
     E4M3 too; returns (data, data_t, scale_inv, amax, x_data, x_scale_inv)."""
@@ -256,7 +258,14 @@ def act_fp8_triton(
     return data, data_t, scale_inv, amax
 
 
-def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None, x_scale_inv=None):
+def act_bwd_triton(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    x_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dy * act'(x + bias) in out_dtype (default: x.dtype, dy.dtype for an FP8 x)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     dx = torch.empty(x.shape, dtype=out_dtype or _grad_dtype(dy, x), device=x.device)
@@ -268,19 +277,19 @@ def act_bwd_triton(dy, x, kind, bias=None, out_dtype=None, x_scale_inv=None):
 
 
 def dact_fp8_triton(
-    dy,
-    x,
-    kind,
-    bias,
-    fp8_dtype,
-    scale=None,
-    margin=0,
-    power_of_2=False,
-    with_transpose=True,
-    with_dbias=True,
-    config=None,
-    x_scale_inv=None,
-):
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = True,
+    with_dbias: bool = True,
+    config: dict | None = None,
+    x_scale_inv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dact_fp8 in two passes: amax (and dbias partials, summed by torch), then the cast at the current or
     the given scale, in both layouts (transposing tiles) or in data alone (row tiles)."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)

@@ -88,7 +88,11 @@ def act_ref_fp32(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None
 
 
 def dact_ref_fp32(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None, x_scale_inv=None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor] = None,
+    x_scale_inv: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dy * act'(x + bias) in float32, unrounded: what the fused backward quantizes (x * x_scale_inv for an
     FP8 x)."""
@@ -119,35 +123,59 @@ def act_fwd_ref(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None)
     return act_ref_fp32(x, kind, bias).to(x.dtype)
 
 
-def act_fp8_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+def act_fp8_ref(
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """act(x + bias) in float32, quantized per tensor as quantize_tensorwise_ref does: what act_fp8 returns."""
     return quantize_tensorwise_ref(act_ref_fp32(x, kind, bias), fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
-def act_fp8_save_input_ref(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+def act_fp8_save_input_ref(
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """act_fp8_ref's outputs, then the FP8 copy of x the backward reads (its data and scale-inverse)."""
     saved = quantize_tensorwise_ref(x, SAVED_X_DTYPE)
     return (*act_fp8_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose), saved[0], saved[2])
 
 
-def act_bwd_ref(dy, x, kind, bias=None, x_scale_inv=None):
+def act_bwd_ref(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor] = None,
+    x_scale_inv: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """dy * act'(x + bias) in float32, in the gradient's dtype: what act_bwd computes."""
     return dact_ref_fp32(dy, x, kind, bias, x_scale_inv).to(_grad_dtype(dy, x))
 
 
 def dact_fp8_ref(
-    dy,
-    x,
-    kind,
-    bias,
-    fp8_dtype,
-    scale=None,
-    margin=0,
-    power_of_2=False,
-    with_transpose=True,
-    with_dbias=True,
-    x_scale_inv=None,
-):
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    bias: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = True,
+    with_dbias: bool = True,
+    x_scale_inv: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, data_t, scale_inv, amax, dbias): dy * act'(x + bias) in float32 quantized per tensor, and its
     column sums: what dact_fp8 returns."""
     dx = dact_ref_fp32(dy, x, kind, bias, x_scale_inv)

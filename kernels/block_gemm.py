@@ -75,7 +75,15 @@ def _fp8_block_mm_kernel(
 _launch = FastLauncher(_fp8_block_mm_kernel)
 
 
-def fp8_block_mm_triton(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.bfloat16, config=None):
+def fp8_block_mm_triton(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: Optional[tuple[int, int, int, int]] = None,
+) -> torch.Tensor:
     """The kernel, no checks (fp8_block_mm checks)."""
     (m, k), n = a.shape, w.shape[0]
     block_m, block_n, warps, stages = config or CONFIG
@@ -105,7 +113,14 @@ def fp8_block_mm_triton(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=tor
     return y
 
 
-def fp8_block_mm_ref(a, a_scale_inv, w, w_scale_inv, bias=None, out_dtype=torch.bfloat16):
+def fp8_block_mm_ref(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The semantics: both operands dequantized block by block in float32, multiplied, the bias added,
     rounded once to out_dtype."""
     k, n = a.shape[1], w.shape[0]
@@ -127,7 +142,7 @@ def supported_width(c: int) -> bool:
     return 16 <= c <= 128 and _pow2(c)
 
 
-def supports(a, a_scale_inv, w, w_scale_inv) -> bool:
+def supports(a: torch.Tensor, a_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> bool:
     """Whether fp8_block_mm takes these operands (see the module docstring)."""
     if a.dim() != 2 or w.dim() != 2 or a.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
         return False

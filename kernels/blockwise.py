@@ -13,6 +13,7 @@ Anything else raises ValueError naming the shape and the block.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import triton
@@ -64,7 +65,14 @@ def _block2d_kernel(
     tl.store(scale_inv_ptr + pid, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
-def quantize_blockwise_triton(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
+def quantize_blockwise_triton(
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale_inv), one scale per block_rows x block_cols block, by the Triton kernels (no checks)."""
     K = x.shape[-1]
     if block_rows == 1:
@@ -98,7 +106,7 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_block(shape, block_rows, block_cols, op="quantize_blockwise") -> None:
+def check_block(shape: Sequence[int], block_rows: object, block_cols: object, op: str = "quantize_blockwise") -> None:
     """ValueError unless (block_rows, block_cols) is a supported block that tiles `shape` exactly."""
     block = (block_rows, block_cols)
     shape = tuple(shape)
@@ -168,7 +176,14 @@ def blockwise_amax_ref(x: torch.Tensor, block_rows: int, block_cols: int) -> tor
     return a.reshape(M // block_rows, block_rows, K // block_cols, block_cols).amax(dim=(1, 3))
 
 
-def quantize_blockwise_ref(x, block_rows, block_cols, fp8_dtype, margin=0, power_of_2=False):
+def quantize_blockwise_ref(
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale_inv), one scale per block_rows x block_cols block from that block's amax: the semantics
     of quantize_blockwise."""
     check_block(x.shape, block_rows, block_cols)

@@ -66,7 +66,7 @@ def launch_cast(
     margin: int = 0,
     power_of_2: bool = False,
     amax_out: torch.Tensor | None = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate data/scale_inv and launch. x: contiguous. current: scale_or_amax is an amax buffer."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
@@ -93,14 +93,18 @@ def launch_cast(
     return data, scale_inv
 
 
-def cast_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+def cast_triton(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data (x.shape) fp8, scale_inv () fp32 = 1/scale, amax () fp32 = max|x|) for a one-element fp32 scale."""
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     data, scale_inv = launch_cast(x.contiguous(), scale, fp8_dtype, current=False, amax_out=amax)
     return data, scale_inv, amax
 
 
-def cast_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+def cast_ref(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, scale_inv, amax): x cast with the given scale, as quantize_tensorwise_ref casts."""
     data, _, scale_inv, amax = quantize_tensorwise_ref(x, fp8_dtype, scale)
     return data, scale_inv, amax

@@ -228,14 +228,18 @@ def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False,
     return data, data_t, scale_inv
 
 
-def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, config=None):
+def cast_transpose_triton(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, data_t, scale_inv, amax): x cast with the given scale and its transpose, in one kernel (no checks)."""
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     data, data_t, scale_inv = _launch(x, scale, fp8_dtype, current=False, amax_out=amax, config=config)
     return data, data_t, scale_inv, amax
 
 
-def quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=False, config=None):
+def quantize_transpose_tensorwise_triton(
+    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Small x: one launch, no torch.zeros; host time, not the GPU, is what small layers wait for (see
     # common.SMALL_NUMEL for the threshold and why). An explicit config asks for the tiled kernel.
     """(data, data_t, scale_inv, amax) at current scaling: the amax pass, then the cast with the transpose
@@ -258,13 +262,15 @@ def quantize_transpose_tensorwise_triton(x, fp8_dtype, margin=0, power_of_2=Fals
     return data, data_t, scale_inv, amax
 
 
-def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+def cast_transpose_ref(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_tensorwise_ref with the given scale and the transpose: the semantics of cast_transpose."""
     return quantize_tensorwise_ref(x, fp8_dtype, scale, with_transpose=True)
 
 
 def quantize_transpose_tensorwise_ref(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_tensorwise_ref at current scaling, with the transpose."""
     return quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2, with_transpose=True)

@@ -7,6 +7,7 @@ where it has to be careful to give the reference's bits.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -91,7 +92,7 @@ def scale_from_amax(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, margin
 # ---- host helpers -----------------------------------------------------------------------------------
 
 
-def check_hp_input(x, op: str, name: str = "x") -> None:
+def check_hp_input(x: object, op: str, name: str = "x") -> None:
     """TypeError unless x is a float32/bfloat16/float16 tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -101,7 +102,7 @@ def check_hp_input(x, op: str, name: str = "x") -> None:
         raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def check_scale(scale, x: torch.Tensor, op: str) -> None:
+def check_scale(scale: object, x: torch.Tensor, op: str) -> None:
     """TypeError or ValueError naming `op` unless scale is a one-element float32 tensor on x's device."""
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{op}: scale must be a float32 tensor with one element, got {type(scale).__name__}")
@@ -113,7 +114,7 @@ def check_scale(scale, x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: scale is on {scale.device} but x is on {x.device}")
 
 
-def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
+def check_scaling_args(fp8_dtype: object, margin: object, power_of_2: object, op: str) -> None:
     """The arguments of current scaling: an FP8 dtype, 0 <= margin <= reference.max_margin(fp8_dtype), a bool."""
     check_fp8_dtype(fp8_dtype)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
@@ -128,7 +129,9 @@ def check_scaling_args(fp8_dtype, margin, power_of_2, op: str) -> None:
         raise TypeError(f"{op}: power_of_2 must be a bool, got {type(power_of_2).__name__}")
 
 
-def check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op: str) -> None:
+def check_tensorwise_args(
+    x: torch.Tensor, fp8_dtype: object, scale: object, margin: object, power_of_2: object, op: str
+) -> None:
     """The FP8 arguments of a per-tensor op: scale None, current scaling (check_scaling_args); or a given
     scale (check_scale), with which margin and power_of_2 are ignored (and not checked)."""
     if scale is None:
@@ -138,13 +141,13 @@ def check_tensorwise_args(x, fp8_dtype, scale, margin, power_of_2, op: str) -> N
         check_fp8_dtype(fp8_dtype)
 
 
-def check_flag(value, name: str, op: str) -> None:
+def check_flag(value: object, name: str, op: str) -> None:
     """TypeError naming `op` unless value is a bool."""
     if not isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
 
 
-def fp8_constants(fp8_dtype) -> dict:
+def fp8_constants(fp8_dtype: torch.dtype) -> dict:
     """The constexprs FP8_MAX and MIN_SCALE of a kernel casting to fp8_dtype (reference.fp8_max, .min_scale).
     One dict per format, made once (launchers unpack it; never modify it): host time per launch counts."""
     constants = _FP8_CONSTANTS.get(fp8_dtype)
@@ -153,12 +156,14 @@ def fp8_constants(fp8_dtype) -> dict:
     return constants
 
 
-def transposed_shape(shape) -> tuple:
+def transposed_shape(shape: Sequence[int]) -> tuple:
     """shape with its last two dims swapped: the shape of a per-tensor FP8 output's data_t."""
     return (*shape[:-2], shape[-1], shape[-2])
 
 
-def fake_fp8_outputs(like: torch.Tensor, shape, t_shape, fp8_dtype) -> tuple:
+def fake_fp8_outputs(
+    like: torch.Tensor, shape: Sequence[int], t_shape: Sequence[int] | None, fp8_dtype: torch.dtype
+) -> tuple:
     """(data, data_t, scale_inv, amax) of a per-tensor FP8 op, for its register_fake: data of `shape`,
     data_t of `t_shape` (None: no transpose, an empty (0,) tensor), scale_inv and amax () float32."""
     return (
@@ -206,7 +211,7 @@ def small_num_warps(tile_elems: int) -> int:
 # ---- registering ops ---------------------------------------------------------------------------------
 
 
-def custom_op(name: str):
+def custom_op(name: str) -> Callable[[Callable], Callable]:
     """`torch.library.custom_op(name)`, with a direct call on the eager hot path.
 
     The registered op is what torch.compile, fake tensors, functionalization and opcheck see. A plain
@@ -238,7 +243,7 @@ def _direct_in_eager(fn, op):
     return call
 
 
-def triton_op(name: str):
+def triton_op(name: str) -> Callable[[Callable], Callable]:
     """`torch.library.triton_op(name)` with the same direct eager call as `custom_op`.
 
     Under torch.compile the op's body is traced, not called: its kernel launches (through

@@ -80,7 +80,9 @@ def _ce_rows_kernel(
             tl.store(base + c, (d * g).to(z_ptr.dtype.element_ty), mask=c < n_cols)
 
 
-def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_grad: bool):
+def ce_rows_triton(
+    z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float, write_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and log-sum-exp of the logits z (and, with write_grad, their gradient in place), by the
     Triton kernel (no checks)."""
     rows, cols = z.shape
@@ -105,7 +107,9 @@ def ce_rows_triton(z, target, scale, ignore_index: int, smoothing: float, write_
     return loss, lse
 
 
-def ce_rows_ref(z, target, scale, ignore_index: int, smoothing: float, write_grad: bool):
+def ce_rows_ref(
+    z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float, write_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in torch (float32 math), for the CPU path and the tests."""
     zf = z.float()
     valid = target != ignore_index
@@ -125,7 +129,7 @@ def ce_rows_ref(z, target, scale, ignore_index: int, smoothing: float, write_gra
 
 def ce_rows(
     z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float, write_grad: bool
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss (C,), lse (C,)) float32 of logits rows z (C, V) (float32/bfloat16/float16, unit column stride)
     with int64 targets (C,); with write_grad, z is overwritten by the gradient (module docstring)."""
     if z.dim() != 2 or z.stride(1) != 1:

@@ -13,6 +13,7 @@ scale_inv (2, M, 1) for data (4, M, K)) goes through the reference, on CUDA too.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import triton
@@ -52,7 +53,7 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, (d * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def flat_row_block(data_shape, scale_shape):
+def flat_row_block(data_shape: Sequence[int], scale_shape: Sequence[int]) -> int | None:
     """Row block of the (R, K) view for a scale layout (leading dims only), or None if it does not flatten.
 
     Leading dims (all but the last) flatten when they read, left to right: dims with block 1, then at
@@ -70,7 +71,7 @@ def flat_row_block(data_shape, scale_shape):
     return R // SR if SR else 1
 
 
-def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """data * scale_inv (broadcast over its blocks) in dtype, by the Triton kernel (no checks)."""
     per_tensor = scale_inv.numel() == 1
     if per_tensor:

@@ -17,6 +17,7 @@ the compiled kernel does not expose its launcher, every call is an ordinary laun
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -139,7 +140,9 @@ class FastLauncher:
         run_compiled(compiled, grid, device, args)
         return compiled
 
-    def launch_and_keep(self, grid, *args, num_warps: int = 4, num_stages: int = 3, **named):
+    def launch_and_keep(
+        self, grid: tuple[int, ...], *args: Any, num_warps: int = 4, num_stages: int = 3, **named: Any
+    ) -> Any | None:
         """Launch as `__call__` does and return the compiled kernel when a later call may run it directly
         with `run_compiled` (CUDA, the current device, no pre-run hooks), else None. For a caller that
         fixes every argument but its activation and output tensors (kernels/weight_only.py PreparedMM)."""
@@ -155,12 +158,12 @@ class FastLauncher:
         return compiled if ready and shortcut_ready(compiled) else None
 
 
-def shortcut_ready(compiled) -> bool:
+def shortcut_ready(compiled: object) -> bool:
     """Whether a compiled Triton kernel exposes what `run_compiled` calls."""
     return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
 
 
-def run_compiled(compiled, grid, device: int, args) -> None:
+def run_compiled(compiled: Any, grid: tuple[int, ...], device: int, args: tuple) -> None:
     """Launch a compiled kernel on `device`'s current stream, honouring Triton's launch hooks. The caller
     guarantees that Triton would pick this very compiled kernel for `args` (its specialization key)."""
     g0, g1, g2 = (*grid, 1, 1)[:3]

@@ -155,8 +155,12 @@ def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
 
 
 def quantize_tensorwise_multi_triton(
-    xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False
-):
+    xs: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
     """Current-scaling quantization of several 2-D tensors, each with its own scale, in few launches (no
     checks)."""
     dev = xs[0].device
@@ -219,8 +223,12 @@ def quantize_tensorwise_multi_triton(
 
 
 def quantize_tensorwise_multi_ref(
-    xs: Sequence[torch.Tensor], fp8_dtype, margin=0, power_of_2=False, with_transpose=False
-):
+    xs: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
     """quantize_tensorwise_ref applied to each tensor (the semantics the Triton launcher follows)."""
     outs = [quantize_tensorwise_ref(x, fp8_dtype, None, margin, power_of_2, with_transpose) for x in xs]
     return tuple(list(col) for col in zip(*outs))

@@ -174,7 +174,14 @@ def _contig(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
 
 
-def norm_fwd_triton(x, weight, bias, eps, rms, config=None):
+def norm_fwd_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    rms: bool,
+    config: Optional[dict] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm_fwd on the GPU: (y (x.shape, x.dtype), mean (M,) fp32 or (0,) for RMSNorm, rstd (M,) fp32)."""
     N = x.shape[-1]
     x2 = _rows_2d(x, N)
@@ -234,8 +241,18 @@ def _launch_tiles(x2, w, b, mean, rstd, amax, scale, data, data_t, with_t, margi
 
 
 def norm_fp8_triton(
-    x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False, config=None
-):
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    rms: bool,
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+    config: Optional[dict] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm_fp8 on the GPU, current scaling (scale None) or a given scale: two launches, no host sync.
     (data, data_t (N, M) or (0,), scale_inv, amax, mean (M,) or (0,) for RMSNorm, rstd)."""
     N = x.shape[-1]
@@ -258,7 +275,15 @@ def norm_fp8_triton(
     return data, data_t, scale_inv, amax, _no_mean(x) if mean is None else mean, rstd
 
 
-def norm_bwd_triton(dy, x, weight, mean, rstd, config=None, dres=None):
+def norm_bwd_triton(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    config: Optional[dict] = None,
+    dres: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm_bwd on the GPU (mean None: RMSNorm): (dx (x.shape, x.dtype), dweight (N,), dbias (N,) or (0,)
     for RMSNorm, in weight.dtype). Partial column sums per program, summed by torch (no atomics).
     dres: added to dx (see norm_bwd)."""

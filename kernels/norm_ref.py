@@ -24,7 +24,7 @@ def _div_n(s: torch.Tensor, N: int) -> torch.Tensor:
     return s / torch.full_like(s, N)
 
 
-def norm_stats_ref(x: torch.Tensor, eps: float, is_rms: bool):
+def norm_stats_ref(x: torch.Tensor, eps: float, is_rms: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32) of x viewed as (M, N)."""
     N = x.shape[-1]
     xf = x.reshape(-1, N).float()
@@ -57,7 +57,13 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     return torch.where(lo * lo > vd, down, s)
 
 
-def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
+def norm_apply_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+) -> torch.Tensor:
     """y in float32, shape (M, N), from given stats (mean None: RMSNorm), rounded step by step like the kernels."""
     N = x.shape[-1]
     xf = x.reshape(-1, N).float()
@@ -70,7 +76,14 @@ def norm_apply_ref(x, weight, bias, mean, rstd) -> torch.Tensor:
     return y
 
 
-def quantize_y_ref(y_hp, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+def quantize_y_ref(
+    y_hp: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """reference.quantize_tensorwise_ref of y's rows: (data (y's shape), data_t (N, M) or (0,), scale_inv,
     amax = max|y|), at `scale` or (scale None) at the current scale."""
     N = y_hp.shape[-1]
@@ -78,20 +91,40 @@ def quantize_y_ref(y_hp, fp8_dtype, scale=None, margin=0, power_of_2=False, with
     return data.reshape(y_hp.shape), *rest
 
 
-def norm_fwd_ref(x, weight, bias, eps, rms):
+def norm_fwd_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd): RMSNorm (rms) or LayerNorm of x in float32, y in x's dtype: what norm_fwd computes."""
     mean, rstd = norm_stats_ref(x, eps, rms)
     y = norm_apply_ref(x, weight, bias, mean, rstd).to(x.dtype).reshape(x.shape)
     return y, _no_mean(x) if mean is None else mean, rstd
 
 
-def norm_fp8_ref(x, weight, bias, eps, rms, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
+def norm_fp8_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm_fwd_ref's y quantized per tensor, then mean and rstd: what norm_fp8 returns."""
     y, mean, rstd = norm_fwd_ref(x, weight, bias, eps, rms)
     return (*quantize_y_ref(y, fp8_dtype, scale, margin, power_of_2, with_transpose), mean, rstd)
 
 
-def norm_bwd_ref(dy, x, weight, mean, rstd, dres=None):
+def norm_bwd_ref(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dres: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (x.shape, x.dtype), dweight, dbias (weight.dtype)) from given stats; mean None: RMSNorm, dbias (0,).
     dres: added to dx once dx is rounded to x.dtype."""
     N = x.shape[-1]

@@ -164,8 +164,14 @@ def pack_heads(parts: List[torch.Tensor], sequence_first: bool = False) -> torch
 
 
 def pack_heads_fp8_triton(
-    parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True
-):
+    parts: List[torch.Tensor],
+    sequence_first: bool,
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed (tokens, features) matrix of head-major parts, quantized per tensor, by the Triton kernel
     (no checks)."""
     views = [_token_major(p, sequence_first) for p in parts]
@@ -213,7 +219,15 @@ def pack_heads_fp8_triton(
     return data, data_t, scale_inv, amax
 
 
-def pack_heads_fp8_ref(parts, sequence_first, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True):
+def pack_heads_fp8_ref(
+    parts: List[torch.Tensor],
+    sequence_first: bool,
+    fp8_dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack_heads, then quantize_tensorwise_ref: the semantics of pack_heads_fp8."""
     return quantize_tensorwise_ref(
         pack_heads(parts, sequence_first), fp8_dtype, scale, margin, power_of_2, with_transpose

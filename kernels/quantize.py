@@ -114,12 +114,12 @@ def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_
 def quantize_tensorwise_triton(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    scale=None,
+    scale: Optional[torch.Tensor] = None,
     margin: int = 0,
     power_of_2: bool = False,
     with_transpose: bool = False,
-    config=None,
-):
+    config: Optional[dict] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_tensorwise on the GPU, by its four paths. config: the transposing kernels' tile
     (cast_transpose.CONFIGS unless given)."""
     if with_transpose:

@@ -36,7 +36,7 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
-def check_fp8_dtype(fp8_dtype) -> None:
+def check_fp8_dtype(fp8_dtype: object) -> None:
     """TypeError unless fp8_dtype is torch.float8_e4m3fn or torch.float8_e5m2."""
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
@@ -109,7 +109,7 @@ def quantize_tensorwise_ref(
     margin: int = 0,
     power_of_2: bool = False,
     with_transpose: bool = False,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor quantization: (data (x.shape), data_t (..., N, M) contiguous or an empty (0,) tensor,
     scale_inv () = 1 / scale, amax () = max|x|), all but data_t float32 scalars.
 

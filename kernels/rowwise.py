@@ -88,7 +88,13 @@ def _rowwise_kernel(
 _launch = FastLauncher(_rowwise_kernel)
 
 
-def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+def launch_rowwise(
+    x2: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    max_single_k: int = MAX_SINGLE_K,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x2: (R, K). Returns data (R, K) fp8 and scale_inv (R,) fp32."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -110,7 +116,13 @@ def launch_rowwise(x2: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_
     return data, scale_inv
 
 
-def quantize_rowwise_triton(x: torch.Tensor, fp8_dtype, margin=0, power_of_2=False, max_single_k=MAX_SINGLE_K):
+def quantize_rowwise_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    max_single_k: int = MAX_SINGLE_K,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale_inv of shape x.shape[:-1] + (1,)): one scale per row, by the Triton kernel (no checks)."""
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (-1, K) fails for an empty x
     data, scale_inv = launch_rowwise(x2, fp8_dtype, margin, power_of_2, max_single_k)
@@ -142,7 +154,9 @@ def rowwise_amax_ref(x: torch.Tensor) -> torch.Tensor:
     return x.float().abs().amax(dim=-1, keepdim=True)
 
 
-def quantize_rowwise_ref(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False):
+def quantize_rowwise_ref(
+    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale_inv of shape x.shape[:-1] + (1,)): each row scaled from its own amax."""
     scale = scale_from_amax_ref(rowwise_amax_ref(x), fp8_dtype, margin, power_of_2)
     return cast_to_fp8_ref(x.contiguous(), scale, fp8_dtype), scale.reciprocal()

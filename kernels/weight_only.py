@@ -186,7 +186,7 @@ MAX_SPLIT_K = 8
 SUM_BLOCK_N = 128
 
 
-def config_for(m: int):
+def config_for(m: int | torch.SymInt) -> tuple[int, int, int, int, int]:
     """The CONFIGS row serving m tokens."""
     for row in CONFIGS:
         if m <= row[0]:
@@ -231,7 +231,15 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
 
 
-def plan(m, n, k, device_index: Optional[int], config=None, split_k=None, s_cols=None):
+def plan(
+    m: int | torch.SymInt,
+    n: int | torch.SymInt,
+    k: int | torch.SymInt,
+    device_index: Optional[int],
+    config: Optional[tuple[int, int, int, int, int]] = None,
+    split_k: Optional[int] = None,
+    s_cols: Optional[int] = None,
+) -> tuple[tuple[int, int, int, int, int], int, int, tuple[int, int, int], tuple[int, int]]:
     """_plan, cached for int sizes. A size traced as a symbol (torch.compile with dynamic shapes, after a
     second token count) cannot key the cache (a SymInt is unhashable: 'unhashable type: non-nested SymInt'
     failed the compiled model on its second shape): worked out afresh, into the traced graph."""
@@ -240,7 +248,7 @@ def plan(m, n, k, device_index: Optional[int], config=None, split_k=None, s_cols
     return _plan.__wrapped__(m, n, k, device_index, config, split_k, s_cols)
 
 
-def scale_mode(w_data, w_scale_inv) -> tuple:
+def scale_mode(w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> tuple:
     """(SCALE_MODE, stride_s, s_rows, s_cols) of the kernel for this weight's scale: 0 one scale, 1 one per
     row ((N, 1)), 2 one per block ((N / s_rows, K / s_cols), e.g. 128x128 blocks of a hub checkpoint)."""
     if w_scale_inv.numel() == 1:
@@ -313,7 +321,14 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_la
 _SUM_OPTIONS = {"num_warps": 4, "num_stages": 1}
 
 
-def fp8_weight_mm_triton(x, w_data, w_scale_inv, bias=None, config=None, split_k=None):
+def fp8_weight_mm_triton(
+    x: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[tuple[int, int, int, int, int]] = None,
+    split_k: Optional[int] = None,
+) -> torch.Tensor:
     """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
     split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k)
@@ -344,7 +359,7 @@ class PreparedMM:
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings")
     __slots__ += ("main", "grid", "tail", "split_shape", "tiles", "counts")
 
-    def matches(self, w_data, w_scale_inv, bias) -> bool:
+    def matches(self, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether these are the tensors this call was prepared for (identity: their values may change)."""
         return w_data is self.w_data and w_scale_inv is self.w_scale_inv and bias is self.bias
 
@@ -376,7 +391,9 @@ class PreparedMM:
         return counts
 
 
-def prepare(x, w_data, w_scale_inv, bias=None):
+def prepare(
+    x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
     where a later call could not skip Triton's own launch path (the interpreter, another current device), and
@@ -407,7 +424,9 @@ def prepare(x, w_data, w_scale_inv, bias=None):
     return call.y, p
 
 
-def fp8_weight_mm_ref(x, w_data, w_scale_inv, bias=None):
+def fp8_weight_mm_ref(
+    x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The semantics: the float32 product of x with the widened FP8 weight, scaled per tensor, row or block,
     plus the bias, rounded once to x's dtype."""
     mode, _, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
@@ -448,7 +467,9 @@ def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -
     return r & (r - 1) == 0
 
 
-def fp8_weight_mm_prechecked(x, w_data, w_scale_inv, bias=None):
+def fp8_weight_mm_prechecked(
+    x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """fp8_weight_mm for a caller that has checked its operands (`supports`, K, one device, the bias's dtype):
     ops.Linear's inference forward. A plain eager call goes straight to the kernel, without a second
     validation in Python; a traced one (torch.compile, a dispatch mode) goes through the registered op."""

@@ -8,12 +8,14 @@ them: see ops/fusion.py).
 
 from __future__ import annotations
 
+from typing import List, Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 
 from float8.kernels.activation import SAVED_X_DTYPE, act_bwd, act_fp8, act_fp8_save_input, act_fwd, dact_fp8
 from float8.kernels.quantize import quantize_tensorwise
-from float8.ops.base import BasicOp, OpContext, plain, take
+from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, take
 
 # The kinds that keep an E4M3 copy of their input under Recipe(lean_activations=True): smooth derivatives,
 # so rounding the input moves the gradient by about the input's own rounding. ReLU's derivative jumps at 0.
@@ -55,7 +57,9 @@ class Activation(BasicOp):
         super().__init__()
         self.set_recipe(recipe)
 
-    def activation_forward(self, ctx: OpContext, x, out_request, bias=None):
+    def activation_forward(
+        self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest], bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """act(x + bias): FP8 from the activation kernel itself when out_request's quantizer fuses.
 
         Saves x (before the bias: the backward kernel adds it again) for the backward; under
@@ -81,7 +85,9 @@ class Activation(BasicOp):
         ctx.saved, ctx.x_scale_inv, ctx.bias = saved_x, x_scale_inv, bias
         return y
 
-    def activation_backward(self, ctx: OpContext, dy, dx_request, want_dbias=False):
+    def activation_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest], want_dbias: bool = False
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(dx, dbias or None): fused with dbias and the FP8 cast-transpose where the consumer wants FP8."""
         x, x_scale_inv, bias = take(ctx, "saved", "x_scale_inv", "bias")
         dy = plain(dy)
@@ -109,13 +115,15 @@ class Activation(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, run=None):
+    def torch_forward(self, x: torch.Tensor, run: Optional[RunState] = None) -> torch.Tensor:
         return TORCH_ACTIVATIONS[self.kind](x)
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         return self.activation_forward(ctx, x, out_request)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dx, _ = self.activation_backward(ctx, dy, dx_request)
         return dx, []
 

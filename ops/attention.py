@@ -8,12 +8,13 @@ The token dims (batch, sequence) come from the Sequential's input shape (..., ba
 from __future__ import annotations
 
 import math
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from float8.kernels.pack_heads import pack_heads, pack_heads_fp8
-from float8.ops.base import BasicOp, OpContext, plain, take
+from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, take
 
 
 class Attention(BasicOp):
@@ -88,7 +89,7 @@ class Attention(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, run):
+    def torch_forward(self, x: torch.Tensor, run: RunState) -> torch.Tensor:
         """SDPA under ordinary autograd on x (tokens, features), the token dims in `run.lead`."""
         return self._sdpa(plain(x), tuple(run.lead))
 
@@ -99,7 +100,7 @@ class Attention(BasicOp):
         y = self._sdpa(plain(x).reshape(-1, x.shape[-1]), lead)
         return y.reshape(*lead, y.shape[-1])
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         if not ctx.run.grad:
             return self._sdpa(plain(x), tuple(ctx.run.lead))
         # Grad mode is off inside the Sequential's autograd Function: record SDPA's own small graph on
@@ -111,7 +112,9 @@ class Attention(BasicOp):
         ctx.saved = (q, k, v, out)
         return out.detach()
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         q, k, v, out = take(ctx, "saved")
         dy = plain(dy)
         grads = list(torch.autograd.grad(out, (q, k, v), dy))

@@ -14,7 +14,7 @@ backward can fuse across ops (ops/fusion.py).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ from float8.quantizer import QuantRequest
 DEFAULT_RECIPE = Recipe()
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: object) -> bool:
     """Whether t is a torch.distributed DTensor (False where this torch build has none)."""
     if type(t) in (torch.Tensor, torch.nn.Parameter):
         return False  # the common case, without looking the class up
@@ -36,7 +36,7 @@ def is_dtensor(t) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
-def check_gathered(op, params: list) -> list:
+def check_gathered(op: BasicOp, params: list) -> list:
     """params, unless one is still a sharded DTensor: FSDP2's fully_shard on an op that runs inside a
     Sequential, which runs its ops without their forward (so without FSDP's gathering hooks)."""
     if any(is_dtensor(p) for p in params):
@@ -105,11 +105,11 @@ class BasicOp(torch.nn.Module):
         pass
 
     @property
-    def amax_group(self):
+    def amax_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The process group over which this op's per-tensor amaxes are reduced (MAX), or None."""
         return self._amax_group
 
-    def set_amax_group(self, group, overwrite: bool = False) -> None:
+    def set_amax_group(self, group: Optional[torch.distributed.ProcessGroup], overwrite: bool = False) -> None:
         """Give the op an amax reduction group (a Sequential hands its own to ops that have none)."""
         from float8.quantizer import check_amax_group
 
@@ -140,7 +140,9 @@ class BasicOp(torch.nn.Module):
         precision. Saves on `ctx` what op_backward reads."""
         raise NotImplementedError
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest]):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest]
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         """Returns (dx, [grad for each of op_params(), None where not needed])."""
         raise NotImplementedError
 
@@ -160,7 +162,7 @@ class BasicOp(torch.nn.Module):
         return run_ops(self.expand(), x)
 
 
-def sequence_parallel(op: BasicOp, group) -> None:
+def sequence_parallel(op: BasicOp, group: Optional[torch.distributed.ProcessGroup]) -> None:
     """Mark op's parameters as replicated over the sequence-parallel `group` (see BasicOp.grad_sum_group)."""
     if group is not None:
         from float8.row_collectives import check_group

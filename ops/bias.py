@@ -3,12 +3,12 @@ cast-transpose when the op before it (a Linear) wants the gradient in FP8."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from float8.kernels.activation import dact_fp8
-from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel
+from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, sequence_parallel
 
 
 def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -20,7 +20,7 @@ def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return (x + bias).to(x.dtype)
 
 
-def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]):
+def bias_backward(dy2: torch.Tensor, dx_request: Optional[QuantRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias in float32 sums cast to dy's dtype) of y = x + bias, for dy2 (rows, N) high precision:
     dx is FP8 as `dx_request` asks (dbias and the cast-transpose in one kernel where its quantizer fuses)."""
     r = dx_request
@@ -68,16 +68,18 @@ class Bias(BasicOp):
     def has_torch_forward(self) -> bool:
         return self.grad_sum_group is None  # a sequence-parallel bias's gradient is summed by the runner
 
-    def torch_forward(self, x, run=None):
+    def torch_forward(self, x: torch.Tensor, run: Optional[RunState] = None) -> torch.Tensor:
         return add_bias(x, self.bias)
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         x = plain(x)
         if x.shape[-1] != self.bias.shape[0]:
             raise ValueError(f"Bias of shape {tuple(self.bias.shape)} cannot add to input of shape {tuple(x.shape)}")
         return x + self.bias.to(x.dtype)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dy2 = plain(dy).reshape(-1, dy.shape[-1])
         dx, dbias = bias_backward(dy2, dx_request)
         if dx_request is None:

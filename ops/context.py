@@ -3,7 +3,7 @@ backward uses to let go of what its forward saved. The bottom of ops/: it import
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List
 
 import torch
 
@@ -33,7 +33,7 @@ class RunState:
         self.shapes_agreed: set = set()
 
 
-def take(holder, *names: str):
+def take(holder: object, *names: str) -> Any:
     """Read attributes a backward consumes (what its forward saved) and let them go: set to None, so the
     tensors are freed as soon as the backward is done with them, not when the autograd graph dies.
 

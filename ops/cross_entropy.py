@@ -56,7 +56,15 @@ def default_chunk_tokens(tokens: int, hidden: int, vocab: int = 0, dw_accumulati
     return max(16, min(hidden - hidden % 16, cap))
 
 
-def check_cross_entropy_args(x, weight, target, bias, reduction: str, label_smoothing: float, name: str) -> None:
+def check_cross_entropy_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    reduction: str,
+    label_smoothing: float,
+    name: str,
+) -> None:
     """TypeError/ValueError naming both sides for inputs of the wrong kind, dtype or shape."""
     if not all(isinstance(t, torch.Tensor) for t in (x, weight, target)):
         raise TypeError(

@@ -67,7 +67,7 @@ def _stateless(recipe: Optional[Recipe]) -> Recipe:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, recipe: Optional[Recipe] = None
-):
+) -> torch.Tensor:
     """y = x @ weight.t() + bias with FP8 fprop/dgrad/wgrad GEMMs (the stateless primitive of ops.Linear).
 
     x: (..., K) float32/bfloat16/float16 (or a Float8Tensor); weight: (N, K), high precision or an FP8-only
@@ -105,14 +105,16 @@ def _check_norm_weight(weight, name: str) -> None:
         raise ValueError(f"{name}: weight must be 1-D (normalized_shape,), got {getattr(weight, 'shape', weight)}")
 
 
-def rms_norm(x, weight, eps: float = 1e-6):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of x (..., N) with weight (N,): see ops.RMSNorm."""
     _check_norm_weight(weight, "rms_norm")
     op = RMSNorm(weight.shape[0], eps=eps, device="meta")
     return _run([_bound(op, weight=weight)], x)
 
 
-def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+) -> torch.Tensor:
     """LayerNorm over the last dim of x (..., N) with weight (N,) and bias (N,) or None: see ops.LayerNorm."""
     _check_norm_weight(weight, "layer_norm")
     op = LayerNorm(weight.shape[0], eps=eps, device="meta")
@@ -121,21 +123,21 @@ def layer_norm(x, weight, bias=None, eps: float = 1e-5):
     return _run([_bound(op, weight=weight, bias=bias)], x)
 
 
-def gelu(x, approximate: str = "none"):
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU of x (erf form, or approximate="tanh"): see ops.GELU."""
     return _run([GELU(approximate=approximate)], x)
 
 
-def relu(x):
+def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU of x: see ops.ReLU."""
     return _run([ReLU()], x)
 
 
-def silu(x):
+def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU of x: see ops.SiLU."""
     return _run([SiLU()], x)
 
 
-def swiglu(x):
+def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :H]) * x[..., H:] for x (..., 2H): see ops.SwiGLU."""
     return _run([SwiGLU()], x)

@@ -19,7 +19,9 @@ for the Linear after it; Bias and activation backwards write the FP8 gradient th
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence, Tuple, Type
+
+import torch
 
 from float8.ops.context import OpContext, plain
 
@@ -31,13 +33,15 @@ class Unit:
         self.ops = list(ops)
 
     @staticmethod
-    def can_fuse(ops) -> bool:
+    def can_fuse(ops: Sequence[torch.nn.Module]) -> bool:
         return len(ops) == 1
 
-    def forward(self, ctxs: List[OpContext], x, out_request):
+    def forward(self, ctxs: List[OpContext], x: torch.Tensor, out_request: Any) -> torch.Tensor:
         return self.ops[0].op_forward(ctxs[0], x, out_request)
 
-    def backward(self, ctxs: List[OpContext], dy, dx_request):
+    def backward(
+        self, ctxs: List[OpContext], dy: torch.Tensor, dx_request: Any
+    ) -> Tuple[Optional[torch.Tensor], List[List[Optional[torch.Tensor]]]]:
         dx, grads = self.ops[0].op_backward(ctxs[0], dy, dx_request)
         return dx, [grads]
 
@@ -46,11 +50,11 @@ class LinearBiasForward(Unit):
     """Linear + Bias forward: the bias joins the GEMM's epilogue."""
 
     @staticmethod
-    def can_fuse(ops) -> bool:
+    def can_fuse(ops: Sequence[torch.nn.Module]) -> bool:
         linear, bias = ops
         return linear.bias is None or linear.bias is bias.bias
 
-    def forward(self, ctxs, x, out_request):
+    def forward(self, ctxs: List[OpContext], x: torch.Tensor, out_request: Any) -> torch.Tensor:
         linear, bias = self.ops
         # The bias joins the GEMM's output in the activation dtype (it may be a float32 master weight).
         return linear.op_forward(ctxs[0], x, None, bias=bias.bias.to(x.dtype))
@@ -60,10 +64,10 @@ class BiasActivationForward(Unit):
     """Bias + activation forward: act(x + bias) in one kernel, FP8 where the next op asks for it."""
 
     @staticmethod
-    def can_fuse(ops) -> bool:
+    def can_fuse(ops: Sequence[torch.nn.Module]) -> bool:
         return True  # any bias size: a mismatch is reported by forward, naming both shapes
 
-    def forward(self, ctxs, x, out_request):
+    def forward(self, ctxs: List[OpContext], x: torch.Tensor, out_request: Any) -> torch.Tensor:
         bias, act = self.ops
         x = plain(x)
         if x.shape[-1] != bias.bias.shape[0]:
@@ -75,10 +79,12 @@ class BiasActivationBackward(Unit):
     """Bias + activation backward: dact, dbias and the gradient's FP8 cast-transpose in one kernel."""
 
     @staticmethod
-    def can_fuse(ops) -> bool:
+    def can_fuse(ops: Sequence[torch.nn.Module]) -> bool:
         return True
 
-    def backward(self, ctxs, dy, dx_request):
+    def backward(
+        self, ctxs: List[OpContext], dy: torch.Tensor, dx_request: Any
+    ) -> Tuple[Optional[torch.Tensor], List[List[Optional[torch.Tensor]]]]:
         bias, act = self.ops
         dx, dbias = act.activation_backward(ctxs[1], dy, dx_request, want_dbias=True)
         return dx, [[dbias.to(bias.bias.dtype)], []]
@@ -88,10 +94,12 @@ class ResidualNormBackward(Unit):
     """Residual + norm backward: the norm's backward adds the residual branch's gradient as it writes dx."""
 
     @staticmethod
-    def can_fuse(ops) -> bool:
+    def can_fuse(ops: Sequence[torch.nn.Module]) -> bool:
         return True
 
-    def backward(self, ctxs, dy, dx_request):
+    def backward(
+        self, ctxs: List[OpContext], dy: torch.Tensor, dx_request: Any
+    ) -> Tuple[Optional[torch.Tensor], List[List[Optional[torch.Tensor]]]]:
         residual, norm = self.ops
         grads = ctxs[0].run.residual_grads
         if not grads or not norm.saved_input_like(ctxs[1], grads[-1]):
@@ -113,7 +121,7 @@ BACKWARD_FUSIONS = [
 ]
 
 
-def match(ops: Sequence, fusions, enabled: bool = True) -> List[tuple]:
+def match(ops: Sequence, fusions: Sequence[Tuple[Tuple[str, ...], Type[Unit]]], enabled: bool = True) -> List[tuple]:
     """Split `ops` into units: [(first index, unit)], trying each pattern in order at each position."""
     units, i = [], 0
     while i < len(ops):

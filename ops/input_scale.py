@@ -4,7 +4,7 @@ ops/linear.py can install a loaded scale without importing the calibration (whic
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -13,7 +13,13 @@ from float8.kernels.reference import scale_from_amax
 from float8.quantizer import ScaleLayout, StaticScalingState, _check_margin_for
 
 
-def fix_input_scale(linear, *, scale=None, amax=None, margin: Optional[int] = None) -> StaticScalingState:
+def fix_input_scale(
+    linear: torch.nn.Module,
+    *,
+    scale: Union[float, torch.Tensor, None] = None,
+    amax: Union[float, torch.Tensor, None] = None,
+    margin: Optional[int] = None,
+) -> StaticScalingState:
     """`ops.set_input_scale` after its argument checks (ops/calibrate.py): the Linear's new static input
     quantizer, from exactly one of `scale` and `amax`."""
     reason = _not_per_tensor(linear)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from float8 import DelayedScalingState, Float8Tensor
 from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
-from float8.ops.base import BasicOp, OpContext, check_gathered, is_dtensor, take
+from float8.ops.base import BasicOp, OpContext, RunState, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
 from float8.ops.input_scale import fix_input_scale
 from float8.ops.linear_engine import (
@@ -187,7 +187,7 @@ class Linear(BasicOp):
         """(input, weight, grad) quantizers of this op."""
         return LinearQuantizers(self.input_quantizer, self.weight_quantizer, self.grad_quantizer)
 
-    def expand(self):
+    def expand(self) -> List[BasicOp]:
         # Kept as the ops before and after this one, never with the op itself: a list holding `self` would
         # be a reference cycle, and a deleted model would wait for the garbage collector to free its memory.
         if self._expansion is None or self._expansion_bias_of(self._expansion[1]) is not self.bias:
@@ -250,7 +250,9 @@ class Linear(BasicOp):
         that is not tensor-parallel, on GEMMs too small for FP8 (the small-layer policy)."""
         return self.parallel is None and not self.runs_in_fp8(tokens, device) and not is_dtensor(self.weight)
 
-    def torch_forward(self, x, run=None, bias=None):
+    def torch_forward(
+        self, x: torch.Tensor, run: Optional[RunState] = None, bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """F.linear(x, weight, bias) in x's dtype: the same kernels and autograd as nn.Linear (a bias in
         another dtype, a float32 master, is added after the GEMM in its own precision: ops/bias.py)."""
         self._check_input(x)
@@ -457,7 +459,9 @@ class Linear(BasicOp):
         self.refresh_fp8_weight()
         return super()._apply(fn, *args, **kwargs)
 
-    def quantized_weight(self, for_backward: bool, training: bool = False):
+    def quantized_weight(
+        self, for_backward: bool, training: bool = False
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(forward operand, dgrad operand or None): FP8 copies of the weight.
 
         training: this forward computes the weight's gradient, so the weight changes at the next optimizer
@@ -494,7 +498,13 @@ class Linear(BasicOp):
         if x.dim() < 1 or x.shape[-1] != self.local_in_features:
             raise ValueError(f"Linear expects input (..., {self.local_in_features}), got shape {tuple(x.shape)}")
 
-    def op_forward(self, ctx: OpContext, x, out_request=None, bias=None):
+    def op_forward(
+        self,
+        ctx: OpContext,
+        x: torch.Tensor,
+        out_request: Optional[QuantRequest] = None,
+        bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         self._check_input(x)
         if ctx.run.grad:
             check_fp8_weight_grad(self.weight)
@@ -529,7 +539,9 @@ class Linear(BasicOp):
             )
         return y.reshape(*lead, self.local_out_features)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         saved = take(ctx, "saved")
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, self.local_out_features)
         dx, dw = linear_bwd(dy2, saved, self.quantizers, self.weight.dtype)

@@ -10,7 +10,7 @@ block recipes quantize each operand along the dim its GEMM reduces (docs/design.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,9 @@ def check_fp8_weight_grad(weight: torch.Tensor) -> None:
         )
 
 
-def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, for_backward: bool):
+def quantize_weight(
+    weight: torch.Tensor, quantizer: Quantizer, for_backward: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
 
     Per-tensor: one kernel writes both layouts. Per-row: the transposed operand is quantized along its own
@@ -109,10 +111,10 @@ def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
 
 
 def linear_fwd(
-    x2,
-    w8,
-    wd,
-    bias,
+    x2: torch.Tensor,
+    w8: torch.Tensor,
+    wd: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
     quantizers: LinearQuantizers,
     *,
     need_wgrad: bool,
@@ -120,7 +122,7 @@ def linear_fwd(
     fast_accum: bool,
     rows_only: bool = False,
     rebuild_weight: Optional[torch.Tensor] = None,
-):
+) -> Tuple[torch.Tensor, LinearSaved]:
     """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
 
     x2: (M, K) high precision or a Float8Tensor; w8, wd: from `quantize_weight`; bias: (N,) in x2's dtype
@@ -161,7 +163,9 @@ def linear_fwd(
     return y, LinearSaved(layout, saved_x, saved_w, out_dtype, need_wgrad, need_dgrad, rebuild)
 
 
-def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad: bool):
+def linear_fwd_high_precision(
+    x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, need_wgrad: bool, need_dgrad: bool
+) -> Tuple[torch.Tensor, LinearSaved]:
     """The same in x2's dtype (the small-layer policy: GEMMs too small for FP8 to win)."""
     # The weight itself where no cast is needed: saved as the autograd Function's input, not as an alias
     # of it (which torch.compile refuses to carry to the backward).
@@ -174,7 +178,7 @@ def linear_fwd_high_precision(x2, weight, bias, *, need_wgrad: bool, need_dgrad:
 
 def grad_request(
     saved: Optional[LinearSaved], quantizers: LinearQuantizers, weight_requires_grad: bool, rows_only: bool = False
-):
+) -> Optional[QuantRequest]:
     """What the backward wants its output gradient as (FP8 from the op before, fused with dact/dbias), or
     None: only when the forward ran per-tensor FP8 and the grad quantizer is per-tensor too.
 
@@ -188,7 +192,9 @@ def grad_request(
     return QuantRequest(quantizers.grad, need_wgrad and not rows_only)
 
 
-def linear_bwd(dy2, saved: LinearSaved, quantizers: LinearQuantizers, weight_dtype: torch.dtype):
+def linear_bwd(
+    dy2: torch.Tensor, saved: LinearSaved, quantizers: LinearQuantizers, weight_dtype: torch.dtype
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(dx or None, dw or None) of `linear_fwd` for dy2 (M, N) (high precision or FP8 from the op after).
 
     The weight gradient comes first, and the saved input is let go before the input gradient is written:
@@ -235,7 +241,9 @@ def fp8_pays_off(recipe: Recipe, tokens: int, in_features: int, out_features: in
     return device.type != "cuda" or 2 * tokens * in_features * out_features >= recipe.min_fp8_gemm_flops
 
 
-def check_linear_args(x, weight, bias, name: str = "linear") -> None:
+def check_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str = "linear"
+) -> None:
     """ValueError/TypeError naming the problem for inputs of the wrong rank, shape or kind."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name} takes tensors, got x: {type(x).__name__}, weight: {type(weight).__name__}")

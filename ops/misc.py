@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from float8 import Float8Tensor
-from float8.ops.base import BasicOp, OpContext, plain, take
+from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, take
 
 
 class Quantize(BasicOp):
@@ -24,14 +24,16 @@ class Quantize(BasicOp):
         self.quantize_forward, self.quantize_backward = forward, backward
         self.set_recipe(recipe)
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         if not self.quantize_forward or isinstance(x, Float8Tensor):
             return x
         if out_request is not None:
             return out_request._quantize(x)
         return Float8Tensor.quantize(x, self.recipe.format.forward_dtype)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         if not self.quantize_backward or isinstance(dy, Float8Tensor):
             return dy, []
         if dx_request is not None:
@@ -44,13 +46,15 @@ class Identity(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, run=None):
+    def torch_forward(self, x: torch.Tensor, run: Optional[RunState] = None) -> torch.Tensor:
         return x
 
-    def op_forward(self, ctx, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         return x
 
-    def op_backward(self, ctx, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         return dy, []
 
 
@@ -66,7 +70,7 @@ class Reshape(BasicOp):
     def extra_repr(self) -> str:
         return f"{self.shape}"
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         x = plain(x)
         logical = tuple(ctx.run.lead) + (x.shape[-1],)
         try:
@@ -77,7 +81,9 @@ class Reshape(BasicOp):
         ctx.run.lead = tuple(y.shape[:-1])
         return y.reshape(-1, y.shape[-1]) if y.dim() > 0 else y.reshape(1, 1)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dy = plain(dy)
         return dy.reshape(-1, ctx.logical[-1]), []
 
@@ -106,14 +112,16 @@ class Dropout(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, run=None):
+    def torch_forward(self, x: torch.Tensor, run: Optional[RunState] = None) -> torch.Tensor:
         return self._drop(x)[0]  # the mask op_forward draws, from the same RNG
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         y, ctx.mask = self._drop(plain(x))
         return y
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dy = plain(dy)
         if ctx.mask is None:
             return dy, []
@@ -128,18 +136,20 @@ class Residual(BasicOp):
 
     has_torch_forward = True
 
-    def torch_forward(self, x, run):
+    def torch_forward(self, x: torch.Tensor, run: RunState) -> torch.Tensor:
         run.residuals.append(x)
         # A view, so that each use of x has a node of its own: the gradients then meet two by two, in the
         # order of Residual's backward (branch + residual, innermost pair first), whatever the nesting.
         return x.view_as(x)
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         x = plain(x)
         ctx.run.residuals.append(x)
         return x
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         if not ctx.run.residual_grads:
             raise RuntimeError("Residual without a matching AddResidual after it")
         return plain(dy) + ctx.run.residual_grads.pop(), []
@@ -158,18 +168,20 @@ class AddResidual(BasicOp):
             raise ValueError(f"AddResidual: the branch has shape {tuple(x2.shape)}, the residual {tuple(r2.shape)}")
         return x2 + r2
 
-    def torch_forward(self, x, run):
+    def torch_forward(self, x: torch.Tensor, run: RunState) -> torch.Tensor:
         """x + the residual, both as (rows, features) like the op's own forward (a Reshape between the
         pair may have changed the token dims); the result in x's shape."""
         r = run.residuals.pop()
         return self._add(x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])).reshape(x.shape)
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         if not ctx.run.residuals:
             raise ValueError("AddResidual needs a Residual op before it in the same Sequential")
         return self._add(plain(x), ctx.run.residuals.pop())
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dy = plain(dy)
         ctx.run.residual_grads.append(dy)
         return dy, []

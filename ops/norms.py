@@ -4,13 +4,13 @@ activations never exist in high precision."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from float8.kernels.norm import norm_bwd, norm_fp8, norm_fwd
-from float8.ops.base import BasicOp, OpContext, QuantRequest, plain, sequence_parallel, take
+from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, sequence_parallel, take
 
 
 def _check_size(normalized_shape, name: str) -> int:
@@ -21,7 +21,14 @@ def _check_size(normalized_shape, name: str) -> int:
     return normalized_shape
 
 
-def norm_forward(x, weight, bias, eps: float, rms: bool, out_request: Optional[QuantRequest]):
+def norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    rms: bool,
+    out_request: Optional[QuantRequest],
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """(y, mean or None, rstd): y high precision, or FP8 as `out_request` asks (in the norm kernel itself
     when its quantizer fuses; else the quantizer casts the high-precision output)."""
     if out_request is not None and out_request.fuses:
@@ -59,7 +66,7 @@ class _Norm(BasicOp):
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         x = plain(x)
         if x.shape[-1] != self.normalized_shape:
             raise ValueError(
@@ -75,16 +82,20 @@ class _Norm(BasicOp):
     def has_torch_forward(self) -> bool:
         return self.grad_sum_group is None  # a sequence-parallel weight's gradient is summed by the runner
 
-    def torch_forward(self, x, run=None):
+    def torch_forward(self, x: torch.Tensor, run: Optional[RunState] = None) -> torch.Tensor:
         w = self.weight.to(x.dtype)
         if self.rms:
             return F.rms_norm(x, (self.normalized_shape,), w, self.eps)
         return F.layer_norm(x, (self.normalized_shape,), w, self.bias.to(x.dtype), self.eps)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         return self.norm_backward(ctx, dy)
 
-    def norm_backward(self, ctx: OpContext, dy, dres=None):
+    def norm_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dres: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """(dx, [dweight (, dbias)]); dres, a gradient of x's shape and dtype, is added to dx by the
         backward kernel itself (a Residual right before the norm: ops/fusion.py)."""
         x, mean, rstd = take(ctx, "saved")

@@ -20,7 +20,9 @@ itself (its `expand`); they are public for layers built by hand.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
+
+import torch
 
 from float8 import Float8Tensor
 from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
@@ -86,7 +88,7 @@ class AllGather(_RowCollective):
         precision, which is gathered and then quantized)."""
         return QuantRequest(request.quantizer, False) if self._one_scale(request) else None
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         self._agree(ctx, x)
         rows = x.shape[0]
         if isinstance(x, Float8Tensor):
@@ -102,7 +104,9 @@ class AllGather(_RowCollective):
         self._set_lead(ctx, rows, y.shape[0])
         return y
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         return reduce_scatter_rows(plain(dy), self.group), []
 
 
@@ -110,14 +114,16 @@ class ReduceScatter(_RowCollective):
     """Sum the activation over `group` and keep this rank's block of rows (the end of a row-parallel
     Linear under sequence parallelism); the gradient is all-gathered."""
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         self._agree(ctx, x)
         rows = x.shape[0]
         y = reduce_scatter_rows(plain(x), self.group)
         self._set_lead(ctx, rows, y.shape[0])
         return y
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         dx = gather_rows(plain(dy), self.group)
         return (dx_request._quantize(dx) if dx_request is not None else dx), []
 
@@ -134,13 +140,15 @@ class AllReduce(_RowCollective):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, in_backward={self.in_backward}"
 
-    def op_forward(self, ctx: OpContext, x, out_request=None):
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         self._agree(ctx, x)
         if self.in_backward:
             return x
         return all_reduce_sum(x, self.group)
 
-    def op_backward(self, ctx: OpContext, dy, dx_request=None):
+    def op_backward(
+        self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
+    ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         if not self.in_backward:
             return dy, []
         return all_reduce_sum(dy, self.group), []
@@ -152,7 +160,13 @@ __all__ = ["AllGather", "AllReduce", "ReduceScatter"]
 # ---- a tensor-parallel Linear's checks and expansion (ops/linear.py) ------------------------------
 
 
-def check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: int, out_features: int):
+def check_parallel(
+    parallel: Optional[str],
+    tp_group: Optional[torch.distributed.ProcessGroup],
+    sequence_parallel: bool,
+    in_features: int,
+    out_features: int,
+) -> Tuple[Optional[str], Optional[torch.distributed.ProcessGroup], bool]:
     """(parallel, tp_group, sequence_parallel) of a Linear, checked: a known mode, a process group, and the
     split dim divisible by the group's size."""
     if parallel is None:
@@ -171,7 +185,7 @@ def check_parallel(parallel, tp_group, sequence_parallel: bool, in_features: int
     return parallel, tp_group, bool(sequence_parallel)
 
 
-def parallel_expansion(linear, bias) -> tuple:
+def parallel_expansion(linear: BasicOp, bias: Optional[BasicOp]) -> tuple:
     """The basic ops around a Linear, (before, after): its Bias, and the tensor-parallel collectives."""
     tail = [bias] if bias is not None else []
     g = linear.tp_group

@@ -11,6 +11,7 @@ models (and other threads' models) are not affected.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 
@@ -18,7 +19,7 @@ from float8.ops.linear import Linear
 
 
 @contextlib.contextmanager
-def high_precision(model: torch.nn.Module):
+def high_precision(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside the block, the Linears of `model` (an ops.Linear itself, or any module holding them) run their
     GEMMs in the activation dtype instead of FP8. Yields the model. Restored on exit, errors included."""
     if not isinstance(model, torch.nn.Module):

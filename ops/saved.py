@@ -13,7 +13,7 @@ own, which it may then mutate. Eager mode does none of this: it costs a walk ove
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -99,7 +99,7 @@ def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
     )
 
 
-def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple):
+def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple) -> Tuple[List[torch.Tensor], tuple]:
     """(tensors, skeleton): every tensor the contexts hold, and what `unpack_contexts` rebuilds them from.
     Each op's context is packed by the names the op declares (`BasicOp.saves`: dynamo 2.11 cannot iterate a
     context's __dict__); a name an op keeps without declaring it is missing in its compiled backward, which
@@ -114,7 +114,7 @@ def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple):
     return tensors, (None if run is None else (run.grad, run.lead), skeleton)
 
 
-def unpack_contexts(skeleton, tensors) -> List[OpContext]:
+def unpack_contexts(skeleton: tuple, tensors: Sequence[torch.Tensor]) -> List[OpContext]:
     """New contexts holding what `pack_contexts` took, with a new RunState for the backward's residuals."""
     run_args, entries = skeleton
     run = RunState(*run_args) if run_args is not None else None

@@ -5,6 +5,7 @@ kernels/weight_only.py PreparedMM). When each is made, read and dropped: ops/lin
 from __future__ import annotations
 
 import weakref
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,14 +33,14 @@ class WeightCache:
         # `.data` is pointed at another part of the same storage; the storage itself is compared by identity.
         return (w._version, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
-    def lookup(self, w: torch.Tensor, for_backward: bool):
+    def lookup(self, w: torch.Tensor, for_backward: bool) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         if self.w8 is None or self.key != self._key(w) or self.storage() is not w.untyped_storage():
             return None
         if for_backward and self.wd is None:
             return None
         return self.w8, (self.wd if for_backward else None)
 
-    def store(self, w: torch.Tensor, w8, wd) -> None:
+    def store(self, w: torch.Tensor, w8: torch.Tensor, wd: Optional[torch.Tensor]) -> None:
         # No callback on the weak reference: one that frees tensors while torch deallocates a storage
         # crashed the interpreter (segfault in the CPU suite). Replacing `weight` clears the cache at once
         # (Linear.__setattr__); replacing `weight.data` is seen, and the old copy freed, at the next call.
@@ -63,7 +64,7 @@ class InferencePlans(dict):
     def __deepcopy__(self, memo):
         return type(self)()
 
-    def add(self, key, prepared) -> None:
+    def add(self, key: Tuple[torch.Size, torch.dtype], prepared: object) -> None:
         if len(self) >= self.MAX:
             self.clear()
         self[key] = prepared
