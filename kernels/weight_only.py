@@ -204,8 +204,9 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> in
 
     One program per BLOCK_N columns leaves most SMs idle on a narrow layer (4096x1024, a GQA k/v
     projection: 32 programs of 32 columns on 132 SMs); splitting K gives each tile up to MAX_SPLIT_K
-    programs, each over at least two BLOCK_K steps. Their fp32 partial sums are added in a fixed order by
-    a second small kernel: deterministic, unlike atomics. Wide layers (tiles >= programs) are not split."""
+    programs, each over at least two BLOCK_K steps. Their fp32 partial sums are added in a fixed order (by
+    a second small kernel, or by the tile's last program in a prepared call): deterministic, unlike atomic
+    adds. Wide layers (tiles >= programs) are not split."""
     tiles = -(-n // block_n)
     split = max(1, min(MAX_SPLIT_K, programs // tiles))
     while split > 1 and k < 2 * block_k * split:
@@ -348,12 +349,12 @@ class PreparedMM:
     split order, so the bits are the two-launch path's), which saves the summing kernel's launch: 11 us of
     host time per call on the H100 machine (29.7 against 18.5 us for a 4096x1024 layer at 16 tokens). Its
     tile counters are zero between launches and belong to one stream (two streams running the same layer
-    at once would count into each other's): one set per stream, made on that stream's first call.
+    at once would count into each other's): one set per stream, made on that stream's first call. A CUDA
+    graph never captures them (see `_counts`): a split-K call captured in a graph is two launches.
 
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
-    since, or a CUDA graph being captured on a stream that has no counters yet (memory allocated during a
-    capture belongs to the graph). The caller guarantees the rest: x contiguous (M, K) of the prepared dtype
+    since, or a split-K call while a CUDA graph is being captured. The caller guarantees the rest: x contiguous (M, K) of the prepared dtype
     on the prepared device, and the same weight tensors and bias (`matches`)."""
 
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings")
@@ -382,11 +383,14 @@ class PreparedMM:
         return y
 
     def _counts(self, device: int) -> Optional[torch.Tensor]:
+        if torch.cuda.is_current_stream_capturing():
+            # A graph would keep these counters' address but not the tensor (this plan may be dropped while
+            # the graph lives: a reload, a new shape past the table's bound), and its replays, on whatever
+            # stream replays it, would count into the eager calls' counters: captures take the two launches.
+            return None
         stream = torch._C._cuda_getCurrentRawStream(device)
         counts = self.counts.get(stream)
         if counts is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None
             counts = self.counts[stream] = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
         return counts
 

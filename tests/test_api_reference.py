@@ -13,7 +13,13 @@ import types
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = {"float8": "float8.html", "float8.ops": "float8/ops.html", "float8.fsdp": "float8/fsdp.html"}
+PAGES = {
+    "float8": "float8.html",
+    "float8.ops": "float8/ops.html",
+    "float8.ops.functional": "float8/ops/functional.html",
+    "float8.fsdp": "float8/fsdp.html",
+    "float8.kernels": "float8/kernels.html",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +38,7 @@ def api(tmp_path_factory):
 
 
 def test_every_public_module_has_a_page(api):
-    for page in [*PAGES.values(), "float8/kernels.html", "float8/ops/functional.html", "index.html"]:
+    for page in [*PAGES.values(), "index.html"]:
         assert (api / page).is_file(), page
 
 

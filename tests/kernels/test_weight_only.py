@@ -109,6 +109,31 @@ def test_split_k_sums_in_a_fixed_order(split_k, k):
     assert torch.equal(got, W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m", [5, 40])  # one row tile, three
+def test_one_launch_split_k_gives_the_two_launch_bits(scale, m):
+    """A prepared call's split K sums in its one kernel (FIXUP: the tile's last program adds the partials in
+    split order): the bits of the two-launch path, and every tile counter back at zero after the launch."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 256
+    x = torch.randn(m, k, generator=g).to(HALF)
+    d = (torch.randn(n, k, generator=g) * 0.5).to(E4M3)
+    s = {"tensor": torch.tensor(0.37), "row": torch.rand(n, 1, generator=g) + 0.5}.get(scale)
+    s = torch.rand(n // 16, k // 32, generator=g) + 0.5 if s is None else s
+    b = torch.randn(n, generator=g).to(HALF)
+    tile = (16, 16, 32, 4, 1)
+    two = W._launch_plan(x, d, s, b, tile, 4, one_launch=False)
+    W._launch(two.grid, *two.args, **two.options)
+    W._launch_sum(two.sum_grid, *two.sum_args, **W._SUM_OPTIONS)
+    one = W._launch_plan(x, d, s, b, tile, 4, one_launch=True)
+    counts = one.args[6]
+    assert one.sum_args is None and counts.numel() == one.grid[0] * one.grid[1]
+    W._launch(one.grid, *one.args, **one.options)
+    assert torch.equal(one.y, two.y)
+    assert not counts.any()
+
+
 def _block_operands(m, k, n, s_rows, s_cols, dtype=HALF, bias=False, device="cpu", seed=0):
     """x, FP8 weight bytes and one scale-inverse per (s_rows, s_cols) block, as a hub checkpoint holds them."""
     g = torch.Generator().manual_seed(seed)

@@ -154,7 +154,7 @@ def test_gpu_a_cuda_graph_captures_prepared_calls():
 
 
 def _split_k_linear():
-    lin = _linear(k=4096, n=256)  # 16 tokens: 8 column tiles, K split in 8 (kernels/weight_only.py split_k_for)
+    lin = _linear(k=4096, n=256)  # 16 tokens: 8 column tiles, K split in 4 (kernels/weight_only.py split_k_for)
     x = torch.randn(16, 4096, device="cuda", dtype=BF16)
     return lin, x
 
@@ -195,6 +195,8 @@ def test_gpu_split_k_prepared_calls_on_two_streams_count_apart():
         streams = [torch.cuda.Stream() for _ in xs]
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(2_000_000)  # both streams' calls queue up behind it, then run side by side
         outs = [[], []]
         for _ in range(10):
             for i, s in enumerate(streams):
@@ -209,9 +211,9 @@ def test_gpu_split_k_prepared_calls_on_two_streams_count_apart():
 @gpu
 @pytest.mark.parametrize("warm_on_the_capture_stream", [False, True])
 def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
-    """Captured with counters made beforehand (a warm-up on the capture stream), the graph replays the one
-    launch; captured on a stream without counters, the call takes the two-launch path (nothing is allocated
-    for it during the capture). Both replay the checked op's bits."""
+    """A split-K call captured in a CUDA graph is two launches and holds no tile counter: the graph keeps
+    replaying the checked op's bits after the plans are dropped (a reload does that) and their memory is
+    reused, and eager calls on the capture stream between replays keep theirs."""
     lin, x = _split_k_linear()
     with torch.inference_mode():
         want = _checked(lin, x)
@@ -220,12 +222,20 @@ def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
         stream.wait_stream(torch.cuda.current_stream())
         if warm_on_the_capture_stream:
             with torch.cuda.stream(stream):
-                lin(x)
+                lin(x)  # this stream's counters exist before the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = lin(x)
+        lin._inference_plans.clear()
+        churn = [torch.full((4096,), -1, device="cuda", dtype=torch.int32) for _ in range(64)]
+        x2 = torch.randn(16, 4096, device="cuda", dtype=BF16)
+        want2 = _checked(lin, x2)
+        stream.wait_stream(torch.cuda.current_stream())
         for _ in range(3):
             graph.replay()
+            with torch.cuda.stream(stream):
+                eager = lin(x2)
             torch.cuda.synchronize()
-            assert torch.equal(out, want)
+            assert torch.equal(out, want) and torch.equal(eager, want2)
+        assert all(bool((c == -1).all()) for c in churn)
