@@ -40,10 +40,13 @@ SHAPES = [(5, 256, 256, 128, 128), (130, 576, 272, 16, 64), (33, 128, 96, 32, 32
 
 
 @needs_interpreter
+@pytest.mark.parametrize("group_m", [1, 3], ids=["row-major tiles", "grouped tiles"])
 @pytest.mark.parametrize("m,k,n,s_rows,cols", SHAPES)
-def test_kernel_matches_reference_on_the_interpreter(m, k, n, s_rows, cols):
+def test_kernel_matches_reference_on_the_interpreter(m, k, n, s_rows, cols, group_m):
+    """Every output tile written once and right, whatever order the programs take them in (GROUP_M 3 with
+    five row tiles leaves a last group of two)."""
     a, sa, w, sw, b = _operands(m, k, n, s_rows, cols, bias=True, dtype=torch.float16)
-    got = B.fp8_block_mm_triton(a, sa, w, sw, b, torch.float16, config=(32, 32, 4, 2))
+    got = B.fp8_block_mm_triton(a, sa, w, sw, b, torch.float16, config=(32, 32, 4, 2, group_m))
     _close(got, B.fp8_block_mm_ref(a, sa, w, sw, b, torch.float16), a, sa, w, sw)
 
 
