@@ -20,7 +20,9 @@ FOLDERS = {"float8": ROOT / "float8", "float8.ops": ROOT / "ops", "float8.kernel
 
 
 def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
-    return any("jit" in ast.unparse(d) for d in fn.decorator_list)
+    """Decorated with @triton.jit (or a `from triton import jit`'s @jit), called or not."""
+    names = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in fn.decorator_list}
+    return bool(names & {"triton.jit", "jit"})
 
 
 def _lacking(fn: ast.FunctionDef) -> list[str]:
@@ -69,6 +71,7 @@ def test_the_check_sees_a_missing_hint(tmp_path):
         "def _h(x):\n    return x\n"
         "class C:\n    def m(self, z) -> None:\n        pass\n"
         "@triton.jit\ndef k(p):\n    pass\n"
+        "@torch.jit.script\ndef s(q):\n    return q\n"
     )
     lacking = public_functions_lacking_hints(tmp_path)
-    assert [entry.split(" ", 1)[1] for entry in lacking] == ["f: x, return", "C.m: z"]
+    assert sorted(entry.split(" ", 1)[1] for entry in lacking) == ["C.m: z", "f: x, return", "s: q, return"]
