@@ -354,8 +354,9 @@ class PreparedMM:
 
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
-    since, or a split-K call while a CUDA graph is being captured. The caller guarantees the rest: x contiguous (M, K) of the prepared dtype
-    on the prepared device, and the same weight tensors and bias (`matches`)."""
+    since, or a split-K call while a CUDA graph is being captured. The caller guarantees the rest: x
+    contiguous (M, K) of the prepared dtype on the prepared device, and the same weight tensors and bias
+    (`matches`)."""
 
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings")
     __slots__ += ("main", "grid", "tail", "split_shape", "tiles", "counts")
