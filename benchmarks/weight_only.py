@@ -47,15 +47,18 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 
 def candidate_tiles(m: int):
-    """(SWAP, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to sweep for m tokens: both tile orientations."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP) to sweep for m tokens, in both orientations (SWAP: the
+    widened weight as the MMA's A operand), plus the table's wide-layer tile."""
     block_m = max(16, 1 << (m - 1).bit_length())
-    if block_m <= 32:
-        plain = itertools.product((False,), (32, 64), (128, 256, 512), (4,), (3, 5))
-        swap = itertools.product((True,), (64, 128), (128, 256), (4, 8), (3, 5))
+    if block_m <= 16:
+        plain = itertools.product((32, 64), (128, 256, 512), (4,), (3, 5))
+        swap = itertools.product((64, 128), (128, 256), (4, 8), (3, 4, 5))
     else:
-        plain = itertools.product((False,), (64, 128), (64, 128), (4, 8), (3, 4))
-        swap = itertools.product((True,), (64, 128), (64, 128), (4, 8), (3, 4))
-    return [(sw, block_m, n, k, w, s) for sw, n, k, w, s in [*plain, *swap]]
+        plain = itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+        swap = itertools.product((64, 128), (64, 128), (4, 8), (3, 4, 5))
+    tiles = [(block_m, n, k, w, s, False) for n, k, w, s in plain]
+    tiles += [(block_m, n, k, w, s, True) for n, k, w, s in swap]
+    return tiles + ([weight_only.WIDE_CONFIG] if m > 64 else [])
 
 
 def copy_bandwidth(timer, device) -> float:
@@ -118,7 +121,7 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
         row.update(
             best_ms=row["tiles"][best_tile],
             best_tile=best_tile,
-            table_tile=str(weight_only.config_for(m)),
+            table_tile=str(weight_only.config_for(m, n, weight_only._sm_count(x.device.index) if x.is_cuda else 0)),
             table_ms=per_call(lambda i: weight_only.fp8_weight_mm(x, w8s[i].fp8_data, w8s[i].scale_inv)),
         )
         row["of_floor"] = row["floor_ms"] / row["table_ms"]

@@ -20,7 +20,8 @@ activation quantization at all: it is more accurate than the FP8xFP8 GEMM, not l
 Non-finite values propagate: inf/NaN in x or a NaN weight code give non-finite outputs through the dot, and
 a poisoned weight (scale_inv NaN, the tensor contract) makes its rows NaN.
 
-The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K, except on narrow layers,
+The grid runs one program per (BLOCK_N columns, BLOCK_M rows) tile over all of K (at 17-128 tokens with the
+tile's roles swapped, the widened weight as the MMA's A operand: `CONFIGS`), except on narrow layers,
 whose K is split (`split_k_for`) and whose fp32 partial sums are added in split order: by a second kernel,
 or, in a prepared call, by the last program of each tile (counted with one atomic per tile; FIXUP). Either
 way the result never depends on scheduling. The tile table `CONFIGS` comes from the sweep of
@@ -52,17 +53,27 @@ from .reference import FP8_DTYPES
 # docs/performance.md).
 MAX_TOKENS = 128
 
-# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row whose max M >= M. The tile with
-# the least time summed over the Llama-style layers (benchmarks/weight_only.py, H100, 2026-11-25; weights
-# read from memory): at 1 and 16 tokens 0.39 ms summed over both, within 1% of the second best and 5% of
-# each layer's own best. A second orientation (the widened weight as the MMA's A operand, tokens as its
-# narrow side) was swept too and lost at every size the op serves (e.g. 28.7 against 26.0 us, 4096->14336).
+# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP): the first row whose max M >= M, the tile
+# with the least GPU time summed over the Llama-style layers (benchmarks/weight_only.py's method: H100, weights
+# read from memory). SWAP: the widened weight tile is the MMA's A operand, held in registers, and x's tile
+# (tokens as the narrow side) its B operand; unswapped, the widened weight is B, which Triton writes back to
+# shared memory before each wgmma and then waits for that wgmma, every K step. At 1-16 tokens the unswapped
+# tile, on mma.sync, reads the large layers' weights at 93-110% of the copy rate (2026-11-25). At 32-128
+# tokens the swapped tiles are faster (both orientations swept, Triton 3.6, 2026-11-26; us per layer at 128
+# tokens, unswapped -> swapped, bf16 F.linear in brackets): 4096x4096 27.4 -> 23.5 (15.4), 4096->6144
+# 39.8 -> 30.9 (21.3), 4096->14336 62.9 -> 57.0 (45.7), 14336->4096 65.7 -> 49.2 (53.1); the layers summed,
+# 0.204 -> 0.191 ms at 32 tokens and 0.235 -> 0.217 at 64 (bf16 0.264 and 0.269).
 CONFIGS = [
-    (16, 16, 32, 512, 4, 3),
-    (32, 32, 64, 256, 4, 3),
-    (64, 64, 128, 128, 8, 3),
-    (128, 128, 128, 64, 8, 3),
+    (16, 16, 32, 512, 4, 3, False),
+    (32, 32, 128, 128, 8, 4, True),
+    (64, 64, 128, 128, 8, 3, True),
+    (128, 128, 128, 128, 8, 3, True),
 ]
+# Above 64 tokens, a layer whose 128-column tiles alone fill the GPU keeps the weight as B in one wave of
+# tiles without split K: 84.3 against 87.1 us swapped for 4096->28672 at 128 tokens, 90.3 against 96.3
+# for the 4096->32768 head (bf16 88.7, 103.3).
+WIDE_CONFIG = (128, 128, 64, 8, 3, False)
+Config = tuple[int, int, int, int, int, bool]
 
 
 @triton.jit
@@ -117,6 +128,7 @@ def _fp8_weight_mm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,  # SPLIT_K > 1: the last program of a tile sums its partials (no second launch)
+    SWAP: tl.constexpr,  # the widened weight as the MMA's A operand (registers), x as B: y's tile transposed
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -125,23 +137,40 @@ def _fp8_weight_mm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * k_per_split
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None]  # the (BLOCK_K, BLOCK_N) tile of w.t()
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
     k_end = tl.minimum(K, k0 + k_per_split)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        k_ok = rk < k_end - k
-        a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        if SCALE_MODE == 2:  # this K step lies in one block column: each output column has one scale
-            s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
-            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
-        else:
-            acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if SWAP:  # y.t()'s tile = w's (BLOCK_N, BLOCK_K) tile widened @ x.t()'s (BLOCK_K, BLOCK_M) tile
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = rk < k_end - k
+            a = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
+            b = tl.load(x_ptrs, mask=(rm[None, :] < M) & k_ok[:, None], other=0.0)
+            if SCALE_MODE == 2:  # this K step lies in one block column: each weight row has one scale
+                s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
+                acc_t += tl.dot(a.to(b.dtype), b) * s[:, None]
+            else:
+                acc_t = tl.dot(a.to(b.dtype), b, acc_t)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None]  # (BLOCK_K, BLOCK_N) of w.t()
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = rk < k_end - k
+            a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            if SCALE_MODE == 2:  # this K step lies in one block column: each output column has one scale
+                s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
+                acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS)
     else:
@@ -186,8 +215,11 @@ MAX_SPLIT_K = 8
 SUM_BLOCK_N = 128
 
 
-def config_for(m: int | torch.SymInt) -> tuple[int, int, int, int, int]:
-    """The CONFIGS row serving m tokens."""
+def config_for(m: int | torch.SymInt, n: int | torch.SymInt = 0, programs: int = 0) -> Config:
+    """The tile serving m tokens of an n-column layer on a GPU of `programs` SMs: the CONFIGS row, or above
+    64 tokens WIDE_CONFIG where n's 128-column tiles number at least `programs`."""
+    if m > 64 and programs and cdiv(n, WIDE_CONFIG[1]) >= programs:
+        return WIDE_CONFIG
     for row in CONFIGS:
         if m <= row[0]:
             return row[1:]
@@ -221,12 +253,13 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     None: not a CUDA device (the interpreter), which never splits K. s_cols: the columns of a block scale,
     which BLOCK_K must divide (a K step then lies in one block): BLOCK_K is cut to the largest power of
     two dividing it."""
-    config = config or config_for(m)
+    programs = _sm_count(device_index) if device_index is not None else 0
+    config = config or config_for(m, n, programs)
     if s_cols is not None:
         config = (*config[:2], min(config[2], s_cols & -s_cols), *config[3:])
     block_m, block_n, block_k = config[:3]
     if split_k is None:
-        split_k = split_k_for(n, k, block_n, block_k, _sm_count(device_index)) if device_index is not None else 1
+        split_k = split_k_for(n, k, block_n, block_k, programs) if programs else 1
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
     return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
@@ -237,10 +270,10 @@ def plan(
     n: int | torch.SymInt,
     k: int | torch.SymInt,
     device_index: Optional[int],
-    config: Optional[tuple[int, int, int, int, int]] = None,
+    config: Optional[Config] = None,
     split_k: Optional[int] = None,
     s_cols: Optional[int] = None,
-) -> tuple[tuple[int, int, int, int, int], int, int, tuple[int, int, int], tuple[int, int]]:
+) -> tuple[Config, int, int, tuple[int, int, int], tuple[int, int]]:
     """_plan, cached for int sizes. A size traced as a symbol (torch.compile with dynamic shapes, after a
     second token count) cannot key the cache (a SymInt is unhashable: 'unhashable type: non-nested SymInt'
     failed the compiled model on its second shape): worked out afresh, into the traced graph."""
@@ -282,7 +315,7 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_la
     config, split_k, k_per_split, grid, sum_grid = plan(
         m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None
     )
-    block_m, block_n, block_k, warps, stages = config
+    block_m, block_n, block_k, warps, stages, swap = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg, has_bias = (x, False) if bias is None else (bias, True)
@@ -312,6 +345,7 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_la
         block_k,
         split_k,
         fixup,
+        swap,
     )
     sum_args = None
     if split_k > 1 and not fixup:
@@ -327,10 +361,10 @@ def fp8_weight_mm_triton(
     w_data: torch.Tensor,
     w_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
-    config: Optional[tuple[int, int, int, int, int]] = None,
+    config: Optional[Config] = None,
     split_k: Optional[int] = None,
 ) -> torch.Tensor:
-    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
+    """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP);
     split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
     call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k)
     _launch(call.grid, *call.args, **call.options)

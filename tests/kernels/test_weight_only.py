@@ -51,6 +51,8 @@ def _close_in_dtype(got, want, x, d, s):
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs outside the summation-order bound"
 
 
+# Every tile the plan can pick: the table's rows (both orientations) and the wide layers' tile.
+ALL_TILES = [row[1:] for row in W.CONFIGS] + [W.WIDE_CONFIG]
 SHAPES = [(1, 64, 48), (3, 128, 40), (16, 256, 64), (17, 96, 32), (64, 128, 96), (100, 64, 130)]
 
 
@@ -75,8 +77,8 @@ def test_strided_rows_of_x_and_every_config_row():
     wide[:, 64:192] = x
     xv = wide[:, 64:192]  # rows 256 apart, offset 64
     want = W.fp8_weight_mm_ref(x, d, s)
-    for row in W.CONFIGS:
-        _close_in_dtype(W.fp8_weight_mm_triton(xv, d, s, config=row[1:]), want, x, d, s)
+    for tile in ALL_TILES:
+        _close_in_dtype(W.fp8_weight_mm_triton(xv, d, s, config=tile), want, x, d, s)
 
 
 @needs_interpreter
@@ -98,21 +100,23 @@ def test_interpreter_dot_on_bfloat16_is_still_wrong():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("swap", [False, True], ids=["weight-as-B", "swapped"])
 @pytest.mark.parametrize("split_k,k", [(2, 256), (3, 384), (4, 200), (8, 1024)])
-def test_split_k_sums_in_a_fixed_order(split_k, k):
+def test_split_k_sums_in_a_fixed_order(split_k, k, swap):
     """Narrow layers split K; the partial sums are added by a second kernel in split order: the result is
     within the summation bound and the same bits on every call."""
     x, d, s, b = _operands(16, k, 96, dtype=HALF, rowwise=True, bias=True)
-    tile = (16, 32, 64, 4, 2)
+    tile = (16, 32, 64, 4, 2, swap)
     got = W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k)
     _close_in_dtype(got, W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
     assert torch.equal(got, W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=split_k))
 
 
 @needs_interpreter
+@pytest.mark.parametrize("swap", [False, True], ids=["weight-as-B", "swapped"])
 @pytest.mark.parametrize("scale", ["tensor", "row", "block"])
 @pytest.mark.parametrize("m", [5, 40])  # one row tile, three
-def test_one_launch_split_k_gives_the_two_launch_bits(scale, m):
+def test_one_launch_split_k_gives_the_two_launch_bits(scale, m, swap):
     """A prepared call's split K sums in its one kernel (FIXUP: the tile's last program adds the partials in
     split order): the bits of the two-launch path, and every tile counter back at zero after the launch."""
     g = torch.Generator().manual_seed(0)
@@ -122,7 +126,7 @@ def test_one_launch_split_k_gives_the_two_launch_bits(scale, m):
     s = {"tensor": torch.tensor(0.37), "row": torch.rand(n, 1, generator=g) + 0.5}.get(scale)
     s = torch.rand(n // 16, k // 32, generator=g) + 0.5 if s is None else s
     b = torch.randn(n, generator=g).to(HALF)
-    tile = (16, 16, 32, 4, 1)
+    tile = (16, 16, 32, 4, 1, swap)
     two = W._launch_plan(x, d, s, b, tile, 4, one_launch=False)
     W._launch(two.grid, *two.args, **two.options)
     W._launch_sum(two.sum_grid, *two.sum_args, **W._SUM_OPTIONS)
@@ -156,11 +160,12 @@ def test_block_scaled_weight_matches_reference_on_the_interpreter(m, k, n, s_row
     x, d, s, b = _block_operands(m, k, n, s_rows, s_cols, bias=True)
     assert W.supports(x, d, s) and W.scale_mode(d, s)[0] == 2
     _close_in_dtype(W.fp8_weight_mm_triton(x, d, s, b), W.fp8_weight_mm_ref(x, d, s, b), x, d, s)
-    tile = (16, 32, 64, 4, 2)  # split K as a narrow layer would, block scales applied before the fixed-order sum
-    if k >= 256:
-        _close_in_dtype(
-            W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=2), W.fp8_weight_mm_ref(x, d, s, b), x, d, s
-        )
+    for swap in (False, True):  # split K as a narrow layer would, block scales applied before the fixed-order sum
+        tile = (16, 32, 64, 4, 2, swap)
+        if k >= 256:
+            _close_in_dtype(
+                W.fp8_weight_mm_triton(x, d, s, b, config=tile, split_k=2), W.fp8_weight_mm_ref(x, d, s, b), x, d, s
+            )
 
 
 def test_block_scale_reference_is_the_blockwise_dequantized_product():
@@ -180,6 +185,15 @@ def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
     assert W.split_k_for(14336, 4096, 32, 256, 132) == 1
     assert W.split_k_for(1024, 4096, 64, 128, 132) == 8  # capped at MAX_SPLIT_K
     assert W.split_k_for(64, 512, 32, 256, 132) == 1  # each split keeps two BLOCK_K steps or more
+
+
+def test_tile_orientation_follows_tokens_and_layer_width():
+    """Up to 16 tokens the widened weight is the MMA's B operand; at 17-128 tokens it is A (swapped), except
+    above 64 tokens on a layer whose 128-column tiles alone fill the GPU (the WIDE_CONFIG tile)."""
+    assert [W.config_for(m, 4096, 132)[5] for m in (1, 16, 17, 32, 64, 65, 128)] == [False, False] + [True] * 5
+    assert W.config_for(128, 14336, 132)[5] and W.config_for(128, 28672, 132) == W.WIDE_CONFIG
+    assert W.config_for(64, 28672, 132)[5] and W.config_for(128, 32768, 0)[5]  # no GPU: no wide rule
+    assert W.plan(128, 28672, 4096, None, W.WIDE_CONFIG)[1] == 1 and W.plan(128, 4096, 4096, None)[0][5]
 
 
 def test_plan_takes_a_symbolic_token_count():
@@ -255,10 +269,11 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
     assert _arg_key(True) != _arg_key(1)
     launcher = FastLauncher(W._fp8_weight_mm_kernel)
-    assert launcher.constexpr == frozenset(range(16, 23))  # SCALE_MODE ... SPLIT_K, FIXUP
-    args = (t, t, t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1, False)
+    assert launcher.constexpr == frozenset(range(16, 24))  # SCALE_MODE ... SPLIT_K, FIXUP, SWAP
+    args = (t, t, t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1, False, False)
     other = args[:18] + (32,) + args[19:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
+    assert launcher._key(args, (4, 3)) != launcher._key(args[:23] + (True,), (4, 3))  # the orientation
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
 
 
@@ -296,6 +311,21 @@ def test_gpu_split_k_on_narrow_layers(n):
     got = K.fp8_weight_mm(x, d, s, b)
     _close_in_dtype(got, W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), b.cpu()), x, d, s)
     assert torch.equal(got, K.fp8_weight_mm(x, d, s, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ALL_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("m", [1, 33, 100, 128])
+@pytest.mark.parametrize("n", [1000, 6144])
+def test_gpu_every_tile_matches_reference(tile, m, n):
+    """Each tile the plan can pick, at ragged token counts and a ragged, split-K layer, both scale kinds."""
+    for rowwise in (False, True):
+        x, d, s, b = _operands(m, 4096, n, device="cuda", rowwise=rowwise, bias=rowwise)
+        got = W.fp8_weight_mm_triton(x, d, s, b, config=tile)
+        _close_in_dtype(got, W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), None if b is None else b.cpu()), x, d, s)
+    x, d, s, b = _block_operands(m, 4096, 1024, 128, 128, dtype=torch.bfloat16, bias=True, device="cuda")
+    got = W.fp8_weight_mm_triton(x, d, s, b, config=tile)
+    _close_in_dtype(got, W.fp8_weight_mm_ref(x.cpu(), d.cpu(), s.cpu(), b.cpu()), x, d, s)
 
 
 @pytest.mark.gpu

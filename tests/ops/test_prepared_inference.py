@@ -153,17 +153,20 @@ def test_gpu_a_cuda_graph_captures_prepared_calls():
         assert torch.equal(out, want)
 
 
-def _split_k_linear():
-    lin = _linear(k=4096, n=256)  # 16 tokens: 8 column tiles, K split in 4 (kernels/weight_only.py split_k_for)
-    x = torch.randn(16, 4096, device="cuda", dtype=BF16)
+def _split_k_linear(tokens=16):
+    # 16 tokens: 8 column tiles of 32, K split in 4; 128 tokens: 2 swapped tiles of 128, K split in 8
+    # (kernels/weight_only.py CONFIGS, split_k_for)
+    lin = _linear(k=4096, n=256)
+    x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
     return lin, x
 
 
 @gpu
-def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero():
+@pytest.mark.parametrize("tokens", [16, 128])
+def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero(tokens):
     """The prepared split-K call sums its partials in its one kernel (the last program of each tile): the
     checked op's bits (two launches), call after call, and its tile counters are back to zero after each."""
-    lin, x = _split_k_linear()
+    lin, x = _split_k_linear(tokens)
     with torch.inference_mode():
         want = _checked(lin, x)
         lin(x)
@@ -179,7 +182,7 @@ def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero():
             assert torch.equal(lin(x + i), _checked(lin, x + i))
         torch.cuda.synchronize()
         for counts in prepared.counts.values():
-            assert counts.numel() == 8 and not counts.any()
+            assert counts.numel() == {16: 8, 128: 2}[tokens] and not counts.any()
         assert torch.equal(lin(x), want)
 
 
