@@ -109,8 +109,19 @@ def launch_rowwise(
     c = fp8_constants(fp8_dtype)
     _launch(
         (cdiv(R, rows),),
-        *(x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2),
-        *(rows, block_k, single),
+        x2,
+        data,
+        scale_inv,
+        R,
+        K,
+        x2.stride(0),
+        margin_div(margin),
+        FP8_MAX=c["FP8_MAX"],
+        MIN_SCALE=c["MIN_SCALE"],
+        POWER_OF_2=power_of_2,
+        ROWS=rows,
+        BLOCK_K=block_k,
+        SINGLE=single,
         num_warps=8 if rows * block_k >= 4096 else 4,
     )
     return data, scale_inv

@@ -418,7 +418,7 @@ class PreparedMM:
         return y
 
     def _counts(self, device: int) -> Optional[torch.Tensor]:
-        if torch.cuda.is_current_stream_capturing():
+        if torch._C._cuda_isCurrentStreamCapturing():
             # A graph would keep these counters' address but not the tensor (this plan may be dropped while
             # the graph lives: a reload, a new shape past the table's bound), and its replays, on whatever
             # stream replays it, would count into the eager calls' counters: captures take the two launches.
