@@ -38,3 +38,11 @@ class Float8HubQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False  # FP8-only weights are frozen (ops.convert(fp8_weights=True))
+
+    @property
+    def is_compileable(self) -> bool:
+        # transformers' generate() compiles the decode step (a static cache, compile_config) only when the
+        # model's quantizer says it compiles. A converted model compiles fullgraph; the base class's False made
+        # generate() run eager without a word: 115 against 385 tokens/s for bf16 compiled (HF Llama, batch 1,
+        # H100, 2026-11-26, area inference_generate_compiled).
+        return True

@@ -181,6 +181,40 @@ def test_corrupt_scales_are_refused_on_load(tmp_path, bad):
         float8.load_checkpoint(lin, tmp_path)
 
 
+def test_hugging_face_generate_compiles_a_converted_model():
+    """transformers' generate() compiles the decode step only when the model's quantizer says it compiles: a
+    converted model's did not (115 against 385 tokens/s for bf16 compiled on the H100, run eagerly)."""
+    pytest.importorskip("transformers")
+    _in_fresh_process(_hf_generate_compiled)
+
+
+def _hf_generate_compiled():
+    import transformers
+    from torch._dynamo.utils import counters
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True).eval()
+    assert model.hf_quantizer.is_compileable
+    prompt = torch.randint(0, 256, (1, 5))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA devices only, unless told
+    with torch.inference_mode():
+        eager = model.generate(prompt, **kw, disable_compile=True)
+        compiled = model.generate(prompt, **kw, compile_config=compile_config)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert torch.equal(compiled, eager)
+
+
 def _in_fresh_process(fn, *args):
     """Run fn(*args) of this file in a new interpreter. The Hugging Face tests run there: with a transformers
     model built in the pytest process, a later torch.compile test of this suite crashed the interpreter (a
