@@ -147,8 +147,16 @@ class _RunFunction(torch.autograd.Function):
         # activations on the H100 (benchmarks.peak --case converted, 2026-11-25).
         if not torch.compiler.is_compiling():
             y = runner.forward(x)
-            if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x):
-                ctx.save_for_backward(x)
+            saved = [x] if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x) else []
+            if y._is_view() and not isinstance(y, Float8Tensor):
+                # A view made inside a Function refuses in-place writes ("Output 0 of View is a view and is
+                # being modified inplace"): nn.ReLU(inplace=True) after a converted Linear failed. The
+                # output is handed out as a tensor of its own over the same memory instead.
+                y = y.detach()
+            if not isinstance(y, Float8Tensor) and holds_memory_of(runner.ctxs, y):
+                saved.append(y)  # a write into the output would change what the backward reads: refused
+            if saved:
+                ctx.save_for_backward(*saved)
             return y
         # Dynamo traces the backward only from what save_for_backward hands it (ops/saved.py). The contexts
         # are made here, inside the Function: what the ops keep on them (a parameter itself, when `.to()`

@@ -226,3 +226,36 @@ def test_a_converted_linear_respects_autocast_like_nn_linear():
     assert sqnr_db(want.double(), got.double()) >= SQNR_DB["linear"]
     got.float().sum().backward()
     assert x.grad.dtype == torch.float32 and conv.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe", [None, Recipe(min_fp8_gemm_flops=0)], ids=["policy", "fp8"])
+@pytest.mark.parametrize("lead", [(64,), (2, 32)])
+def test_an_in_place_activation_after_a_converted_linear_trains(recipe, lead):
+    """nn.ReLU(inplace=True) after a converted Linear failed in training ('Output 0 of View is a view and is
+    being modified inplace'): the op's output was a view made inside its autograd Function. It trains now,
+    with the bits of the same model with an out-of-place ReLU."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256), torch.nn.ReLU(inplace=True), torch.nn.Linear(256, 256)]
+    in_place = torch.nn.Sequential(*layers).to(torch.bfloat16)
+    out_of_place = torch.nn.Sequential(in_place[0], torch.nn.ReLU(), in_place[2])
+    in_place, out_of_place = ops.convert(in_place, recipe=recipe), ops.convert(out_of_place, recipe=recipe)
+    x = torch.randn(*lead, 256, dtype=torch.bfloat16)
+    grads = []
+    for model in (in_place, out_of_place):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        y.float().square().sum().backward()
+        grads.append([y, xi.grad, in_place[0].weight.grad.clone()])
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_an_in_place_write_into_an_output_a_backward_reads_is_refused():
+    """ops.Attention keeps its output for its backward: writing into the run's output then raises at backward,
+    as torch's own ops do, instead of computing gradients from the written values."""
+    seq = ops.Sequential(ops.Linear(64, (4 + 2 * 2) * 16, bias=False), ops.Attention(4, 16, num_kv_heads=2))
+    y = seq.to(torch.bfloat16)(torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True))
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
