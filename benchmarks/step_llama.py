@@ -30,6 +30,7 @@ VARIANTS = [
     "float8 ops compiled",
     "float8 ops compiled lean",
     "float8 converted eager",
+    "float8 converted eager lean",
     "float8 converted compiled",
     "torchao tensorwise compiled",
     "torchao rowwise compiled",
@@ -43,7 +44,7 @@ def _model(variant: str, s: LlamaShape, device):
     elif variant.startswith("float8 ops"):
         model = build("ops", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("float8 converted"):
-        model = build("converted", s, device)
+        model = build("converted", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("torchao"):
         if device.type != "cuda":
             raise RuntimeError("torchao's float8 training needs a CUDA GPU")
