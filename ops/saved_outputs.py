@@ -5,9 +5,9 @@ A model written in plain torch.nn saves what its own elementwise code needs for 
 16384 tokens x 14336 features), although they are outputs of Linears that `ops.convert` replaced. Under
 `Recipe(lean_activations=True)`, `ops.convert` attaches a `SavedOutputs` to the model it converts: during
 a training forward of that model, a tensor that autograd saves and that is (a view of) a converted Linear's
-output is kept as an E4M3 Float8Tensor (current per-tensor scaling, one kernel pair) and widened back when
-the backward reads it; everything else is saved as it is. The high-precision output is then freed after the
-forward. These are the numerics of ops.SwiGLU under lean activations, which keeps its input in E4M3 too.
+output is kept as an E4M3 Float8Tensor (current scaling, one scale per row, one kernel) and widened back
+when the backward reads it; everything else is saved as it is. The high-precision output is then freed
+after the forward. ops.SwiGLU under lean activations keeps its input in E4M3 too (one scale per tensor).
 
 The copy is made when autograd saves the tensor, so an in-place write to the output after that does not
 reach the backward (which then reads the values the forward used; plain autograd raises instead).
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from float8 import Float8Tensor
+from float8 import Float8Tensor, RowwiseScaling
 
 __all__ = ["SavedOutputs", "saved_outputs_of"]
 
@@ -135,10 +135,13 @@ class SavedOutputs:
         if hit is not None and hit[0]() is not None:
             return hit[1]
         with torch.no_grad():
-            packed = _Packed(Float8Tensor.quantize(t), t.dtype)
+            # Per row: one kernel reads a view such as chunk's halves in place (the per-tensor cast wants
+            # contiguous memory, and copying the view first doubled the cost of keeping it).
+            fp8 = Float8Tensor.quantize(t, scaling=RowwiseScaling())
+        packed = _Packed(fp8, t.dtype)
         self._packed[key] = (weakref.ref(t), packed)
         self.last_forward["tensors"] += 1
-        self.last_forward["bytes_saved"] += t.numel() * (t.element_size() - 1)
+        self.last_forward["bytes_saved"] += t.numel() * (t.element_size() - 1) - 4 * fp8.scale_inv.numel()
         return packed
 
     @staticmethod

@@ -61,13 +61,14 @@ def test_lean_convert_keeps_gate_and_up_in_e4m3_and_the_forward_unchanged():
     a, b = _step(plain, x, dy), _step(lean, x, dy)
     assert torch.equal(a[0], b[0])
     stats = saved_outputs_of(lean).last_forward
-    # g and u: two (512, 512) bf16 views of the up projection's output, one byte per element kept instead of two
-    assert stats == {"tensors": 2, "bytes_saved": 2 * 512 * 512}
+    # g and u: two (512, 512) bf16 views of the up projection's output, one byte per element kept instead of
+    # two, plus a float32 scale per row
+    assert stats == {"tensors": 2, "bytes_saved": 2 * (512 * 512 - 4 * 512)}
 
 
 def test_gradients_against_float64_within_a_db_of_the_default():
     # Measured here (CPU, 512 tokens, d 256, f 512): SQNR of the lean gradients against the default recipe's
-    # 40.9 dB for dx, 24.8 dB for the up projection's weight; against float64 each stays within 1.25 dB of
+    # 42.0 dB for dx, 26.5 dB for the up projection's weight; against float64 each stays within 1.25 dB of
     # the default's (the bound of tests/ops/test_lean_activations.py for ops.SwiGLU under lean activations).
     x, dy = _data()
     plain, lean = _model(), _model(LEAN)
@@ -166,9 +167,12 @@ def test_compiles_with_the_compilers_own_saves():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_lean_convert_step_peaks_lower():
-    # 8192 tokens, f 4096: g and u are 2 x 64 MiB of bf16, kept in 2 x 32 MiB, so the peak falls by 64 MiB.
-    def peak(recipe):
+def test_cuda_lean_convert_holds_less_from_forward_to_backward():
+    # 8192 tokens, f 4096: the up projection's output (128 MiB of bf16) was held through its halves g and u;
+    # their E4M3 copies take 64 MiB (and a scale per row), so 64 MiB less is held between forward and
+    # backward. (A lone block's step peak is set inside its forward, where the copies are made while the
+    # output is still alive; over a model's blocks what is held adds up: benchmarks.peak --case converted.)
+    def held(recipe):
         torch.manual_seed(0)
         model = ops.convert(MLP(1024, 4096).to(BF16).cuda(), recipe=recipe)
         x = torch.randn(8192, 1024, device="cuda", dtype=BF16)
@@ -177,14 +181,16 @@ def test_cuda_lean_convert_step_peaks_lower():
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = _step(model, x, dy)
+        xr = x.clone().requires_grad_(True)
+        y = model(xr)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, out
+        kept = torch.cuda.memory_allocated() - base
+        y.backward(dy)
+        return kept, [y, xr.grad] + [p.grad for p in model.parameters()]
 
-    plain_peak, plain = peak(Recipe())
-    lean_peak, lean = peak(LEAN)
-    assert lean_peak <= plain_peak - 64 * 2**20, (plain_peak / 2**20, lean_peak / 2**20)
+    plain_kept, plain = held(Recipe())
+    lean_kept, lean = held(LEAN)
+    assert lean_kept <= plain_kept - 63 * 2**20, (plain_kept / 2**20, lean_kept / 2**20)
     assert torch.equal(plain[0], lean[0])
     for a, b in zip(plain[1:], lean[1:]):
         assert sqnr_db(a, b) >= 20
