@@ -36,7 +36,7 @@ from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
 from float8.checkpoint import enable_save_pretrained
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
-from float8.ops.saved_outputs import SavedOutputs, saved_outputs_of
+from float8.ops.saved_outputs import SavedOutputs, detach_all
 from float8.quantizer import quantizer_for
 
 __all__ = ["ConversionWarning", "convert", "skip_reason"]
@@ -130,21 +130,19 @@ def convert(
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, op)
     if recipe is not None and not isinstance(model, Linear):
-        _keep_saved_outputs_lean(model, recipe.lean_activations)
+        _keep_saved_outputs_lean(model)
     if fp8_weights and any(isinstance(p, Float8Tensor) for p in model.parameters()):
         enable_save_pretrained(model)  # a Hugging Face model's save_pretrained writes the hub FP8 layout
     return model
 
 
-def _keep_saved_outputs_lean(model: torch.nn.Module, lean: bool) -> None:
-    """Under lean activations, the converted Linears' outputs that the model's own code saves for backward
-    are kept in E4M3 (ops/saved_outputs.py); a later convert with a recipe without them removes that."""
-    current = saved_outputs_of(model)
-    if current is not None:
-        current.detach()
-    if lean:
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.lean_activations]
-        (current or SavedOutputs()).attach(model, linears)
+def _keep_saved_outputs_lean(model: torch.nn.Module) -> None:
+    """One SavedOutputs on the converted model while any of its Linears has lean activations (it keeps
+    their outputs that the model's own activation code saves in E4M3: ops/saved_outputs.py), none after a
+    convert that leaves none lean; earlier ones, on the model or its submodules, are removed first."""
+    detach_all(model)
+    if any(isinstance(m, Linear) and m.recipe.lean_activations for m in model.modules()):
+        SavedOutputs().attach(model)
 
 
 def _shared_with(owners: dict, module: torch.nn.Module, fqn: str) -> list:

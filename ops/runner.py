@@ -133,6 +133,12 @@ def _sum_over_groups(ops, grads) -> None:
                 t.copy_(part.view_as(t))
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(b, Float8Tensor):
+        return False
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class _RunFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, runner, *params):
@@ -148,10 +154,11 @@ class _RunFunction(torch.autograd.Function):
         if not torch.compiler.is_compiling():
             y = runner.forward(x)
             saved = [x] if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x) else []
-            if y._is_view() and not isinstance(y, Float8Tensor):
+            if y._is_view() and not isinstance(y, Float8Tensor) and not _shares_memory(y, x):
                 # A view made inside a Function refuses in-place writes ("Output 0 of View is a view and is
                 # being modified inplace"): nn.ReLU(inplace=True) after a converted Linear failed. The
-                # output is handed out as a tensor of its own over the same memory instead.
+                # output is handed out as a tensor of its own over the same memory instead. A view of the
+                # input (ops.Identity) stays one: autograd must see that a write into it writes the input.
                 y = y.detach()
             if not isinstance(y, Float8Tensor) and holds_memory_of(runner.ctxs, y):
                 saved.append(y)  # a write into the output would change what the backward reads: refused

@@ -1,20 +1,25 @@
-"""Lean saved outputs: a converted model's Linear outputs that torch ops save for backward, kept as E4M3.
+"""Lean saved outputs: a converted model's Linear outputs that its activation code saves, kept as E4M3.
 
 A model written in plain torch.nn saves what its own elementwise code needs for backward: in a Llama MLP,
 `F.silu(g) * u` keeps the gate and up projections' outputs g and u in bf16 (2 x 448 MiB per block of
 16384 tokens x 14336 features), although they are outputs of Linears that `ops.convert` replaced. Under
-`Recipe(lean_activations=True)`, `ops.convert` attaches a `SavedOutputs` to the model it converts: during
-a training forward of that model, a tensor that autograd saves and that is (a view of) a converted Linear's
-output is kept as an E4M3 Float8Tensor (current scaling, one scale per row, one kernel) and widened back
-when the backward reads it; everything else is saved as it is. The high-precision output is then freed
-after the forward. ops.SwiGLU under lean activations keeps its input in E4M3 too (one scale per tensor).
+`Recipe(lean_activations=True)`, `ops.convert` attaches a `SavedOutputs` to the model it converts. During a
+training forward of that model, a tensor that `F.silu`, `F.gelu` or a product (`*`, `torch.mul`) saves and
+that is (a view of) the output of a lean converted Linear is kept as an E4M3 Float8Tensor (current scaling,
+one scale per row, one kernel) and widened back when the backward reads it. The high-precision output is
+then freed after the forward. Only those functions: their backward reads the saved tensor elementwise, so
+E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its input in E4M3 too). A norm or
+attention saves statistics of its exact input with it, and a rounded input would not match them; they and
+everything else are saved as they are.
 
-The copy is made when autograd saves the tensor, so an in-place write to the output after that does not
-reach the backward (which then reads the values the forward used; plain autograd raises instead).
+Saved-tensor hooks turn off autograd's check that a saved tensor was not written in place before the
+backward; the check is made here instead, with autograd's message, for every tensor saved as it is. A
+compressed copy is made when the tensor is saved, so a later write cannot reach the backward (which reads
+the values the function used).
 
-Not applied: under torch.compile (the compiler decides what a graph saves), under no_grad/inference, and
-inside a `torch.autograd.graph.saved_tensors_hooks` context of the caller (activation offloading, for
-example), whose hooks keep precedence.
+Not applied: under no_grad/inference, when the model is compiled (the compiler decides what a graph saves;
+the model's code under a compiled block is left to it too), and inside a `saved_tensors_hooks` context of
+the caller (activation offloading, for example), whose hooks keep precedence.
 """
 
 from __future__ import annotations
@@ -23,21 +28,26 @@ import weakref
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from float8 import Float8Tensor, RowwiseScaling
+from float8.ops.linear import Linear
 
 __all__ = ["SavedOutputs", "saved_outputs_of"]
 
 # Smaller saved outputs stay as they are: a quantize and a dequantize launch each cost more than they save.
 MIN_NUMEL = 1 << 16
+# The functions whose saves may be kept in E4M3: their backward reads the saved tensor elementwise.
+ELEMENTWISE = frozenset({F.silu, F.gelu, torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
 
 class _Packed:
-    """What autograd holds instead of a saved output: its E4M3 copy and the dtype to widen it back to."""
+    """What autograd holds instead of a kept output: its E4M3 copy and the dtype to widen it back to."""
 
     __slots__ = ("fp8", "dtype")
 
@@ -45,91 +55,117 @@ class _Packed:
         self.fp8, self.dtype = fp8, dtype
 
 
-class SavedOutputs:
-    """Keeps the converted Linears' outputs that autograd saves during a model's training forward in E4M3.
+class _Saved:
+    """A tensor saved as it is, with its version at the save (autograd's own check is off under hooks)."""
 
-    `attach(model, linears)` registers a forward pre-hook and an always-called forward hook on the model
-    (the training forward runs inside a saved-tensor hooks context) and a forward hook on each Linear (its
-    output is noted); `detach()` removes them. The state of a forward in progress is not pickled.
-    `last_forward`: how many saved tensors the latest training forward kept in E4M3, and the bytes that
-    saved against keeping them as they were."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+
+class _NoteElementwise(TorchFunctionMode):
+    """Marks the calls of ELEMENTWISE functions, during which their saves may be compressed."""
+
+    def __init__(self, owner: "SavedOutputs"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in ELEMENTWISE:
+            return func(*args, **(kwargs or {}))
+        self.owner._in_elementwise += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.owner._in_elementwise -= 1
+
+
+class SavedOutputs:
+    """Keeps the lean converted Linears' outputs that a model's activation code saves in E4M3.
+
+    `attach(model)` registers a forward pre-hook and an always-called forward hook on the model (its
+    training forward runs inside a saved-tensor hooks context) and a forward hook on each ops.Linear in it
+    (its output is noted when its recipe has lean activations); `detach(model)` removes them from every
+    module of the model. The state of a forward in progress is not pickled. `last_forward`: how many
+    tensors the latest forward kept in E4M3 and the bytes that saved."""
 
     def __init__(self, min_numel: int = MIN_NUMEL):
         self.min_numel = min_numel
-        self._handles: list = []
-        self.last_forward = {"tensors": 0, "bytes_saved": 0}
         self._reset()
 
     def _reset(self) -> None:
-        self._contexts: list = []  # one per model forward in progress (None: not applied to that forward)
-        self._outputs: dict = {}  # storage address -> weakref to the storage of a converted Linear's output
+        self.last_forward = {"tensors": 0, "bytes_saved": 0}
+        self._contexts: list = []  # per model forward in progress: (hooks, mode), or None where not applied
+        self._outputs: dict = {}  # storage address -> weakref to the storage of a lean Linear's output
         self._packed: dict = {}  # _key(saved tensor) -> (weakref to it, _Packed): one copy per tensor
+        self._in_elementwise = 0
 
     def __getstate__(self) -> dict:
         return {"min_numel": self.min_numel}
 
     def __setstate__(self, state: dict) -> None:
         self.min_numel = state["min_numel"]
-        self._handles = []
-        self.last_forward = {"tensors": 0, "bytes_saved": 0}
         self._reset()
 
-    def attach(self, model: torch.nn.Module, linears: list) -> None:
-        """Hooks on `model` (the forward whose saves are kept lean) and on each of `linears`."""
-        self._handles.append(model.register_forward_pre_hook(self._enter))
-        self._handles.append(model.register_forward_hook(self._exit, always_call=True))
-        self._handles.extend(lin.register_forward_hook(self._note) for lin in linears)
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hooks on `model` (the forward whose saves are kept lean) and on each ops.Linear in it."""
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._exit, always_call=True)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.register_forward_hook(self._note)
 
-    def detach(self) -> None:
-        """Remove every hook `attach` registered."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def detach(self, model: torch.nn.Module) -> None:
+        """Remove this object's hooks from every module of `model`."""
+        for m in model.modules():
+            for table in (m._forward_pre_hooks, m._forward_hooks):
+                for hook_id in [k for k, h in table.items() if getattr(h, "__self__", None) is self]:
+                    del table[hook_id]
+                    m._forward_hooks_always_called.pop(hook_id, None)
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        ctx = None
+        if not self._contexts:
+            self.last_forward = {"tensors": 0, "bytes_saved": 0}
+        entered = None
         if (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and torch._C._autograd._saved_tensors_hooks_is_enabled()
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         ):
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            ctx.__enter__()
-            if not self._contexts:
-                self.last_forward = {"tensors": 0, "bytes_saved": 0}
-        self._contexts.append(ctx)
+            hooks, mode = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _NoteElementwise(self)
+            hooks.__enter__()
+            mode.__enter__()
+            entered = (hooks, mode)
+        self._contexts.append(entered)
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._contexts:
             return
-        ctx = self._contexts.pop()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        entered = self._contexts.pop()
+        if entered is not None:
+            hooks, mode = entered
+            mode.__exit__(None, None, None)
+            hooks.__exit__(None, None, None)
         if not self._contexts:  # the copies live on in autograd's graph; these tables only served the forward
             self._outputs.clear()
             self._packed.clear()
+            self._in_elementwise = 0
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._contexts and self._contexts[-1] is not None and isinstance(output, torch.Tensor):
+        if torch.compiler.is_compiling() or not self._contexts or self._contexts[-1] is None:
+            return
+        if isinstance(output, torch.Tensor) and module.recipe.lean_activations:
             # The storage's Python object lives exactly as long as the storage (views keep it), unlike the
             # output's own, which a view such as chunk may outlive.
             storage = output.untyped_storage()
             self._outputs[storage.data_ptr()] = weakref.ref(storage)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if (
-            type(t) is not torch.Tensor
-            or not t.is_floating_point()
-            or t.element_size() < 2
-            or t.numel() < self.min_numel
-        ):
-            return t
-        storage = t.untyped_storage()
-        ref = self._outputs.get(storage.data_ptr())
-        if ref is None or ref() is not storage:  # not an output's storage (or a new one at a freed address)
-            return t
+        if not self._compresses(t):
+            return _Saved(t)
         key = _key(t)
         hit = self._packed.get(key)
         if hit is not None and hit[0]() is not None:
@@ -144,12 +180,34 @@ class SavedOutputs:
         self.last_forward["bytes_saved"] += t.numel() * (t.element_size() - 1) - 4 * fp8.scale_inv.numel()
         return packed
 
+    def _compresses(self, t: torch.Tensor) -> bool:
+        if (
+            not self._in_elementwise
+            or type(t) is not torch.Tensor
+            or not t.is_floating_point()
+            or t.element_size() < 2
+            or t.numel() < self.min_numel
+            or 0 in t.stride()  # an expanded view: its copy would be larger than its memory
+        ):
+            return False
+        storage = t.untyped_storage()
+        ref = self._outputs.get(storage.data_ptr())
+        return ref is not None and ref() is storage  # an output's storage, not a new one at a freed address
+
     @staticmethod
     def _unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _Packed):
             with torch.no_grad():
                 return p.fp8.dequantize(p.dtype)
-        return p
+        if p.tensor._version != p.version:
+            t = p.tensor
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"{p.version} instead (checked by float8's lean saved outputs, ops/saved_outputs.py, which "
+                "turn autograd's own check off)"
+            )
+        return p.tensor
 
 
 def saved_outputs_of(model: torch.nn.Module) -> Optional[SavedOutputs]:
@@ -159,3 +217,12 @@ def saved_outputs_of(model: torch.nn.Module) -> Optional[SavedOutputs]:
         if isinstance(owner, SavedOutputs):
             return owner
     return None
+
+
+def detach_all(model: torch.nn.Module) -> None:
+    """Remove every SavedOutputs attached to `model` or to any module in it."""
+    for m in model.modules():
+        found = saved_outputs_of(m)
+        while found is not None:
+            found.detach(model)
+            found = saved_outputs_of(m)

@@ -259,3 +259,13 @@ def test_an_in_place_write_into_an_output_a_backward_reads_is_refused():
     y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.float().sum().backward()
+
+
+def test_an_in_place_write_into_an_output_that_is_a_view_of_the_input_is_refused():
+    """ops.Identity hands out a view of its input: a write into it writes the input, which autograd must see.
+    It is refused (as before in-place writes into other outputs were allowed), never differentiated wrongly."""
+    a = torch.randn(2, 8, 64, requires_grad=True)
+    x = a * 1
+    y = ops.Sequential(ops.Identity())(x)
+    with pytest.raises(RuntimeError, match="view"):
+        y.mul_(3)

@@ -165,6 +165,113 @@ def test_compiles_with_the_compilers_own_saves():
     torch._dynamo.reset()
 
 
+class Net(torch.nn.Module):
+    """Two MLPs: submodules to convert apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP(), MLP()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _kept(model, root=None):
+    x, dy = _data()
+    _step(model, x, dy)
+    return saved_outputs_of(root or model).last_forward["tensors"]
+
+
+def test_only_elementwise_functions_saves_are_kept_in_e4m3():
+    """A norm or attention saves statistics of its exact input with it: a rounded input would not match them
+    (a LayerNorm weight's gradient fell from 23.0 to 3.9 dB against float64 when it was rounded). Only
+    silu, gelu and products keep a Linear's output in E4M3; the rest is saved as it is, with the default
+    recipe's bits."""
+
+    class Others(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(256, 768, bias=False)
+            self.norm = torch.nn.LayerNorm(256)
+
+        def forward(self, x):
+            q, k, v = self.up(x).view(1, 512, 3, 4, 64).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            h = self.up(x)[..., :256]
+            return self.norm(h) + a.transpose(1, 2).reshape(1, 512, 256) + h.expand(1, 512, 256)
+
+    x, dy = _data()
+    torch.manual_seed(0)
+    plain = ops.convert(Others().to(BF16), recipe=Recipe(lean_activations=False))
+    lean = ops.convert(copy.deepcopy(plain), recipe=LEAN)
+    a, b = _step(plain, x[None], dy[None]), _step(lean, x[None], dy[None])
+    assert saved_outputs_of(lean).last_forward["tensors"] == 0
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_a_write_into_a_tensor_saved_as_it_is_is_still_refused():
+    """Saved-tensor hooks turn autograd's in-place check off; it is made for the tensors saved as they are."""
+
+    class Writes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = torch.tanh(self.up(x))  # tanh saves its output h
+            h.mul_(2)
+            return h
+
+    model = ops.convert(Writes().to(BF16), recipe=LEAN)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(64, 256, dtype=BF16, requires_grad=True)).sum().backward()
+
+
+def test_expanded_views_and_small_tensors_are_saved_as_they_are():
+    class Expands(MLP):
+        def forward(self, x):
+            g, u = self.up(self.norm(x)).chunk(2, dim=-1)
+            return x + self.down(F.silu(g[:1].expand_as(g)) * u)  # an expanded view: its copy would be larger
+
+    torch.manual_seed(0)
+    assert _kept(ops.convert(Expands().to(BF16), recipe=LEAN)) == 1  # u only
+    assert _kept(ops.convert(MLP(256, 64).to(BF16), recipe=LEAN)) == 0  # g, u 512 x 64: below MIN_NUMEL
+
+
+def test_recipes_and_hooks_stay_in_step_across_converts_and_copies():
+    net = Net().to(BF16)
+    ops.convert(net.a, recipe=LEAN)
+    assert _kept(net, net.a) == 2
+    ops.convert(net, recipe=Recipe())  # no Linear lean any more: no hooks left anywhere
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+    ops.convert(net, recipe=LEAN)
+    assert _kept(net) == 4
+    ops.convert(net.a, recipe=Recipe())  # a's Linears are not lean now: their outputs are saved as they are
+    assert _kept(net) == 2
+    clone = copy.deepcopy(net)
+    assert _kept(clone) == 2
+    ops.convert(clone, recipe=Recipe())  # a copy's hooks are found and removed as well
+    assert saved_outputs_of(clone) is None and not any(m._forward_hooks for m in clone.modules())
+    ops.convert(clone, recipe=LEAN)
+    ops.convert(clone, recipe=LEAN)
+    assert len(clone._forward_pre_hooks) == 1 and _kept(clone) == 4
+    with torch.no_grad():
+        clone(_data()[0])
+    assert saved_outputs_of(clone).last_forward["tensors"] == 0  # the last forward kept nothing
+
+
+def test_a_compiled_block_inside_a_lean_model():
+    x, dy = _data(64)
+    net = ops.convert(Net().to(BF16), recipe=LEAN)
+    want = _step(copy.deepcopy(net), x, dy)
+    torch._dynamo.reset()
+    net.a.compile(backend="aot_eager", fullgraph=True)
+    got = _step(net, x, dy)
+    assert torch.equal(got[0], want[0])
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_lean_convert_holds_less_from_forward_to_backward():
