@@ -389,8 +389,9 @@ class PreparedMM:
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
     since, or a split-K call while a CUDA graph is being captured. The caller guarantees the rest: x
-    contiguous (M, K) of the prepared dtype on the prepared device, and the same weight tensors and bias
-    (`matches`)."""
+    contiguous, its rows the prepared (M, K) (any leading dims: the kernel reads its pointer), of the
+    prepared dtype on the prepared device, and the same weight tensors and bias (`matches`). y comes in the
+    prepared `shape`."""
 
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings")
     __slots__ += ("main", "grid", "tail", "split_shape", "tiles", "counts")
@@ -431,12 +432,18 @@ class PreparedMM:
 
 
 def prepare(
-    x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_shape: Optional[tuple[int, ...]] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
     where a later call could not skip Triton's own launch path (the interpreter, another current device), and
-    for a split-K call made while a CUDA graph is captured (its tile counters cannot be made then)."""
+    for a split-K call made while a CUDA graph is captured (its tile counters cannot be made then).
+    out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the caller's leading dims:
+    the caller then passes x with its own leading dims too, and no view is made on either side)."""
     settings = runtime_settings()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=not capturing)
@@ -451,7 +458,7 @@ def prepare(
     p.w_data, p.w_scale_inv, p.bias, p.device, p.device_index = w_data, w_scale_inv, bias, x.device, x.device.index
     p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = (
         x.dtype,
-        tuple(call.y.shape),
+        tuple(call.y.shape) if out_shape is None else tuple(out_shape),
         settings,
         main,
         call.grid,

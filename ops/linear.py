@@ -319,8 +319,7 @@ class Linear(BasicOp):
             or (b is not None and (b.dtype != x.dtype or not b.is_contiguous()))
         ):
             return None
-        y = prepared(x.view(-1, self.in_features), data, scale_inv, b)
-        return None if y is None else y.view(*x.shape[:-1], self.out_features)
+        return prepared(x, data, scale_inv, b)  # x's rows as they are, y in x's leading dims: no views
 
     def _inference_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """An FP8-only weight's inference forward (no backward to record) without the op runner: the layer's
@@ -363,7 +362,9 @@ class Linear(BasicOp):
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
                 return None
             if self._plannable(x, x2, bias):
-                y, prepared = weight_only.prepare(x2, data, scale_inv, bias)
+                y, prepared = weight_only.prepare(
+                    x2, data, scale_inv, bias, out_shape=(*x.shape[:-1], self.out_features)
+                )
                 if prepared is not None:
                     self._inference_plans.add((x.shape, x.dtype), prepared)
             else:
