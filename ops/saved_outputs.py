@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from float8 import Float8Tensor, RowwiseScaling
 from float8.ops.linear import Linear
 
-__all__ = ["SavedOutputs", "saved_outputs_of"]
+__all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
 
 # Smaller saved outputs stay as they are: a quantize and a dequantize launch each cost more than they save.
 MIN_NUMEL = 1 << 16
