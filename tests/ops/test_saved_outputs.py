@@ -301,3 +301,15 @@ def test_cuda_lean_convert_holds_less_from_forward_to_backward():
     assert torch.equal(plain[0], lean[0])
     for a, b in zip(plain[1:], lean[1:]):
         assert sqnr_db(a, b) >= 20
+
+
+def test_a_lean_model_is_freed_without_the_garbage_collector_after_a_step_that_kept_outputs():
+    from tests.ops.test_no_reference_cycles import _freed_without_gc
+
+    def step(model):
+        x, dy = _data()
+        _step(model, x, dy)
+        assert saved_outputs_of(model).last_forward["tensors"] == 2  # the copies were made
+        return None
+
+    assert _freed_without_gc(lambda: _model(LEAN), step) == []
