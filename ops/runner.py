@@ -18,7 +18,7 @@ import torch
 from float8 import DelayedScalingState, Float8Tensor
 from float8.ops.context import OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
-from float8.ops.saved import holds_memory_of, pack_contexts, unpack_contexts
+from float8.ops.saved import held_storages, pack_contexts, storage_key, unpack_contexts
 from float8.quantizer import check_dense, reduce_deferred
 
 
@@ -153,14 +153,15 @@ class _RunFunction(torch.autograd.Function):
         # activations on the H100 (benchmarks.peak --case converted, 2026-11-25).
         if not torch.compiler.is_compiling():
             y = runner.forward(x)
-            saved = [x] if isinstance(x, Float8Tensor) or holds_memory_of(runner.ctxs, x) else []
+            held = held_storages(runner.ctxs)
+            saved = [x] if isinstance(x, Float8Tensor) or (held and storage_key(x) in held) else []
             if y._is_view() and not isinstance(y, Float8Tensor) and not _shares_memory(y, x):
                 # A view made inside a Function refuses in-place writes ("Output 0 of View is a view and is
                 # being modified inplace"): nn.ReLU(inplace=True) after a converted Linear failed. The
                 # output is handed out as a tensor of its own over the same memory instead. A view of the
                 # input (ops.Identity) stays one: autograd must see that a write into it writes the input.
                 y = y.detach()
-            if not isinstance(y, Float8Tensor) and holds_memory_of(runner.ctxs, y):
+            if held and not isinstance(y, Float8Tensor) and storage_key(y) in held:
                 saved.append(y)  # a write into the output would change what the backward reads: refused
             if saved:
                 ctx.save_for_backward(*saved)

@@ -78,10 +78,11 @@ def _tensors_in(value, out: list) -> None:
             _tensors_in(getattr(value, f), out)
 
 
-def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
-    """Whether any context (any attribute, and the run's residual stacks) holds a tensor over x's memory:
-    then an in-place write into x would change what a backward reads. Eager only (it reads every attribute
-    of each context, which dynamo cannot iterate); FP8 copies are the op's own memory and are skipped."""
+def held_storages(ctxs: List[OpContext]) -> set:
+    """The storages (`storage_key`) of every tensor the contexts hold (any attribute, and the run's residual
+    stacks): an in-place write into a tensor over one of them would change what a backward reads. Eager
+    only (it reads every attribute of each context, which dynamo cannot iterate); FP8 copies are the op's
+    own memory and are skipped. One walk serves every tensor the caller asks about."""
     held, runs = [], {}
     for ctx in ctxs:
         for value in vars(ctx).values():
@@ -91,12 +92,12 @@ def holds_memory_of(ctxs: List[OpContext], x: torch.Tensor) -> bool:
                 _tensors_in(value, held)
     for run in runs.values():
         _tensors_in(run.residuals, held)
-    if not held:
-        return False
-    ptr, device = x.untyped_storage().data_ptr(), x.device
-    return any(
-        type(t) is not Float8Tensor and t.device == device and t.untyped_storage().data_ptr() == ptr for t in held
-    )
+    return {storage_key(t) for t in held if type(t) is not Float8Tensor}
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """(device, storage address): what `held_storages` holds of a tensor."""
+    return t.device, t.untyped_storage().data_ptr()
 
 
 def pack_contexts(ops: list, ctxs: List[OpContext], inputs: tuple) -> Tuple[List[torch.Tensor], tuple]:
