@@ -188,9 +188,9 @@ def test_hugging_face_generate_compiles_a_converted_model():
     _in_fresh_process(_hf_generate_compiled)
 
 
-def _hf_generate_compiled():
+def _tiny_hf_llama(seed):
+    """A two-layer Hugging Face Llama, untied, converted with FP8-only weights (the HF tests' model)."""
     import transformers
-    from torch._dynamo.utils import counters
 
     cfg = transformers.LlamaConfig(
         vocab_size=256,
@@ -201,8 +201,15 @@ def _hf_generate_compiled():
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True).eval()
+    torch.manual_seed(seed)
+    return ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True)
+
+
+def _hf_generate_compiled():
+    import transformers
+    from torch._dynamo.utils import counters
+
+    model = _tiny_hf_llama(0).eval()
     assert model.hf_quantizer.is_compileable
     prompt = torch.randint(0, 256, (1, 5))
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
@@ -235,22 +242,8 @@ def test_hugging_face_save_pretrained_writes_the_hub_layout(tmp_path):
 def _hf_save_pretrained(directory):
     import pathlib
 
-    import transformers
-
     tmp_path = pathlib.Path(directory)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-
-    def model(seed):
-        torch.manual_seed(seed)
-        return ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True)
+    model = _tiny_hf_llama
 
     src = model(0)
     src.save_pretrained(tmp_path)
