@@ -133,12 +133,6 @@ def _sum_over_groups(ops, grads) -> None:
                 t.copy_(part.view_as(t))
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if isinstance(b, Float8Tensor):
-        return False
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 class _RunFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, runner, *params):
@@ -155,7 +149,11 @@ class _RunFunction(torch.autograd.Function):
             y = runner.forward(x)
             held = held_storages(runner.ctxs)
             saved = [x] if isinstance(x, Float8Tensor) or (held and storage_key(x) in held) else []
-            if y._is_view() and not isinstance(y, Float8Tensor) and not _shares_memory(y, x):
+            if (
+                y._is_view()
+                and not isinstance(y, Float8Tensor)
+                and (isinstance(x, Float8Tensor) or storage_key(y) != storage_key(x))
+            ):
                 # A view made inside a Function refuses in-place writes ("Output 0 of View is a view and is
                 # being modified inplace"): nn.ReLU(inplace=True) after a converted Linear failed. The
                 # output is handed out as a tensor of its own over the same memory instead. A view of the
