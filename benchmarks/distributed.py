@@ -12,7 +12,8 @@ fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x204
     interleaved rounds with every model alive; step peak above what is held, what each model holds;
     all-gather bytes per step. --profile: NCCL time per step and the part not hidden behind compute.
 tp: one transformer layer, TP=2 with sequence parallelism, 8192 tokens: float8.ops (Linear(parallel=...,
-    sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style collectives.
+    sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style collectives, each
+    eager and compiled (fullgraph).
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
 Rank 0 records the areas distributed_fsdp and distributed_tp in DIR (default benchmarks/results/; a DIR/x.json
 given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
@@ -212,7 +213,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
         except Exception as e:  # noqa: BLE001 - reported in the results, the other variants still run
             results.update({v: {"error": f"{type(e).__name__}: {e}"[:500]} for v in variants})
         _agree_on_errors(results, variants, dev)
-        if kind not in models or "error" in results[variants[0]]:
+        if kind not in models or "error" in results.get(variants[0], {}):
             continue
         for variant in variants:
             results[variant] = {"losses": [], "rounds_ms": []}
@@ -372,7 +373,7 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
     results = {}
     # Sequence-first (S/world, B=1, d) on both: each rank holds its block of one sequence.
     x = torch.randn(s // world, 1, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    layers = {
+    eager = {
         "bf16 TP+SP": TPBlockBf16(d, heads, kv, hd, ffn, group).to(dev, torch.bfloat16),
         "float8 TP+SP": ops_block(d, heads, kv, hd, ffn, group=group, sp=True).to(dev, torch.bfloat16),
         # The default small-layer policy (Recipe.min_fp8_gemm_flops, 3e11) keeps a TP=2 shard's QKV (2.1e11
@@ -381,6 +382,11 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
             d, heads, kv, hd, ffn, recipe=Recipe(min_fp8_gemm_flops=0), group=group, sp=True
         ).to(dev, torch.bfloat16),
     }
+    # Each layer also compiled (fullgraph, the same module and parameters): the functional collectives and
+    # the device-side shape check of traced code, no host work between kernels.
+    layers = dict(eager)
+    for name, layer in eager.items():
+        layers[name + ", compiled"] = torch.compile(layer, fullgraph=True)
     steps_of = {}
     for name, layer in layers.items():
 

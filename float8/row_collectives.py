@@ -13,12 +13,18 @@ check them where a mismatch could go unnoticed), and the scale check of an FP8 g
   host and a mismatch raises ValueError on every rank.
 - `reduce_scatter_rows` and `all_reduce_sum` reduce in high precision (a Float8Tensor is dequantized
   first): FP8 bits under different scales cannot be summed.
+
+Under torch.compile the same functions trace: they call torch's functional collectives (which the
+compiler schedules and can overlap), and no check syncs the host. The ops then compare shapes on the
+device (`shapes_agree`) and turn the result of a mismatch NaN (`nan_unless`); per-tensor scales that
+differ give NaN as with `one_scale=True`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from float8.tensor import Float8Tensor
 
@@ -45,11 +51,7 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str) -> Non
     int64s and one host sync: the ops call it once per run, not once per collective."""
     if x.dim() > MAX_DIMS:
         raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {tuple(x.shape)}")
-    local = torch.full((MAX_DIMS + 1,), -1, dtype=torch.int64)
-    local[0] = x.dim()
-    local[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    local = local.to(x.device)
-    gathered = _gather(local.reshape(1, -1), group).cpu()
+    gathered = _gather(_shape_row(x), group).cpu()
     shapes = [tuple(int(v) for v in row[1 : 1 + int(row[0])]) for row in gathered]
     if any(shape != shapes[0] for shape in shapes):
         raise ValueError(
@@ -58,7 +60,34 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str) -> Non
         )
 
 
+def _shape_row(x: torch.Tensor) -> torch.Tensor:
+    """x's dims as MAX_DIMS + 1 int64s on x's device: the count, then the sizes, padded with -1."""
+    row = [x.dim(), *x.shape] + [-1] * (MAX_DIMS - x.dim())
+    return torch.tensor(row, dtype=torch.int64, device=x.device).reshape(1, -1)
+
+
+def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Whether every rank of `group` holds an activation of x's shape, as a bool tensor on x's device: the
+    check of traced code (torch.compile), which cannot sync the host. One all-gather of a few int64s."""
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"activations of up to {MAX_DIMS} dims, got shape {tuple(x.shape)}")
+    shapes = _gather(_shape_row(x), group)
+    return (shapes == shapes[0]).all()
+
+
+def nan_unless(ok: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y where `ok` holds, else all NaN: a traced collective's result after `shapes_agree` found the ranks'
+    shapes different, so that nothing computed from it is finite. A Float8Tensor's scale turns NaN (no
+    pass over its bytes)."""
+    if isinstance(y, Float8Tensor):
+        scale_inv = torch.where(ok, y._scale_inv, torch.full_like(y._scale_inv, float("nan")))
+        return Float8Tensor(y._data, scale_inv, y.dtype, transpose=y._transpose)
+    return torch.where(ok, y, torch.full_like(y, float("nan")))
+
+
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x.contiguous(), 0, group)
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
     _all_gather_single(out, x.contiguous(), group=group)
     return out
@@ -76,7 +105,7 @@ def gather_rows(
     s = x._scale_inv
     if s.dim() == 0:
         scales = _gather(s.reshape(1), group)
-        if one_scale:
+        if one_scale or torch.compiler.is_compiling():
             # No host sync: a mismatch turns the scale NaN, so that nothing computed from it is finite.
             scale_inv = torch.where((scales == scales[0]).all(), scales[0], torch.full_like(scales[0], float("nan")))
         else:
@@ -112,6 +141,8 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
             f"reduce-scatter of rows: {x.shape[0]} rows do not split evenly over {world} ranks; sequence-parallel "
             f"activations need a token count divisible by the group size"
         )
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
@@ -119,9 +150,19 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """x summed over the group, in high precision (a new tensor; x is left as it is)."""
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(_plain(x).contiguous(), "sum", group)
     out = _plain(x).clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
 
 
-__all__ = ["all_reduce_sum", "check_group", "check_same_shape", "gather_rows", "reduce_scatter_rows"]
+__all__ = [
+    "all_reduce_sum",
+    "check_group",
+    "check_same_shape",
+    "gather_rows",
+    "nan_unless",
+    "reduce_scatter_rows",
+    "shapes_agree",
+]

@@ -29,7 +29,8 @@ class RunState:
         self.lead = tuple(lead)
         self.residuals: List[torch.Tensor] = []
         self.residual_grads: List[torch.Tensor] = []
-        # Process groups whose ranks were found to hold activations of one shape in this run (ops/parallel.py).
+        # Names of the process groups whose ranks were found to hold activations of one shape in this run
+        # (ops/parallel.py).
         self.shapes_agreed: set = set()
 
 

@@ -27,15 +27,18 @@ import torch
 from float8 import Float8Tensor
 from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
 from float8.quantizer import ScaleLayout
-from float8.row_collectives import all_reduce_sum, check_group, check_same_shape, gather_rows, reduce_scatter_rows
+from float8.row_collectives import (
+    all_reduce_sum,
+    check_group,
+    check_same_shape,
+    gather_rows,
+    nan_unless,
+    reduce_scatter_rows,
+    shapes_agree,
+)
 
 
 class _RowCollective(BasicOp):
-    not_compilable = (
-        "its collective first checks on the host that every rank holds an activation of one shape, which "
-        "dynamo cannot trace (a data-dependent size). Tensor-parallel layers run eagerly for now"
-    )
-
     def __init__(self, group):
         super().__init__()
         self.group = check_group(group, type(self).__name__)
@@ -43,12 +46,19 @@ class _RowCollective(BasicOp):
     def extra_repr(self) -> str:
         return f"group size={self.group.size()}"
 
-    def _agree(self, ctx: OpContext, x) -> None:
-        # Once per run and group: every rank runs the same ops, so the first collective of a run checks the
-        # shapes and the rest follow from them (a host sync per run, not per collective).
-        if id(self.group) not in ctx.run.shapes_agreed:
-            check_same_shape(x, self.group, type(self).__name__)
-            ctx.run.shapes_agreed.add(id(self.group))
+    def _agree(self, ctx: OpContext, x) -> Optional[torch.Tensor]:
+        """Once per run and group: every rank runs the same ops, so the first collective of a run checks the
+        shapes and the rest follow from them. Eagerly on the host (a ValueError on every rank; one host sync
+        per run, not per collective). Under torch.compile, whose traced code cannot sync the host, on the
+        device: the bool returned goes to `nan_unless` on this collective's result (NaN on a mismatch)."""
+        # Keyed by the group's name: dynamo of torch 2.11 cannot trace id() of a ProcessGroup.
+        if self.group.group_name in ctx.run.shapes_agreed:
+            return None
+        ctx.run.shapes_agreed.add(self.group.group_name)
+        if torch.compiler.is_compiling():
+            return shapes_agree(x, self.group)
+        check_same_shape(x, self.group, type(self).__name__)
+        return None
 
     def _set_lead(self, ctx: OpContext, rows_before: int, rows_after: int) -> None:
         # The token dims restored on the Sequential's output. Rows are the token dims flattened, so
@@ -89,7 +99,7 @@ class AllGather(_RowCollective):
         return QuantRequest(request.quantizer, False) if self._one_scale(request) else None
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
-        self._agree(ctx, x)
+        ok = self._agree(ctx, x)
         rows = x.shape[0]
         if isinstance(x, Float8Tensor):
             # Written for the relayed request by the op before: one scale by construction (checked on the
@@ -99,8 +109,12 @@ class AllGather(_RowCollective):
             y = gather_rows(x, self.group, with_transpose=transpose, one_scale=relayed)
         else:
             y = gather_rows(x, self.group)
+            if ok is not None:
+                y, ok = nan_unless(ok, y), None
             if out_request is not None:
                 y = out_request._quantize(y)
+        if ok is not None:
+            y = nan_unless(ok, y)
         self._set_lead(ctx, rows, y.shape[0])
         return y
 
@@ -115,9 +129,11 @@ class ReduceScatter(_RowCollective):
     Linear under sequence parallelism); the gradient is all-gathered."""
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
-        self._agree(ctx, x)
+        ok = self._agree(ctx, x)
         rows = x.shape[0]
         y = reduce_scatter_rows(plain(x), self.group)
+        if ok is not None:
+            y = nan_unless(ok, y)
         self._set_lead(ctx, rows, y.shape[0])
         return y
 
@@ -141,10 +157,9 @@ class AllReduce(_RowCollective):
         return f"{super().extra_repr()}, in_backward={self.in_backward}"
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
-        self._agree(ctx, x)
-        if self.in_backward:
-            return x
-        return all_reduce_sum(x, self.group)
+        ok = self._agree(ctx, x)
+        y = x if self.in_backward else all_reduce_sum(x, self.group)
+        return y if ok is None else nan_unless(ok, y)
 
     def op_backward(
         self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None

@@ -20,6 +20,7 @@ from float8.ops.context import OpContext, RunState, second_backward_error, take
 from float8.ops.fusion import BACKWARD_FUSIONS, FORWARD_FUSIONS, match
 from float8.ops.saved import held_storages, pack_contexts, storage_key, unpack_contexts
 from float8.quantizer import check_dense, reduce_deferred
+from float8.row_collectives import all_reduce_sum
 
 
 class Float8PrecisionWarning(UserWarning):
@@ -122,13 +123,13 @@ def _sum_over_groups(ops, grads) -> None:
     by_group = {}
     for op, op_grads in zip(ops, grads):
         if op.grad_sum_group is not None:
-            by_group.setdefault(id(op.grad_sum_group), (op.grad_sum_group, []))[1].extend(
+            # Keyed by the group's name: dynamo of torch 2.11 cannot trace id() of a ProcessGroup.
+            by_group.setdefault(op.grad_sum_group.group_name, (op.grad_sum_group, []))[1].extend(
                 g for g in op_grads or [] if g is not None
             )
     for group, tensors in by_group.values():
         if tensors:
-            flat = torch.cat([t.reshape(-1).float() for t in tensors])
-            torch.distributed.all_reduce(flat, group=group)
+            flat = all_reduce_sum(torch.cat([t.reshape(-1).float() for t in tensors]), group)
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(part.view_as(t))
 

@@ -265,39 +265,51 @@ def test_wrong_or_missing_group_and_uneven_weight_shards_raise():
         assert "out_features=7 does not split evenly over 2 ranks" in r["uneven weight"], r
 
 
+SP_DIMS = dict(d=256, h=4, kv=2, hd=64, f=512, s=256)  # the sequence-parallel attention layer's sizes
+
+
+def sp_attention_layer(group, world, dev, recipe):
+    """An attention + MLP layer (pre-norm residuals) as one Sequential; tensor- and sequence-parallel over
+    `group` when given (ops.Linear(parallel=..., sequence_parallel=True), ops.Attention(sequence_first=True)),
+    else the unsharded layer."""
+    import float8.ops as ops
+
+    d, h, kv, hd, f = (SP_DIMS[k] for k in ("d", "h", "kv", "hd", "f"))
+    tp = group is not None
+    w = world if tp else 1
+    col = {"parallel": "column", "tp_group": group, "sequence_parallel": True} if tp else {}
+    row = {"parallel": "row", "tp_group": group, "sequence_parallel": True} if tp else {}
+    return ops.Sequential(
+        ops.Residual(),
+        ops.RMSNorm(d, sequence_parallel_group=group),
+        ops.Linear(d, (h + 2 * kv) * hd, bias=False, **col),
+        ops.Attention(h // w, hd, num_kv_heads=kv // w, sequence_first=True),
+        ops.Linear(h * hd, d, **row),
+        ops.AddResidual(),
+        ops.Residual(),
+        ops.RMSNorm(d, sequence_parallel_group=group),
+        ops.Linear(d, 2 * f, bias=False, **col),
+        ops.SwiGLU(),
+        ops.Linear(f, d, **row),
+        ops.AddResidual(),
+        recipe=recipe,
+    ).to(dev)
+
+
 def sp_layer_sqnr(rank, world, dev) -> dict:
     """SQNR (dB) of a sequence-parallel attention + MLP layer (ops.Linear(parallel=..., sequence_parallel=True),
     ops.Attention(sequence_first=True)) against the unsharded layer, on `dev`: output, input grad, weight grads."""
     import torch.distributed as dist
 
-    import float8.ops as ops
     from float8 import Recipe
     from tests.tolerances import sqnr_db
 
-    d, h, kv, hd, f, s = 256, 4, 2, 64, 512, 256
+    d, h, kv, hd, f, s = (SP_DIMS[k] for k in ("d", "h", "kv", "hd", "f", "s"))
     group = dist.new_group(list(range(world)))
     recipe = Recipe(min_fp8_gemm_flops=0)
 
     def layer(tp):
-        w = world if tp else 1
-        col = {"parallel": "column", "tp_group": group, "sequence_parallel": True} if tp else {}
-        row = {"parallel": "row", "tp_group": group, "sequence_parallel": True} if tp else {}
-        spg = group if tp else None
-        return ops.Sequential(
-            ops.Residual(),
-            ops.RMSNorm(d, sequence_parallel_group=spg),
-            ops.Linear(d, (h + 2 * kv) * hd, bias=False, **col),
-            ops.Attention(h // w, hd, num_kv_heads=kv // w, sequence_first=True),
-            ops.Linear(h * hd, d, **row),
-            ops.AddResidual(),
-            ops.Residual(),
-            ops.RMSNorm(d, sequence_parallel_group=spg),
-            ops.Linear(d, 2 * f, bias=False, **col),
-            ops.SwiGLU(),
-            ops.Linear(f, d, **row),
-            ops.AddResidual(),
-            recipe=recipe,
-        ).to(dev)
+        return sp_attention_layer(group if tp else None, world, dev, recipe)
 
     torch.manual_seed(0)
     full, tp = layer(False), layer(True)
@@ -358,29 +370,80 @@ def test_sequence_parallel_attention_layer_matches_unsharded():
             assert db >= SP_LAYER_MIN_DB[name], (name, db, r)
 
 
-def _compile_tp(rank, world):
+def tp_compiled_against_eager(rank, world, dev, backend) -> dict:
+    """The sequence-parallel attention layer and a plain TP pair (column- then row-parallel, all-reduces)
+    compiled with fullgraph=True against the same modules run eagerly, on `dev`: for the output, the input
+    grad and each parameter's grad, (max |difference|, SQNR dB)."""
     import torch.distributed as dist
 
     import float8.ops as ops
+    from float8 import Recipe
+    from tests.tolerances import sqnr_db
 
     group = dist.new_group(list(range(world)))
-    model = ops.Sequential(
-        ops.Linear(64, 128, bias=False, parallel="column", tp_group=group),
-        ops.Linear(128, 64, bias=False, parallel="row", tp_group=group),
-    ).to(torch.bfloat16)
-    run = torch.compile(model, backend="aot_eager", fullgraph=True)
-    try:
-        run(torch.randn(2, 16, 64, dtype=torch.bfloat16))
-    except Exception as e:  # dynamo wraps the op's error in its own
-        return str(e)
-    return "compiled"
+    torch.manual_seed(0)
+    recipe = Recipe(min_fp8_gemm_flops=0)
+    d, s = SP_DIMS["d"], SP_DIMS["s"]
+    pair = ops.Sequential(
+        ops.Linear(d, 2 * d, parallel="column", tp_group=group),
+        ops.Linear(2 * d, d, parallel="row", tp_group=group),
+        recipe=recipe,
+    ).to(dev)
+    models = {"sp layer": sp_attention_layer(group, world, dev, recipe), "tp pair": pair}
+    g = torch.Generator().manual_seed(5 + rank)
+    inputs = {
+        "sp layer": torch.randn(s // world, 2, d, generator=g).to(dev, torch.bfloat16),  # this rank's sequence block
+        "tp pair": torch.randn(2, 16, d, generator=g).to(dev, torch.bfloat16),  # replicated in real use; any will do
+    }
+    out = {}
+    for name, model in models.items():
+        model.to(torch.bfloat16)
+        runs = []
+        for run in (model, torch.compile(model, backend=backend, fullgraph=True)):
+            model.zero_grad(set_to_none=True)
+            x = inputs[name].clone().requires_grad_()
+            y = run(x)
+            y.float().pow(2).sum().backward()
+            runs.append([y.detach(), x.grad] + [p.grad for p in model.parameters()])
+        labels = ["output", "input grad"] + [f"grad {n}" for n, _ in model.named_parameters()]
+        for label, a, b in zip(labels, *runs):
+            out[f"{name} {label}"] = (float((a.float() - b.float()).abs().max()), sqnr_db(a, b))
+    return out
 
 
-def test_tensor_parallel_under_compile_names_the_problem():
-    for message in run_ranks(_compile_tp, timeout=TIMEOUT_S):
-        assert "cannot run under torch.compile" in message and "Tensor-parallel layers run eagerly" in message, message[
-            :500
-        ]
+def test_tensor_parallel_compiles_and_matches_eager():
+    # aot_eager runs eager's kernels in the traced order: equal to the bit (collectives, residual sums and the
+    # sequence-parallel gradient all-reduce included).
+    for r in run_ranks(tp_compiled_against_eager, timeout=TIMEOUT_S, args=(torch.device("cpu"), "aot_eager")):
+        assert len(r) == 2 * 2 + 8 + 4, sorted(r)  # output and input grad of each; 8 + 4 parameters
+        for name, (diff, _) in r.items():
+            assert diff == 0.0, (name, diff)
+
+
+def _shapes_traced(rank, world):
+    import torch.distributed as dist
+
+    import float8.row_collectives as rc
+    from float8 import Float8Tensor
+
+    group = dist.new_group(list(range(world)))
+
+    def agree(x):
+        ok = rc.shapes_agree(x, group)
+        q = Float8Tensor.quantize(x.reshape(-1, x.shape[-1]))
+        return rc.nan_unless(ok, x), rc.nan_unless(ok, q).dequantize()
+
+    run = torch.compile(agree, backend="aot_eager", fullgraph=True)
+    same = run(torch.ones(4, 8))
+    differ = run(torch.ones(4 + rank, 8))  # rank 1 holds one more row
+    return {"same": [bool(t.isfinite().all()) for t in same], "differ": [bool(t.isnan().all()) for t in differ]}
+
+
+def test_traced_shape_check_turns_a_mismatch_nan():
+    # Traced code cannot sync the host to raise: the ranks' shapes are compared on the device, and a mismatch
+    # makes the collective's result NaN (a Float8Tensor through its scale), never a finite wrong value.
+    for r in run_ranks(_shapes_traced, timeout=TIMEOUT_S):
+        assert r == {"same": [True, True], "differ": [True, True]}, r
 
 
 def _tp_fsdp_run(rank, world, fp8_all_gather):
