@@ -39,7 +39,6 @@ from .activation_launch import (
 )
 from .activation_math import INV_SQRT_2PI, KINDS, SAVED_X_DTYPE, SQRT1_2
 from .activation_ref import (
-    _grad_dtype,
     _out_shape,
     act_bwd_ref,
     act_fp8_ref,
@@ -53,9 +52,9 @@ from .common import (
     check_flag,
     check_hp_input,
     check_tensorwise_args,
-    custom_op,
     fake_fp8_outputs,
     transposed_shape,
+    triton_op,
     use_triton,
 )
 from .reference import FP8_DTYPES
@@ -145,19 +144,13 @@ def _check_saved_x(op, x, x_scale_inv) -> None:
 # ---- custom ops -------------------------------------------------------------------------------------
 
 
-@custom_op("float8::act_fwd")
+@triton_op("float8::act_fwd")
 def act_fwd(x: torch.Tensor, kind: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(x + bias) in x.dtype; (..., N) -> (..., N), or (..., 2H) -> (..., H) for swiglu."""
     _check("act_fwd", x, kind, bias)
     if use_triton(x, writes_fp8=False):
         return act_fwd_triton(x, kind, bias)
     return act_fwd_ref(x, kind, bias)
-
-
-@act_fwd.register_fake
-def _(x, kind, bias=None):
-    _check("act_fwd", x, kind, bias)
-    return x.new_empty(_out_shape(x, kind))
 
 
 def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy=None, x_scale_inv=None):
@@ -170,7 +163,7 @@ def _fake_fp8(shape, fp8_dtype, with_transpose, like):
     return fake_fp8_outputs(like, shape, transposed_shape(shape) if with_transpose else None, fp8_dtype)
 
 
-@custom_op("float8::act_fp8")
+@triton_op("float8::act_fp8")
 def act_fp8(
     x: torch.Tensor,
     kind: str,
@@ -194,13 +187,7 @@ def act_fp8(
     return act_fp8_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
-@act_fp8.register_fake
-def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    _check_fp8("act_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
-    return _fake_fp8(_out_shape(x, kind), fp8_dtype, with_transpose, x)
-
-
-@custom_op("float8::act_fp8_save_input")
+@triton_op("float8::act_fp8_save_input")
 def act_fp8_save_input(
     x: torch.Tensor,
     kind: str,
@@ -224,14 +211,7 @@ def act_fp8_save_input(
     return act_fp8_save_input_ref(x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
 
 
-@act_fp8_save_input.register_fake
-def _(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    _check_fp8("act_fp8_save_input", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose)
-    saved = fake_fp8_outputs(x, x.shape, None, SAVED_X_DTYPE)
-    return (*_fake_fp8(_out_shape(x, kind), fp8_dtype, with_transpose, x), saved[0], saved[2])
-
-
-@custom_op("float8::act_bwd")
+@triton_op("float8::act_bwd")
 def act_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -248,13 +228,7 @@ def act_bwd(
     return act_bwd_ref(dy, x, kind, bias, x_scale_inv)
 
 
-@act_bwd.register_fake
-def _(dy, x, kind, bias=None, x_scale_inv=None):
-    _check("act_bwd", x, kind, bias, dy=dy, x_scale_inv=x_scale_inv)
-    return x.new_empty(x.shape, dtype=_grad_dtype(dy, x))
-
-
-@custom_op("float8::dact_fp8")
+@triton_op("float8::dact_fp8")
 def dact_fp8(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -286,23 +260,3 @@ def dact_fp8(
     return dact_fp8_ref(
         dy, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, with_dbias, x_scale_inv
     )
-
-
-@dact_fp8.register_fake
-def _(
-    dy,
-    x,
-    kind,
-    bias,
-    fp8_dtype,
-    scale=None,
-    margin=0,
-    power_of_2=False,
-    with_transpose=True,
-    with_dbias=True,
-    x_scale_inv=None,
-):
-    _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy, x_scale_inv)
-    check_flag(with_dbias, "with_dbias", "dact_fp8")
-    dbias = dy.new_empty((x.shape[-1] if with_dbias else 0,))
-    return (*_fake_fp8(x.shape, fp8_dtype, with_transpose, x), dbias)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, cdiv, check_hp_input, custom_op, use_triton
+from .common import abs_bits, atomic_amax, cdiv, check_hp_input, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import amax_ref as _amax_ref
 
@@ -48,19 +48,13 @@ def amax_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@custom_op("float8::amax")
+@triton_op("float8::amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a () float32 tensor; NaN if any NaN, 0 if x is empty."""
     check_hp_input(x, "amax")
     if use_triton(x):
         return amax_triton(x)
     return amax_ref(x)
-
-
-@amax.register_fake
-def _(x):
-    check_hp_input(x, "amax")
-    return x.new_empty((), dtype=torch.float32)
 
 
 def amax_ref(x: torch.Tensor) -> torch.Tensor:

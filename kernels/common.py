@@ -76,10 +76,12 @@ def scale_from_amax(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, margin
     no exponent bits and becomes 0 here, a power of two below 2**-126 there: the clamp below sends both to
     MIN_SCALE). MIN_SCALE = reference.min_scale(fp8_dtype) (common.fp8_constants). An amax of 0 gives 1, an
     inf or NaN amax NaN; max.f32 drops NaN, which is why the NaN comes from the last where, not the clamps.
+    margin_div is cast to float32: Triton types a Python float argument float32, but inductor, launching
+    the kernel of a triton_op, float64 (div_rn takes float32 only). The same bits either way.
     """
     one = tl.full(amax.shape, 1.0, tl.float32)
     scale = tl.math.div_rn(one, amax) * FP8_MAX
-    scale = tl.math.div_rn(scale, margin_div)
+    scale = tl.math.div_rn(scale, tl.cast(margin_div, tl.float32))
     scale = tl.minimum(scale, 3.4028234663852886e38)  # inf (amax tiny) -> largest float32
     if POWER_OF_2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)

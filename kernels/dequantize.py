@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, custom_op, next_pow2, use_triton
+from .common import cdiv, next_pow2, triton_op, use_triton
+from .launch import FastLauncher
 from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from .reference import dequantize_ref as _dequantize_ref
 
@@ -51,6 +52,9 @@ def _dequantize_kernel(
         s_offs = (rows // row_block)[:, None] * SK + (cols // col_block)[None, :]
         s = tl.load(scale_inv_ptr + s_offs, mask=mask, other=1.0)
     tl.store(out_ptr + offs, (d * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_dequantize = FastLauncher(_dequantize_kernel)
 
 
 def flat_row_block(data_shape: Sequence[int], scale_shape: Sequence[int]) -> int | None:
@@ -89,7 +93,8 @@ def dequantize_triton(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     SK = 1 if per_tensor else scale_inv.shape[-1]
     block_k = min(next_pow2(K), TILE)
     rows = max(1, TILE // block_k)
-    _dequantize_kernel[(cdiv(R, rows), cdiv(K, block_k))](
+    _launch_dequantize(
+        (cdiv(R, rows), cdiv(K, block_k)),
         data,
         scale_inv.contiguous(),
         out,
@@ -129,19 +134,13 @@ def _check(data, scale_inv, dtype):
         )
 
 
-@custom_op("float8::dequantize")
+@triton_op("float8::dequantize")
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """data.float() * scale_inv (broadcast over its blocks), cast to dtype; data's shape, contiguous."""
     _check(data, scale_inv, dtype)
     if use_triton(data):
         return dequantize_triton(data, scale_inv, dtype)
     return dequantize_ref(data, scale_inv, dtype)
-
-
-@dequantize.register_fake
-def _(data, scale_inv, dtype):
-    _check(data, scale_inv, dtype)
-    return data.new_empty(data.shape, dtype=dtype)
 
 
 def dequantize_ref(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -42,14 +42,12 @@ from .common import (
     check_hp_input,
     check_tensorwise_args,
     clamp_keep_nan,
-    custom_op,
-    fake_fp8_outputs,
     fp8_constants,
     margin_div,
     next_pow2,
     scale_from_amax,
     small_num_warps,
-    transposed_shape,
+    triton_op,
     use_triton,
 )
 from .launch import FastLauncher
@@ -151,7 +149,7 @@ def _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose):
         raise ValueError(f"{op}: x must have at least 2 dims (..., M, K) to transpose, got shape {tuple(x.shape)}")
 
 
-@custom_op("float8::quantize_tensorwise")
+@triton_op("float8::quantize_tensorwise")
 def quantize_tensorwise(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -169,9 +167,3 @@ def quantize_tensorwise(
     if use_triton(x):
         return quantize_tensorwise_triton(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
     return quantize_tensorwise_ref(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
-
-
-@quantize_tensorwise.register_fake
-def _(x, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False):
-    _check(x, fp8_dtype, scale, margin, power_of_2, with_transpose)
-    return fake_fp8_outputs(x, x.shape, transposed_shape(x.shape) if with_transpose else None, fp8_dtype)

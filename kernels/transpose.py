@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, custom_op
+from .common import cdiv, triton_op
 from .launch import FastLauncher
 from .reference import FP8_DTYPES
 
@@ -60,16 +60,10 @@ def _check(data) -> None:
         raise ValueError(f"transpose_fp8 takes a 2-D tensor, got shape {tuple(data.shape)}")
 
 
-@custom_op("float8::transpose_fp8")
+@triton_op("float8::transpose_fp8")
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """data (M, N) FP8 -> (N, M) contiguous, the same bits (Triton on CUDA, torch elsewhere)."""
     _check(data)
     if data.device.type == "cuda":
         return transpose_fp8_triton(data)
     return transpose_fp8_ref(data)
-
-
-@transpose_fp8.register_fake
-def _(data):
-    _check(data)
-    return data.new_empty((data.shape[1], data.shape[0]))
