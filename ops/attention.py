@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from float8.kernels.pack_heads import pack_heads, pack_heads_fp8
 from float8.ops.base import BasicOp, OpContext, QuantRequest, RunState, plain, take
+from float8.ops.context import keeps_graph
 
 
 class Attention(BasicOp):
@@ -117,7 +118,8 @@ class Attention(BasicOp):
     ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         q, k, v, out = take(ctx, "saved")
         dy = plain(dy)
-        grads = list(torch.autograd.grad(out, (q, k, v), dy))
+        # SDPA's recorded graph stays too when the backward keeps the graph (retain_graph=True).
+        grads = list(torch.autograd.grad(out, (q, k, v), dy, retain_graph=keeps_graph()))
         r = dx_request
         if r is not None and r.fuses:
             # Straight into the QKV Linear's FP8 gradient: no packed high-precision copy (kernels/pack_heads.py).

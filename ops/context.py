@@ -34,14 +34,26 @@ class RunState:
         self.shapes_agreed: set = set()
 
 
+def keeps_graph() -> bool:
+    """Whether the backward running now keeps its autograd graph (`loss.backward(retain_graph=True)`):
+    what the forward saved must then stay for a later backward through the same graph. False outside a
+    backward (no graph task: torch answers True there), and while traced (torch.compile's backward graph
+    is its own, and dynamo cannot trace these queries)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
+
+
 def take(holder: object, *names: str) -> Any:
     """Read attributes a backward consumes (what its forward saved) and let them go: set to None, so the
     tensors are freed as soon as the backward is done with them, not when the autograd graph dies.
 
-    Under torch.compile nothing is written: dynamo refuses a backward that mutates an object from outside
-    it, and the compiled graph frees its own intermediates. One name gives its value, several a tuple."""
+    Kept where the backward keeps its graph (`retain_graph=True`, `keeps_graph`): a second backward reads
+    them again, as torch's own ops' saved tensors. Under torch.compile nothing is written: dynamo refuses a
+    backward that mutates an object from outside it, and the compiled graph frees its own intermediates.
+    One name gives its value, several a tuple."""
     values = tuple(getattr(holder, n) for n in names)
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or keeps_graph()):
         for n in names:
             setattr(holder, n, None)
     return values[0] if len(names) == 1 else values
@@ -51,8 +63,9 @@ def second_backward_error(what: str) -> RuntimeError:
     """The error of a second backward through one graph (`loss.backward(retain_graph=True)` twice)."""
     return RuntimeError(
         f"{what}: a second backward through the same graph. float8 ops let go of what they saved for the "
-        "backward (FP8 activations, weight copies) as soon as the first backward has read it, so that no FP8 "
-        "copy outlives its use; retain_graph=True cannot bring it back. Run the forward again for each backward."
+        "backward (FP8 activations, weight copies) as soon as a backward without retain_graph=True has read "
+        "it, so that no FP8 copy outlives its use. Pass retain_graph=True to every backward but the last (as "
+        "torch's own ops need), or run the forward again for each backward."
     )
 
 
@@ -61,4 +74,4 @@ def plain(x: torch.Tensor) -> torch.Tensor:
     return x.dequantize() if isinstance(x, Float8Tensor) else x
 
 
-__all__ = ["OpContext", "RunState", "plain", "second_backward_error", "take"]
+__all__ = ["OpContext", "RunState", "keeps_graph", "plain", "second_backward_error", "take"]

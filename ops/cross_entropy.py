@@ -31,6 +31,7 @@ from float8.gemm import column_major_only, operand
 from float8.gemm import fp8_mm_or_dequantized as _mm
 from float8.kernels.cross_entropy import ce_rows
 from float8.ops.base import second_backward_error
+from float8.ops.context import keeps_graph
 
 __all__ = ["LinearCrossEntropy", "check_cross_entropy_args", "default_chunk_tokens", "linear_cross_entropy"]
 
@@ -235,11 +236,17 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             if ctx.grads is None:
                 raise second_backward_error("linear_cross_entropy")
-            (dx, dw, db), ctx.grads = ctx.grads, None
-            g32 = g.float()
-            dx = None if dx is None else dx.mul_(g32.to(dx.dtype))
-            dw = None if dw is None else dw.mul_(g32)
-            db = None if db is None else db.mul_(g32)
+            (dx, dw, db), g32 = ctx.grads, g.float()
+            if keeps_graph():
+                # A later backward reads the forward's gradients again: scaled into new tensors, not in place.
+                dx = None if dx is None else dx * g32.to(dx.dtype)
+                dw = None if dw is None else dw * g32
+                db = None if db is None else db * g32
+            else:
+                ctx.grads = None
+                dx = None if dx is None else dx.mul_(g32.to(dx.dtype))
+                dw = None if dw is None else dw.mul_(g32)
+                db = None if db is None else db.mul_(g32)
         dw = None if dw is None else dw.to(plan.w_dtype)
         db = None if db is None else db.to(plan.b_dtype)
         return dx, dw, db, None, None

@@ -169,31 +169,78 @@ def test_attention_arguments_are_checked(kwargs, match):
         ops.Attention(heads, dim, **kwargs)
 
 
-def _second_backward_cases():
+def _second_backward_cases(device="cpu"):
+    """Each case: (the input and parameters whose gradients are compared, a function giving the loss)."""
     from float8.ops.functional import linear
+    from tests.ops.test_no_reference_cycles import _block
 
     torch.manual_seed(0)
-    x = lambda: torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-    lin = ops.Linear(64, 64).to(torch.bfloat16)
-    seq = ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU()).to(torch.bfloat16)
-    w = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
-    lce = ops.LinearCrossEntropy(64, 128, recipe=Recipe()).to(torch.bfloat16)
-    target = torch.randint(0, 128, (32,))
-    return {
-        "Linear": lambda: lin(x()).float().sum(),
-        "Sequential": lambda: seq(x()).float().sum(),
-        "functional.linear": lambda: linear(x(), w).float().sum(),
-        "linear_cross_entropy": lambda: lce(x(), target),
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
+    target = torch.randint(0, 128, (2, 16), device=device)
+    w = torch.randn(64, 64, dtype=torch.bfloat16, device=device)
+    lean = Recipe(lean_activations=True)
+    plain_mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 64))
+    modules = {
+        "Linear": ops.Linear(64, 64),
+        "Sequential": ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU()),
+        "Sequential, residual, attention, SwiGLU": _block(Recipe()),  # a Llama-style block, GQA
+        "Sequential, lean activations": ops.Sequential(
+            ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64), recipe=lean
+        ),
+        "converted torch.nn, lean activations": ops.convert(plain_mlp, recipe=lean),
+        "linear_cross_entropy": ops.LinearCrossEntropy(64, 128, recipe=Recipe()),
+        "linear_cross_entropy, reduction none": ops.LinearCrossEntropy(64, 128, recipe=Recipe(), reduction="none"),
     }
+    cases = {}
+    for name, m in modules.items():
+        m.to(device, torch.bfloat16)
+        leaves = [x.clone().requires_grad_(), *m.parameters()]
+        if name.startswith("linear_cross_entropy"):
+            loss = lambda m=m, leaves=leaves: m(leaves[0], target).float().sum()  # noqa: E731
+        else:
+            loss = lambda m=m, leaves=leaves: m(leaves[0]).float().pow(2).sum()  # noqa: E731
+        cases[name] = (leaves, loss)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    cases["functional.linear"] = (leaves, lambda: linear(leaves[0], leaves[1]).float().pow(2).sum())
+    return cases
+
+
+SECOND_BACKWARD_CASES = list(_second_backward_cases())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", SECOND_BACKWARD_CASES)
+def test_backward_twice_with_retain_graph(case, device):
+    """loss.backward(retain_graph=True), then loss.backward(), as torch.nn allows (issue 23 item 6; it
+    failed with a NoneType error, then with an error naming the problem): what the forward saved (FP8
+    activations, SDPA's graph, linear_cross_entropy's gradients) stays while the graph is kept, so the second
+    backward adds the same gradients again: the leaves hold exactly twice the first backward's, which are
+    those of a backward that keeps nothing."""
+    leaves, loss_fn = _second_backward_cases(device)[case]
+    plain_run = loss_fn()
+    plain_run.backward()
+    once = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    loss = loss_fn()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    loss.backward()
+    for a, b, c in zip(once, first, leaves):
+        assert torch.equal(a, b)
+        assert torch.equal(c.grad, 2 * b)
 
 
 @pytest.mark.parametrize("case", ["Linear", "Sequential", "functional.linear", "linear_cross_entropy"])
-def test_a_second_backward_through_one_graph_names_the_problem(case):
-    """loss.backward(retain_graph=True) twice failed with a NoneType error (issue 23 item 6); the saved FP8
-    tensors are let go after the first backward on purpose, so the second one says so."""
-    loss = _second_backward_cases()[case]()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+def test_a_second_backward_without_retain_graph_names_the_problem(case):
+    """Without retain_graph=True the first backward lets go of the FP8 copies; a second one says so (torch's
+    own message where torch notices first, as for its ops)."""
+    leaves, loss_fn = _second_backward_cases()[case]
+    loss = loss_fn()
+    loss.backward()
+    with pytest.raises(
+        RuntimeError, match="second backward through the same graph|backward through the graph a second time"
+    ):
         loss.backward()
 
 
