@@ -81,6 +81,10 @@ class BasicOp(torch.nn.Module):
     splits_compiled_run: bool = False
     # +1 for an op that pushes a residual (Residual), -1 for one that pops it (AddResidual).
     residual_step: int = 0
+    # The process group whose ranks this op's collective checks hold activations of one shape (the
+    # tensor-parallel collectives of ops/parallel.py), or None. Once per run and group; a compiled run
+    # split at attention checks in its first part only (ops/runner.py).
+    shape_checked_group = None
 
     def __init__(self):
         super().__init__()

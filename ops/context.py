@@ -24,14 +24,14 @@ class RunState:
     allocate transposes and save tensors only then), the token dims of the activation (`lead`: ops see
     2-D (tokens, features) tensors), and the residual values going out and gradients coming back."""
 
-    def __init__(self, grad: bool, lead=()):
+    def __init__(self, grad: bool, lead=(), shapes_agreed=()):
         self.grad = grad
         self.lead = tuple(lead)
         self.residuals: List[torch.Tensor] = []
         self.residual_grads: List[torch.Tensor] = []
         # Names of the process groups whose ranks were found to hold activations of one shape in this run
-        # (ops/parallel.py).
-        self.shapes_agreed: set = set()
+        # (ops/parallel.py), or in an earlier part of a compiled run split at attention.
+        self.shapes_agreed: set = set(shapes_agreed)
 
 
 def keeps_graph() -> bool:

@@ -42,6 +42,7 @@ class _RowCollective(BasicOp):
     def __init__(self, group):
         super().__init__()
         self.group = check_group(group, type(self).__name__)
+        self.shape_checked_group = self.group
 
     def extra_repr(self) -> str:
         return f"group size={self.group.size()}"

@@ -42,10 +42,10 @@ def _check_precision(x: torch.Tensor, ops) -> None:
 class _Runner:
     """One forward and its backward over a list of basic ops."""
 
-    def __init__(self, ops: list, fuse: bool, grad: bool, lead, input_requires_grad: bool):
+    def __init__(self, ops: list, fuse: bool, grad: bool, lead, input_requires_grad: bool, shapes_agreed=()):
         self.ops, self.fuse = ops, fuse
         self.input_requires_grad = input_requires_grad
-        self.run = RunState(grad, lead)
+        self.run = RunState(grad, lead, shapes_agreed)
         self.ctxs = self.contexts(self.run)
         # Delayed states with an amax group defer their reductions to the end of the run: the amaxes of the
         # forward and the backward of one step go out in one all-reduce (per group), not one per tensor.
@@ -169,7 +169,7 @@ class _RunFunction(torch.autograd.Function):
         # are made here, inside the Function: what the ops keep on them (a parameter itself, when `.to()`
         # had nothing to convert) must not be a write into objects from outside it, which dynamo refuses
         # when the tensor aliases an input.
-        ctxs = runner.contexts(RunState(runner.run.grad, runner.run.lead))
+        ctxs = runner.contexts(RunState(runner.run.grad, runner.run.lead, runner.run.shapes_agreed))
         y = runner.forward(x, ctxs)
         if ctxs and ctxs[0].run.lead != runner.run.lead:
             runner.run.lead = ctxs[0].run.lead  # a Reshape op changed the token dims of the output
@@ -298,10 +298,14 @@ def _run_split_at_attention(ops: list, x: torch.Tensor, fuse: bool) -> torch.Ten
     take the torch twins: the eager run, one fused Function, did not either."""
     stack = RunState(torch.is_grad_enabled())
     part: list = []
+    # The ranks' shapes are compared once per group, in the first part that holds a collective: the later
+    # parts' shapes follow from the same ops on every rank (two all-gathers fewer per tensor-parallel layer).
+    agreed: frozenset = frozenset()
     for op in [*ops, None]:
         if op is None or op.splits_compiled_run or op.residual_step:
             if part:
-                x = run_ops(part, x, fuse, as_torch=False)
+                x = run_ops(part, x, fuse, as_torch=False, shapes_agreed=agreed)
+                agreed = agreed | {o.shape_checked_group.group_name for o in part if o.shape_checked_group is not None}
                 part = []
             if op is not None and op.splits_compiled_run:
                 x = op.torch_forward_nd(x)
@@ -345,10 +349,13 @@ def plan(ops: list, x: torch.Tensor, as_torch: bool = True) -> RunPlan:
     return RunPlan("autograd" if grad else "forward", grad, params)
 
 
-def run_ops(ops: list, x: torch.Tensor, fuse: bool = True, as_torch: bool = True) -> torch.Tensor:
+def run_ops(
+    ops: list, x: torch.Tensor, fuse: bool = True, as_torch: bool = True, shapes_agreed: frozenset = frozenset()
+) -> torch.Tensor:
     """Run basic ops on x (..., features) by the route `plan` picks: one autograd node for all of them, or,
     where the small-layer policy keeps every GEMM of the run in high precision, torch's own functions
-    (`as_torch`: allowed)."""
+    (`as_torch`: allowed). shapes_agreed: names of process groups whose ranks' shapes are already known to
+    agree (an earlier part of a split compiled run)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ops take a tensor, got {type(x).__name__}")
     check_dense(x, "an op")
@@ -367,7 +374,7 @@ def run_ops(ops: list, x: torch.Tensor, fuse: bool = True, as_torch: bool = True
         return _run_split_at_attention(ops, x, fuse)
     if route == "eager":
         return _run_delayed_training_eagerly(ops, x, fuse)
-    runner = _Runner(ops, fuse, grad, lead, x.requires_grad)
+    runner = _Runner(ops, fuse, grad, lead, x.requires_grad, shapes_agreed)
     if route == "autograd":
         y = _RunFunction.apply(x2, runner, *params)
     else:

@@ -420,6 +420,40 @@ def test_tensor_parallel_compiles_and_matches_eager():
             assert diff == 0.0, (name, diff)
 
 
+def _traced_gathers(rank, world):
+    """The all-gathers (dtype, shape) dynamo records for the compiled sequence-parallel attention layer,
+    forward and the backward of its autograd Functions."""
+    import torch.distributed as dist
+
+    from float8 import Recipe
+
+    group = dist.new_group(list(range(world)))
+    layer = sp_attention_layer(group, world, torch.device("cpu"), Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    gathers = []
+
+    def backend(gm, example_inputs):
+        for module in gm.modules():
+            for node in module.graph.nodes if hasattr(module, "graph") else ():
+                if "all_gather" in str(node.target):
+                    value = node.meta["example_value"]
+                    gathers.append((str(value.dtype), tuple(value.shape)))
+        return gm.forward
+
+    x = torch.randn(SP_DIMS["s"] // world, 2, SP_DIMS["d"]).to(torch.bfloat16)
+    torch.compile(layer, backend=backend, fullgraph=True)(x)
+    return gathers
+
+
+def test_compiled_layer_compares_shapes_once():
+    # Compiled, the layer runs as parts split at the attention; only the first part holding a collective
+    # compares the ranks' shapes (one small int64 all-gather; each part did before: three, each an NCCL call
+    # of ~130 us host time on the 2-H200 machine, docs/distributed.md).
+    gathers = run_ranks(_traced_gathers, timeout=TIMEOUT_S)[0]
+    assert [g for g in gathers if g[0] == "torch.int64"] == [("torch.int64", (2, 9))], gathers
+    rows = SP_DIMS["s"] * 2  # the whole sequence, batch 2: the FP8 rows of the QKV and MLP inputs, gathered
+    assert [g for g in gathers if g[0] == "torch.uint8"] == [("torch.uint8", (rows, SP_DIMS["d"]))] * 2, gathers
+
+
 def _shapes_traced(rank, world):
     import torch.distributed as dist
 
