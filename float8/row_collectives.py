@@ -16,11 +16,14 @@ check them where a mismatch could go unnoticed), and the scale check of an FP8 g
 
 Under torch.compile the same functions trace: they call torch's functional collectives (which the
 compiler schedules and can overlap), and no check syncs the host. The ops then compare shapes on the
-device (`shapes_agree`) and turn the result of a mismatch NaN (`nan_unless`); per-tensor scales that
-differ give NaN as with `one_scale=True`.
+device (`shapes_agree`) and turn the forward result of a mismatch NaN (`nan_unless`). An FP8 input whose
+per-tensor scale nobody made one across the group (`one_scale=False`) is gathered dequantized there: the
+host cannot compare the scales, and a NaN would punish an ordinary input.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,33 +48,39 @@ def check_group(group: object, who: str) -> dist.ProcessGroup:
 MAX_DIMS = 8
 
 
-def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str) -> None:
-    """Every rank of `group` holds an activation of x's shape, or every rank raises a ValueError naming the
-    shapes (a collective of tensors of different sizes would hang or mix up data). One all-gather of a few
-    int64s and one host sync: the ops call it once per run, not once per collective."""
-    if x.dim() > MAX_DIMS:
-        raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {tuple(x.shape)}")
-    gathered = _gather(_shape_row(x), group).cpu()
+def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str, shape: Optional[tuple] = None) -> None:
+    """Every rank of `group` holds an activation of `shape` (default x's), or every rank raises a ValueError
+    naming the shapes (a collective of tensors of different sizes would hang or mix up data; token dims that
+    differ with the same number of tokens, a sequence split differently, would give finite wrong results).
+    One all-gather of a few int64s and one host sync: the ops call it once per run, not once per collective."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {shape}")
+    gathered = _gather(_shape_row(shape, x.device), group).cpu()
     shapes = [tuple(int(v) for v in row[1 : 1 + int(row[0])]) for row in gathered]
-    if any(shape != shapes[0] for shape in shapes):
+    if any(s != shapes[0] for s in shapes):
         raise ValueError(
             f"{who}: the ranks of the group hold activations of different shapes {shapes}; tensor- and "
             "sequence-parallel collectives need the same shape on every rank (equal blocks of the sequence)"
         )
 
 
-def _shape_row(x: torch.Tensor) -> torch.Tensor:
-    """x's dims as MAX_DIMS + 1 int64s on x's device: the count, then the sizes, padded with -1."""
-    row = [x.dim(), *x.shape] + [-1] * (MAX_DIMS - x.dim())
-    return torch.tensor(row, dtype=torch.int64, device=x.device).reshape(1, -1)
+def _shape_row(shape: tuple, device: torch.device) -> torch.Tensor:
+    """`shape` as MAX_DIMS + 1 int64s on `device`: the count, then the sizes, padded with -1."""
+    row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape))
+    return torch.tensor(row, dtype=torch.int64, device=device).reshape(1, -1)
 
 
-def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Whether every rank of `group` holds an activation of x's shape, as a bool tensor on x's device: the
-    check of traced code (torch.compile), which cannot sync the host. One all-gather of a few int64s."""
-    if x.dim() > MAX_DIMS:
-        raise ValueError(f"activations of up to {MAX_DIMS} dims, got shape {tuple(x.shape)}")
-    shapes = _gather(_shape_row(x), group)
+def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tuple] = None) -> torch.Tensor:
+    """Whether every rank of `group` holds an activation of `shape` (default x's), as a bool tensor on x's
+    device: the check of traced code (torch.compile), which cannot sync the host. One all-gather of a few
+    int64s. A different number of tokens also makes the collective after it mismatch, which the backend
+    itself ends (gloo aborts the process; NCCL's watchdog at the group's timeout): what this check turns
+    NaN is the rest, token dims that differ with the same number of tokens."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"activations of up to {MAX_DIMS} dims, got shape {shape}")
+    shapes = _gather(_shape_row(shape, x.device), group)
     return (shapes == shapes[0]).all()
 
 
@@ -101,11 +110,13 @@ def gather_rows(
     `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM)."""
     if not isinstance(x, Float8Tensor):
         return _gather(x, group)
-    bits = _gather(x._data.view(torch.uint8), group).view(x.fp8_dtype)
     s = x._scale_inv
+    if s.dim() == 0 and not one_scale and torch.compiler.is_compiling():
+        return _gather(x.dequantize(), group)
+    bits = _gather(x._data.view(torch.uint8), group).view(x.fp8_dtype)
     if s.dim() == 0:
         scales = _gather(s.reshape(1), group)
-        if one_scale or torch.compiler.is_compiling():
+        if one_scale:
             # No host sync: a mismatch turns the scale NaN, so that nothing computed from it is finite.
             scale_inv = torch.where((scales == scales[0]).all(), scales[0], torch.full_like(scales[0], float("nan")))
         else:

@@ -49,16 +49,25 @@ class _RowCollective(BasicOp):
 
     def _agree(self, ctx: OpContext, x) -> Optional[torch.Tensor]:
         """Once per run and group: every rank runs the same ops, so the first collective of a run checks the
-        shapes and the rest follow from them. Eagerly on the host (a ValueError on every rank; one host sync
-        per run, not per collective). Under torch.compile, whose traced code cannot sync the host, on the
-        device: the bool returned goes to `nan_unless` on this collective's result (NaN on a mismatch)."""
+        shapes and the rest follow from them. The shape compared is the activation's with its token dims
+        (`ctx.run.lead`), not only its row count: ranks holding (128, 2) and (64, 4) tokens gather the same
+        number of rows but split them into sequences differently. Eagerly on the host (a ValueError on every
+        rank; one host sync per run, not per collective). Under torch.compile, whose traced code cannot sync
+        the host, on the device: the bool returned goes to `nan_unless` on this collective's result (NaN on
+        a mismatch; a different row count also makes the collective itself mismatch, which the backend
+        ends: row_collectives.shapes_agree)."""
         # Keyed by the group's name: dynamo of torch 2.11 cannot trace id() of a ProcessGroup.
         if self.group.group_name in ctx.run.shapes_agreed:
             return None
         ctx.run.shapes_agreed.add(self.group.group_name)
+        lead = tuple(ctx.run.lead)
+        rows = 1
+        for n in lead:
+            rows *= n
+        shape = (*lead, *x.shape[1:]) if lead and rows == x.shape[0] else tuple(x.shape)
         if torch.compiler.is_compiling():
-            return shapes_agree(x, self.group)
-        check_same_shape(x, self.group, type(self).__name__)
+            return shapes_agree(x, self.group, shape)
+        check_same_shape(x, self.group, type(self).__name__, shape)
         return None
 
     def _set_lead(self, ctx: OpContext, rows_before: int, rows_after: int) -> None:
@@ -104,12 +113,14 @@ class AllGather(_RowCollective):
         rows = x.shape[0]
         if isinstance(x, Float8Tensor):
             # Written for the relayed request by the op before: one scale by construction (checked on the
-            # device). An FP8 input from outside the run: its scales are compared on the host.
+            # device). An FP8 input from outside the run: its scales are compared on the host (traced, it is
+            # gathered dequantized instead, and quantized below like a high-precision input).
             relayed = not ctx.first and self._one_scale(out_request)
             transpose = relayed and out_request.with_transpose and ctx.run.grad
             y = gather_rows(x, self.group, with_transpose=transpose, one_scale=relayed)
         else:
             y = gather_rows(x, self.group)
+        if not isinstance(y, Float8Tensor):
             if ok is not None:
                 y, ok = nan_unless(ok, y), None
             if out_request is not None:

@@ -202,6 +202,8 @@ def _bad_inputs(rank, world):
     # Ranks holding different numbers of tokens (an uneven split of the sequence).
     gather = ops.Sequential(ops.AllGather(group))
     out["shapes"] = _error_of(lambda: gather(torch.randn(4 + rank, D)))
+    # As many tokens on each rank, split into sequences differently: (8, 2) and (4, 4) tokens.
+    out["token dims"] = _error_of(lambda: gather(torch.randn(*((8, 2) if rank == 0 else (4, 4)), D)))
     # Tokens that do not split over the group, the same on every rank: reduce-scatter cannot keep a block.
     out["uneven"] = _error_of(lambda: ops.Sequential(ops.ReduceScatter(group))(torch.randn(3, D)))
     # FP8 input from outside the Sequential, quantized per rank: different scales, one tensor.
@@ -226,6 +228,7 @@ def _bad_inputs(rank, world):
 def test_bad_input_raises_on_every_rank():
     for r in run_ranks(_bad_inputs, timeout=TIMEOUT_S):
         assert "different shapes [(4, 64), (5, 64)]" in r["shapes"], r["shapes"]
+        assert "different shapes [(8, 2, 64), (4, 4, 64)]" in r["token dims"], r["token dims"]
         assert "do not split evenly over 2 ranks" in r["uneven"], r["uneven"]
         assert "scales differ" in r["scales"], r["scales"]
         assert r["nan"] and r["ok"] and r["rowwise"], r
@@ -418,6 +421,38 @@ def test_tensor_parallel_compiles_and_matches_eager():
         assert len(r) == 2 * 2 + 8 + 4, sorted(r)  # output and input grad of each; 8 + 4 parameters
         for name, (diff, _) in r.items():
             assert diff == 0.0, (name, diff)
+
+
+def _compiled_bad_inputs(rank, world):
+    """Compiled (aot_eager, fullgraph): the sequence-parallel layer fed token dims that differ between the
+    ranks with as many tokens; and an AllGather + Linear fed an FP8 input quantized on each rank alone."""
+    import torch.distributed as dist
+
+    import float8.ops as ops
+    from float8 import Float8Tensor, Recipe
+
+    group = dist.new_group(list(range(world)))
+    recipe = Recipe(min_fp8_gemm_flops=0)
+    d, s = SP_DIMS["d"], SP_DIMS["s"]
+    layer = sp_attention_layer(group, world, torch.device("cpu"), recipe).to(torch.bfloat16)
+    lead = (s // world, 2) if rank == 0 else (s // world // 2, 4)  # the same 256 tokens, split differently
+    x = torch.randn(*lead, d, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    torch.manual_seed(0)
+    pair = ops.Sequential(ops.AllGather(group), ops.Linear(d, 2 * d), recipe=recipe).to(torch.bfloat16)
+    x8 = Float8Tensor.quantize(torch.randn(16, d).to(torch.bfloat16) * (rank + 1))  # its own scale per rank
+    with torch.no_grad():
+        compiled = torch.compile(pair, backend="aot_eager", fullgraph=True)(x8)
+        eager = pair(x8.dequantize())  # what the FP8 input stands for, gathered in high precision
+    return {"token dims: all NaN": bool(y.isnan().all()), "fp8 input as its values": torch.equal(compiled, eager)}
+
+
+def test_compiled_bad_inputs_give_nan_or_the_values():
+    # Traced code cannot raise on the host: token dims that differ make the layer's output NaN (never finite
+    # wrong values), and an FP8 input whose scales differ between the ranks is gathered as its values (eager
+    # raises for it, naming the scales).
+    for r in run_ranks(_compiled_bad_inputs, timeout=TIMEOUT_S):
+        assert r == {"token dims: all NaN": True, "fp8 input as its values": True}, r
 
 
 def _traced_gathers(rank, world):
