@@ -52,8 +52,6 @@ from .common import (
     check_flag,
     check_hp_input,
     check_tensorwise_args,
-    fake_fp8_outputs,
-    transposed_shape,
     triton_op,
     use_triton,
 )
@@ -157,10 +155,6 @@ def _check_fp8(op, x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_tra
     _check(op, x, kind, bias, dy=dy, transpose=with_transpose, x_scale_inv=x_scale_inv)
     check_tensorwise_args(dy if x_scale_inv is not None else x, fp8_dtype, scale, margin, power_of_2, op)
     check_flag(with_transpose, "with_transpose", op)
-
-
-def _fake_fp8(shape, fp8_dtype, with_transpose, like):
-    return fake_fp8_outputs(like, shape, transposed_shape(shape) if with_transpose else None, fp8_dtype)
 
 
 @triton_op("float8::act_fp8")

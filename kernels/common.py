@@ -183,6 +183,10 @@ def margin_div(margin: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _fp8_capable(device_index) -> bool:
+    # Without CUDA a "cuda" tensor is a fake or meta one (tracing for a GPU, export on a CPU-only host):
+    # traced for the Hopper target, whose FP8 conversions the kernels need.
+    if not torch.cuda.is_available():
+        return True
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 

@@ -49,8 +49,10 @@ def transpose_fp8_triton(data: torch.Tensor) -> torch.Tensor:
 
 
 def transpose_fp8_ref(data: torch.Tensor) -> torch.Tensor:
-    """The contiguous transpose of FP8 data's last two dims: the semantics of transpose_fp8."""
-    return data.t().contiguous()
+    """The contiguous transpose of FP8 data's last two dims: the semantics of transpose_fp8. A new tensor
+    always (`contiguous()` returns a (1, N), (N, 1) or empty transpose as a view of data, which a registered
+    op must not return)."""
+    return data.t().clone(memory_format=torch.contiguous_format)
 
 
 def _check(data) -> None:

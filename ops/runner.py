@@ -162,6 +162,12 @@ class _RunFunction(torch.autograd.Function):
                 y = y.detach()
             if held and not isinstance(y, Float8Tensor) and storage_key(y) in held:
                 saved.append(y)  # a write into the output would change what the backward reads: refused
+            # The parameters too, as torch's own ops save their weights: a backward reads some of them live
+            # (a norm's weight, a high-precision Linear's), so autograd's version check refuses a backward
+            # after an in-place write into one (an optimizer step between a retain_graph backward and the
+            # next) instead of mixing old and new weights. A reference, no copy; FSDP2 keeps the version
+            # of the parameters it gathers again for the backward.
+            saved.extend(params)
             if saved:
                 ctx.save_for_backward(*saved)
             return y

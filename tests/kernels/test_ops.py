@@ -228,3 +228,31 @@ def test_bad_dequantize():
         K.dequantize(data, torch.ones(3, 1), torch.float32)
     with pytest.raises(ValueError, match=r"scale_inv of shape \(4,\) does not block data"):
         K.dequantize(data, torch.ones(4), torch.float32)
+
+
+_FAKE_CUDA_TRACE = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import float8  # registers the ops
+with FakeTensorMode():
+    x = torch.empty(64, 256, dtype=torch.bfloat16, device="cuda")
+    data, data_t, scale_inv, amax = torch.ops.float8.quantize_tensorwise(x, torch.float8_e4m3fn, None, 0, False, True)
+    assert data.shape == (64, 256) and data_t.shape == (256, 64) and data.dtype == torch.float8_e4m3fn, data
+    assert torch.ops.float8.amax(x).shape == ()
+    assert torch.ops.float8.act_fwd(x, "swiglu").shape == (64, 128)
+print("ok")
+"""
+
+
+def test_triton_ops_trace_fake_cuda_tensors_without_a_gpu():
+    # Tracing for a GPU on a host without one (export, AOT): the triton_ops' bodies ran
+    # torch.cuda.get_device_capability on fake CUDA tensors and failed ("Torch not compiled with CUDA
+    # enabled"); the custom ops they were had fake implementations. A fresh interpreter without
+    # TRITON_INTERPRET (this suite's interpreter cannot trace a launch on fake tensors).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _FAKE_CUDA_TRACE], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]

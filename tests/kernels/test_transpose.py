@@ -43,6 +43,17 @@ def test_op_on_cpu_is_the_reference_and_passes_opcheck():
     torch.library.opcheck(tr.transpose_fp8.op, (finite,), test_utils=tests)
 
 
+@pytest.mark.parametrize("shape", [(1, 16), (16, 1), (0, 16)])
+def test_a_transpose_that_needs_no_move_is_still_a_new_tensor(shape):
+    # data.t().contiguous() of these shapes is a view of data: the registered op returned its input's memory
+    # (opcheck's fake-tensor test refused it, and a write into one changed the other).
+    d = torch.randn(*shape).to(torch.float8_e4m3fn)
+    t = tr.transpose_fp8(d)
+    assert t.shape == (shape[1], shape[0]) and t.is_contiguous()
+    assert t.untyped_storage().data_ptr() != d.untyped_storage().data_ptr() or d.numel() == 0
+    torch.library.opcheck(tr.transpose_fp8.op, (d,), test_utils=["test_faketensor"])
+
+
 def test_bad_input():
     with pytest.raises(TypeError, match="FP8 tensor"):
         tr.transpose_fp8(torch.randn(4, 4))

@@ -231,6 +231,21 @@ def test_backward_twice_with_retain_graph(case, device):
         assert torch.equal(c.grad, 2 * b)
 
 
+def test_a_weight_written_between_forward_and_backward_is_refused():
+    """An optimizer step between a retain_graph backward and the next (or between a forward and its backward)
+    changed a norm's weight, which its backward reads live: the gradients mixed old and new weights (4x the
+    first backward's instead of 2x), silently. The parameters are saved for autograd's version check now, as
+    torch's own ops save their weights, so this raises torch's error."""
+    m = ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 64), ops.GELU()).to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    loss = m(x).float().pow(2).sum()
+    loss.backward(retain_graph=True)
+    with torch.no_grad():
+        m[0].weight.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("case", ["Linear", "Sequential", "functional.linear", "linear_cross_entropy"])
 def test_a_second_backward_without_retain_graph_names_the_problem(case):
     """Without retain_graph=True the first backward lets go of the FP8 copies; a second one says so (torch's

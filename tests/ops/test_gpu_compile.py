@@ -1,8 +1,8 @@
 """GPU tier: torch.compile(fullgraph=True) with inductor on CUDA against eager.
 
-A Sequential of float8 ops runs the same kernels compiled as eager (our Triton kernels and cuBLASLt are
-opaque to inductor; what it generates are the casts and residual adds, elementwise), so its outputs and
-gradients must be the same bits. A converted PyTorch block, and an ops block holding ops.Attention, are
+A Sequential of float8 ops runs the same kernels compiled as eager (inductor launches our Triton kernels
+as they are, those of triton_ops included, and cuBLASLt's GEMMs; what it generates are the casts and
+residual adds, elementwise), so its outputs and gradients must be the same bits. A converted PyTorch block, and an ops block holding ops.Attention, are
 compared with a tolerance: inductor writes its own RMSNorm, SDPA and SiLU kernels there."""
 
 import pytest
