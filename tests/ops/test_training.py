@@ -113,3 +113,25 @@ def test_mlp_block_trains_to_the_bf16_loss():
 
 def test_transformer_layer_trains_to_the_bf16_loss():
     check_block(transformer_layer, 1)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """torch.utils.checkpoint around an ops block (both implementations): the backward recomputes the
+    forward and gets the gradients of the plain run to the bit (the run saves its parameters for autograd,
+    ops/runner.py, which the non-reentrant checkpoint repacks and checks by count)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = ops.Sequential(ops.RMSNorm(64), ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64)).to(torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+
+    def grads(fn):
+        block.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        fn(leaf).float().pow(2).sum().backward()
+        return [leaf.grad] + [p.grad for p in block.parameters()]
+
+    plain = grads(block)
+    for reentrant in (False, True):
+        got = grads(lambda t: checkpoint(block, t, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), reentrant
