@@ -53,10 +53,7 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str, shape:
     naming the shapes (a collective of tensors of different sizes would hang or mix up data; token dims that
     differ with the same number of tokens, a sequence split differently, would give finite wrong results).
     One all-gather of a few int64s and one host sync: the ops call it once per run, not once per collective."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if len(shape) > MAX_DIMS:
-        raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {shape}")
-    gathered = _gather(_shape_row(shape, x.device), group).cpu()
+    gathered = _gather(_shape_row(x, shape, who), group).cpu()
     shapes = [tuple(int(v) for v in row[1 : 1 + int(row[0])]) for row in gathered]
     if any(s != shapes[0] for s in shapes):
         raise ValueError(
@@ -65,10 +62,13 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str, shape:
         )
 
 
-def _shape_row(shape: tuple, device: torch.device) -> torch.Tensor:
-    """`shape` as MAX_DIMS + 1 int64s on `device`: the count, then the sizes, padded with -1."""
+def _shape_row(x: torch.Tensor, shape: Optional[tuple], who: str) -> torch.Tensor:
+    """`shape` (default x's) as MAX_DIMS + 1 int64s on x's device: the count, then the sizes, padded with -1."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {shape}")
     row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape))
-    return torch.tensor(row, dtype=torch.int64, device=device).reshape(1, -1)
+    return torch.tensor(row, dtype=torch.int64, device=x.device).reshape(1, -1)
 
 
 def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tuple] = None) -> torch.Tensor:
@@ -77,10 +77,7 @@ def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tupl
     int64s. A different number of tokens also makes the collective after it mismatch, which the backend
     itself ends (gloo aborts the process; NCCL's watchdog at the group's timeout): what this check turns
     NaN is the rest, token dims that differ with the same number of tokens."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if len(shape) > MAX_DIMS:
-        raise ValueError(f"activations of up to {MAX_DIMS} dims, got shape {shape}")
-    shapes = _gather(_shape_row(shape, x.device), group)
+    shapes = _gather(_shape_row(x, shape, "shapes_agree"), group)
     return (shapes == shapes[0]).all()
 
 

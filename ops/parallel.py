@@ -20,6 +20,7 @@ itself (its `expand`); they are public for layers built by hand.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -61,10 +62,7 @@ class _RowCollective(BasicOp):
             return None
         ctx.run.shapes_agreed.add(self.group.group_name)
         lead = tuple(ctx.run.lead)
-        rows = 1
-        for n in lead:
-            rows *= n
-        shape = (*lead, *x.shape[1:]) if lead and rows == x.shape[0] else tuple(x.shape)
+        shape = (*lead, *x.shape[1:]) if lead and math.prod(lead) == x.shape[0] else tuple(x.shape)
         if torch.compiler.is_compiling():
             return shapes_agree(x, self.group, shape)
         check_same_shape(x, self.group, type(self).__name__, shape)

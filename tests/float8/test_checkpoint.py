@@ -188,21 +188,23 @@ def test_hugging_face_generate_compiles_a_converted_model():
     _in_fresh_process(_hf_generate_compiled)
 
 
-def _tiny_hf_llama(seed):
-    """A two-layer Hugging Face Llama, untied, converted with FP8-only weights (the HF tests' model)."""
+def _tiny_hf_llama(seed, device="cpu", width=128, recipe=None):
+    """A two-layer Hugging Face Llama of hidden size `width` (vocabulary and MLP 2x that), untied, converted
+    with FP8-only weights: the HF tests' model (width 256 and block scales on the GPU)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
+        vocab_size=2 * width,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    return ops.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), fp8_weights=True)
+    model = transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+    return ops.convert(model, fp8_weights=True, recipe=recipe)
 
 
 def _hf_generate_compiled():
@@ -271,22 +273,6 @@ def _hf_save_pretrained(directory):
                 assert torch.equal(p, q), name
 
 
-def _hf_llama(transformers, seed, device):
-    cfg = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return ops.convert(
-        transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16), fp8_weights=True, recipe=Recipe.blockwise()
-    )
-
-
 @pytest.mark.gpu
 def test_gpu_round_trip_gives_the_same_logits(tmp_path):
     """On the GPU: save_pretrained of a model with 128x128 block-scaled FP8 weights, load_checkpoint into a
@@ -296,11 +282,10 @@ def test_gpu_round_trip_gives_the_same_logits(tmp_path):
 
 
 def _gpu_round_trip(tmp_path):
-    import transformers
 
-    src = _hf_llama(transformers, 0, "cuda")
+    src = _tiny_hf_llama(0, "cuda", 256, Recipe.blockwise())
     src.save_pretrained(tmp_path)
-    dst = _hf_llama(transformers, 1, "cuda")
+    dst = _tiny_hf_llama(1, "cuda", 256, Recipe.blockwise())
     float8.load_checkpoint(dst, tmp_path)
     assert dst.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
     for tokens in (12, 200):
@@ -321,7 +306,7 @@ def test_gpu_transformers_loads_our_checkpoint(tmp_path):
 def _gpu_transformers_loads(tmp_path):
     import transformers
 
-    src = _hf_llama(transformers, 0, "cuda")
+    src = _tiny_hf_llama(0, "cuda", 256, Recipe.blockwise())
     src.save_pretrained(tmp_path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
     stored = read_checkpoint(tmp_path)
