@@ -129,8 +129,16 @@ def test_gpu_prepared_calls_see_every_change():
         with ops.high_precision(lin):
             hp = lin(x)
         assert torch.equal(hp, torch.nn.functional.linear(x, lin.weight.dequantize(BF16), lin.bias))
-    # Grad mode with an input that requires grad: the general path records a backward.
+    # Grad mode with an input that requires grad: parameters made under inference_mode cannot be saved
+    # for backward, and torch's own Linear raises the same error; with parameters made outside it, the
+    # general path records a backward.
     xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        lin(xg)
+    lin.weight = torch.nn.Parameter(
+        Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16)), requires_grad=False
+    )
+    lin.bias = torch.nn.Parameter(torch.randn(128, device="cuda", dtype=BF16))
     assert lin(xg).requires_grad
     # Autocast to float16: the product in float16, as nn.Linear gives.
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
