@@ -1,7 +1,8 @@
 """Host time of decode-size inference calls (CUDA): an FP8-only ops.Linear against nn.Linear, per call, and
-the Llama-style model under CUDA graphs (torch.compile mode="reduce-overhead"), bf16 against float8.
+the Llama-style model under CUDA graphs (ops.graphed_inference, and torch.compile mode="reduce-overhead"),
+bf16 against float8.
 
-    python -m benchmarks.host_inference [--tokens 16] [--out DIR]
+    python -m benchmarks.host_inference [--tokens 16] [--graphs graphed_inference,reduce-overhead] [--out DIR]
 
 - linear: microseconds of host per call, calls issued back to back under inference_mode (the GPU keeps up,
   so the loop measures the host), 4096->4096 and 4096->1024 (a split-K layer: two launches).
@@ -15,6 +16,7 @@ Recorded as the area "host_inference" in DIR (default benchmarks/results/; bench
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -48,16 +50,21 @@ def linear_host_us(tokens: int, n: int, reps: int = 200) -> dict:
     return out
 
 
-def graphed_ms(weights: str, tokens: int) -> dict:
-    """host_ms, pipelined_ms, synchronized_ms of the model under torch.compile(mode="reduce-overhead")."""
+def graphed_ms(weights: str, tokens: int, how: str) -> dict:
+    """host_ms, pipelined_ms, synchronized_ms of the model under CUDA graphs: `how` is "graphed_inference"
+    (ops.graphed_inference) or "reduce-overhead" (torch.compile's mode)."""
     dev = torch.device("cuda")
     model = quantize_weights(build_bf16("llama", LlamaShape(), dev), weights, dev)
-    fn = torch.compile(model, mode="reduce-overhead", fullgraph=weights == "float8", dynamic=False)
     ids = torch.randint(0, LlamaShape().vocab, (1, tokens), device=dev)
+    if how == "graphed_inference":
+        call = ops.graphed_inference(model)
+        call = functools.partial(call, ids)
+    else:
+        fn = torch.compile(model, mode="reduce-overhead", fullgraph=weights == "float8", dynamic=False)
 
-    def call():
-        torch.compiler.cudagraph_mark_step_begin()
-        return fn(ids)
+        def call():
+            torch.compiler.cudagraph_mark_step_begin()
+            return fn(ids)
 
     with torch.inference_mode():
         for _ in range(23):
@@ -86,6 +93,7 @@ def graphed_ms(weights: str, tokens: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--graphs", default="graphed_inference,reduce-overhead", help="how to graph the model")
     add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -96,10 +104,12 @@ def main(argv=None) -> None:
         for variant, us in linear_host_us(args.tokens, n).items():
             figures.append(figure(f"linear 4096->{n}, {args.tokens} tokens", variant, "host_us", us))
             print(f"{variant} 4096->{n}: {us} us of host per call", flush=True)
-    for weights in ("bf16", "float8"):
-        for metric, v in graphed_ms(weights, args.tokens).items():
-            figures.append(figure(f"llama graphed, {args.tokens} tokens", weights, metric, v))
-            print(f"{weights} graphed: {metric} {v}", flush=True)
+    for how in args.graphs.split(","):
+        case = f"llama graphed, {args.tokens} tokens" + ("" if how == "reduce-overhead" else f", {how}")
+        for weights in ("bf16", "float8"):
+            for metric, v in graphed_ms(weights, args.tokens, how).items():
+                figures.append(figure(case, weights, metric, v))
+                print(f"{weights} {how}: {metric} {v}", flush=True)
     print(record("host_inference", args.out, environment(torch.device("cuda")), figures))
 
 

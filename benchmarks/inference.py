@@ -5,10 +5,11 @@ the paths users run, against bf16 and torchao (public APIs only).
 Models, random weights, bf16: 8 blocks, d=4096, 32 query / 8 KV heads of 128, SwiGLU 14336, vocab 32768 (2.0B
 parameters). "llama": plain torch (embedding, benchmarks/llama.py's block without rotary, RMSNorm, LM head);
 "hf": transformers.LlamaForCausalLM of the same sizes, SDPA. Variants, each a fresh build of the same
-weights: bf16 and float8 (ops.convert(model, fp8_weights=True)), eager, compiled (torch.compile) and
-cudagraphs (mode="reduce-overhead"); float8 blockwise eager (128x128 block-scaled FP8 weights, as a hub FP8
-checkpoint loads: ops.convert(model, fp8_weights=True, recipe=Recipe.blockwise())); float8 calibrated eager (input
-scales fixed by ops.calibrate on two batches of 512 random tokens); torchao rowwise (Float8DynamicActivationFloat8WeightConfig(PerRow()))
+weights: bf16 and float8 (ops.convert(model, fp8_weights=True)), eager, compiled (torch.compile),
+cudagraphs (mode="reduce-overhead") and graphed (ops.graphed_inference: CUDA graphs of the eager forward);
+float8 blockwise eager (128x128 block-scaled FP8 weights, as a hub FP8 checkpoint loads: ops.convert(model,
+fp8_weights=True, recipe=Recipe.blockwise())); float8 calibrated eager (input scales fixed by ops.calibrate on
+two batches of 512 random tokens); torchao rowwise (Float8DynamicActivationFloat8WeightConfig(PerRow()))
 eager and compiled. float8 compiles with fullgraph=True; on the HF model it falls back to False and says so.
 
 Stages (the report is rewritten as it goes; past --budget-s the rest is recorded as skipped):
@@ -58,6 +59,9 @@ VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
     "float8 eager": ("float8", None),
     "float8 compiled": ("float8", "default"),
     "float8 cudagraphs": ("float8", "reduce-overhead"),
+    # ops.graphed_inference: a plain CUDA graph of the eager forward per shape, no dynamo guards
+    "bf16 graphed": ("bf16", "graphed"),
+    "float8 graphed": ("float8", "graphed"),
     # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
     "float8 blockwise eager": ("float8-block", None),
     # Input scales fixed by ops.calibrate (docs/inference.md): one cast per activation above 128 tokens, no
@@ -75,6 +79,8 @@ GENERATE_VARIANTS = [
     "torchao rowwise compiled",
 ]
 COMPILE_PRIORITY = [
+    "float8 graphed",
+    "bf16 graphed",
     "float8 cudagraphs",
     "bf16 cudagraphs",
     "float8 compiled",
@@ -275,7 +281,9 @@ def make_call(model_name: str, v: Variant) -> Callable:
     """ids -> logits. Compiled ones compile once per shape (dynamic=False); a CUDA-graph call marks a new
     step first, so that a replay may reuse the memory of the previous one's (unread) outputs."""
     fn = v.model
-    if v.mode is not None:
+    if v.mode == "graphed":
+        fn = ops.graphed_inference(v.model)
+    elif v.mode is not None:
         fn = torch.compile(v.model, mode=None if v.mode == "default" else v.mode, fullgraph=v.fullgraph, dynamic=False)
     fwd = (lambda ids: fn(input_ids=ids, use_cache=False).logits) if model_name == "hf" else fn
     if v.mode != "reduce-overhead":
@@ -291,7 +299,7 @@ def make_call(model_name: str, v: Variant) -> Callable:
 def build_variant(run: Run, model_name: str, name: str) -> Variant:
     """A fresh build of one variant, or one that says why there is none."""
     weights, mode = VARIANTS[name]
-    v = Variant(name, fullgraph=(weights == "float8") if mode else None)  # others: torch.compile's default
+    v = Variant(name, fullgraph=(weights == "float8") if mode not in (None, "graphed") else None)
     try:
         why = run.skip_reason(compiled=mode is not None)
         if why:

@@ -64,7 +64,7 @@ MAX_TOKENS = 128
 # 39.8 -> 30.9 (21.3), 4096->14336 62.9 -> 57.0 (45.7), 14336->4096 65.7 -> 49.2 (53.1); the layers summed,
 # 0.204 -> 0.191 ms at 32 tokens and 0.235 -> 0.217 at 64 (bf16 0.264 and 0.269).
 CONFIGS = [
-    (16, 16, 32, 512, 4, 3, False),
+    (16, 16, 32, 256, 4, 4, False),
     (32, 32, 128, 128, 8, 4, True),
     (64, 64, 128, 128, 8, 3, True),
     (128, 128, 128, 128, 8, 3, True),
@@ -73,6 +73,15 @@ CONFIGS = [
 # tiles without split K: 84.3 against 87.1 us swapped for 4096->28672 at 128 tokens, 90.3 against 96.3
 # for the 4096->32768 head (bf16 88.7, 103.3).
 WIDE_CONFIG = (128, 128, 64, 8, 3, False)
+# At <= 16 tokens (the first CONFIGS row) a long K is split too, so that each program streams about this
+# many BLOCK_K steps of its columns and 2-3 programs share an SM: the 14336->4096 down projection (128
+# tiles of 32 columns, 56 steps of 256) took 27.4 us in 3 splits summed in the kernel against 32.7 in one;
+# layers of K = 4096 (16 steps) stay whole, 0-5% faster so (H100, 2026-11-26; docs/performance.md,
+# "Weight-only tiles at decode sizes"). The same sweep moved the row's tile from (32, 512, 3 stages) to
+# (32, 256, 4 stages): the Llama-style layers summed 0.905 against 0.920 ms unsplit, 0.863 with these
+# splits. Every path splits alike (the same bits eager, graphed and compiled); a compiled call, which
+# sums in a second launch, pays one more launch on such a layer.
+DECODE_STEPS_PER_SPLIT = 16
 Config = tuple[int, int, int, int, int, bool]
 
 
@@ -231,16 +240,20 @@ def _sm_count(device_index) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
-    """How many K ranges a narrow layer's columns are split into, so that its tiles fill the GPU.
+def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int, steps_per_split: int = 0) -> int:
+    """How many K ranges a narrow layer's columns are split into, so that its tiles fill the GPU, and with
+    steps_per_split, a long K into ranges of about that many BLOCK_K steps (DECODE_STEPS_PER_SPLIT).
 
     One program per BLOCK_N columns leaves most SMs idle on a narrow layer (4096x1024, a GQA k/v
     projection: 32 programs of 32 columns on 132 SMs); splitting K gives each tile up to MAX_SPLIT_K
     programs, each over at least two BLOCK_K steps. Their fp32 partial sums are added in a fixed order (by
     a second small kernel, or by the tile's last program in a prepared call): deterministic, unlike atomic
-    adds. Wide layers (tiles >= programs) are not split."""
+    adds. Wide layers (tiles >= programs) are split only for a long K."""
     tiles = -(-n // block_n)
-    split = max(1, min(MAX_SPLIT_K, programs // tiles))
+    split = programs // tiles
+    if steps_per_split:
+        split = max(split, k // (steps_per_split * block_k))
+    split = max(1, min(MAX_SPLIT_K, split))
     while split > 1 and k < 2 * block_k * split:
         split -= 1
     return split
@@ -252,14 +265,16 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     per shape (a bounded cache: the shapes of a model's Linears at each token count it serves). device_index
     None: not a CUDA device (the interpreter), which never splits K. s_cols: the columns of a block scale,
     which BLOCK_K must divide (a K step then lies in one block): BLOCK_K is cut to the largest power of
-    two dividing it."""
+    two dividing it. At decode sizes a long K is split too (DECODE_STEPS_PER_SPLIT), on every path, so that
+    eager, graphed and compiled calls add the same partials in the same order."""
     programs = _sm_count(device_index) if device_index is not None else 0
     config = config or config_for(m, n, programs)
     if s_cols is not None:
         config = (*config[:2], min(config[2], s_cols & -s_cols), *config[3:])
     block_m, block_n, block_k = config[:3]
     if split_k is None:
-        split_k = split_k_for(n, k, block_n, block_k, programs) if programs else 1
+        steps = DECODE_STEPS_PER_SPLIT if m <= CONFIGS[0][0] else 0
+        split_k = split_k_for(n, k, block_n, block_k, programs, steps) if programs else 1
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     grid = (cdiv(n, block_n), cdiv(m, block_m), split_k)
     return config, split_k, k_per_split, grid, (cdiv(n, SUM_BLOCK_N), cdiv(m, block_m))
@@ -384,7 +399,8 @@ class PreparedMM:
     host time per call on the H100 machine (29.7 against 18.5 us for a 4096x1024 layer at 16 tokens). Its
     tile counters are zero between launches and belong to one stream (two streams running the same layer
     at once would count into each other's): one set per stream, made on that stream's first call. A CUDA
-    graph never captures them (see `_counts`): a split-K call captured in a graph is two launches.
+    graph never captures them (see `_counts`): a split-K call captured in a graph counts into graph memory
+    that the graph zeroes (`prepare`).
 
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
@@ -422,7 +438,8 @@ class PreparedMM:
         if torch._C._cuda_isCurrentStreamCapturing():
             # A graph would keep these counters' address but not the tensor (this plan may be dropped while
             # the graph lives: a reload, a new shape past the table's bound), and its replays, on whatever
-            # stream replays it, would count into the eager calls' counters: captures take the two launches.
+            # stream replays it, would count into the eager calls' counters: a capture takes `prepare`'s
+            # path, whose counters are graph memory zeroed by the graph itself.
             return None
         stream = torch._C._cuda_getCurrentRawStream(device)
         counts = self.counts.get(stream)
@@ -441,15 +458,18 @@ def prepare(
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
     where a later call could not skip Triton's own launch path (the interpreter, another current device), and
-    for a split-K call made while a CUDA graph is captured (its tile counters cannot be made then).
+    for a call made while a CUDA graph is captured (the graph repeats it).
     out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the caller's leading dims:
     the caller then passes x with its own leading dims too, and no view is made on either side)."""
     settings = runtime_settings()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=not capturing)
+    # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here. In a
+    # CUDA graph capture that tensor is graph memory and its zero fill a node of the graph: each replay
+    # zeroes the counters before the kernel reads them, whatever used that memory in between; it is never
+    # kept as the eager calls' counters (the plan is not returned).
+    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True)
     main = _launch.launch_and_keep(call.grid, *call.args, **call.options)
-    if call.sum_args is not None:
-        _launch_sum(call.sum_grid, *call.sum_args, **_SUM_OPTIONS)
+    if capturing:
         return call.y, None
     aligned = all(t.data_ptr() % 16 == 0 for t in (*call.args[:7], call.y))
     if main is None or not aligned:

@@ -17,6 +17,7 @@ from float8.ops.bias import Bias
 from float8.ops.calibrate import CalibrationReport, calibrate, load_input_scales, set_input_scale
 from float8.ops.convert import ConversionWarning, convert
 from float8.ops.cross_entropy import LinearCrossEntropy
+from float8.ops.graphs import GraphedInference, graphed_inference
 from float8.ops.linear import Linear
 from float8.ops.misc import AddResidual, Dropout, Identity, Quantize, Reshape, Residual
 from float8.ops.norms import LayerNorm, RMSNorm
@@ -39,6 +40,7 @@ __all__ = [
     "Dropout",
     "Float8PrecisionWarning",
     "GELU",
+    "GraphedInference",
     "Identity",
     "LayerNorm",
     "Linear",
@@ -57,6 +59,7 @@ __all__ = [
     "calibrate",
     "convert",
     "functional",
+    "graphed_inference",
     "load_input_scales",
     "plan",
     "high_precision",

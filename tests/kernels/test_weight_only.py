@@ -187,6 +187,17 @@ def test_split_k_only_for_layers_too_narrow_to_fill_the_gpu():
     assert W.split_k_for(64, 512, 32, 256, 132) == 1  # each split keeps two BLOCK_K steps or more
 
 
+def test_decode_sizes_split_a_long_k_too():
+    """At <= 16 tokens a long K is split into ranges of about DECODE_STEPS_PER_SPLIT steps (the 14336->4096
+    down projection into 3); K = 4096 layers stay whole; above 16 tokens only narrow layers split."""
+    steps = W.DECODE_STEPS_PER_SPLIT
+    assert W.split_k_for(4096, 14336, 32, 256, 132, steps) == 3
+    assert W.split_k_for(4096, 4096, 32, 256, 132, steps) == 1
+    assert W.split_k_for(1024, 4096, 32, 256, 132, steps) == 4  # narrow: the fill rule still decides
+    assert W.split_k_for(4096, 14336 * 4, 32, 256, 132, steps) == W.MAX_SPLIT_K
+    assert [W.plan(m, 4096, 14336, None)[1] for m in (1, 16, 17)] == [1, 1, 1]  # no GPU: never split
+
+
 def test_tile_orientation_follows_tokens_and_layer_width():
     """Up to 16 tokens the widened weight is the MMA's B operand; at 17-128 tokens it is A (swapped), except
     above 64 tokens on a layer whose 128-column tiles alone fill the GPU (the WIDE_CONFIG tile)."""

@@ -222,9 +222,10 @@ def test_gpu_split_k_prepared_calls_on_two_streams_count_apart():
 @gpu
 @pytest.mark.parametrize("warm_on_the_capture_stream", [False, True])
 def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
-    """A split-K call captured in a CUDA graph is two launches and holds no tile counter: the graph keeps
-    replaying the checked op's bits after the plans are dropped (a reload does that) and their memory is
-    reused, and eager calls on the capture stream between replays keep theirs."""
+    """A split-K call captured in a CUDA graph is one launch whose tile counters are graph memory, zeroed by
+    the graph before each replay, even when the capture reuses that memory after the call (filled with -1
+    here): the graph keeps replaying the checked op's bits after the plans are dropped (a reload does that)
+    and their memory is reused, and eager calls on the capture stream between replays keep theirs."""
     lin, x = _split_k_linear()
     with torch.inference_mode():
         want = _checked(lin, x)
@@ -238,6 +239,14 @@ def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = lin(x)
+            for _ in range(8):  # the freed counters' memory, and more, written over inside the graph
+                torch.full((256,), -1, device="cuda", dtype=torch.int32)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if "kernel" in e.name]
+        assert sum("_fp8_weight_mm_kernel" in k for k in kernels) == 1, kernels
+        assert not any("_split_k_sum_kernel" in k for k in kernels), kernels
         lin._inference_plans.clear()
         churn = [torch.full((4096,), -1, device="cuda", dtype=torch.int32) for _ in range(64)]
         x2 = torch.randn(16, 4096, device="cuda", dtype=BF16)
