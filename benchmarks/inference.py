@@ -95,6 +95,7 @@ COLUMNS = [
     "ms",
     "vs_bf16_eager",
     "vs_bf16_compiled",
+    "vs_bf16_same_mode",
     "pct_of_floor",
     "peak_MiB",
     "fullgraph",
@@ -418,6 +419,9 @@ def forward_rows(run: Run, model_name: str, variants: List[Variant]) -> List[dic
                 )
                 row["vs_bf16_eager"] = median_ratio(by_name.get("bf16 eager"), t, times)
                 row["vs_bf16_compiled"] = median_ratio(by_name.get("bf16 compiled"), t, times)
+                if v.mode is not None:  # against bf16 run the same way (graphed against graphed, ...)
+                    same = next(n for n, (w, mode) in VARIANTS.items() if w == "bf16" and mode == v.mode)
+                    row["vs_bf16_same_mode"] = median_ratio(by_name.get(same), t, times)
                 if bandwidth and t <= 16:
                     floor = floors["bf16" if VARIANTS[v.name][0] == "bf16" else "fp8"][t]
                     row.update(floor_ms=floor, pct_of_floor=round(100 * floor / row["ms"], 1))

@@ -114,6 +114,18 @@ def inference_graphs(tokens: int, model: str = "llama") -> Row:
     return Row(str(tokens), "inference_graphs", f"model {model}, tokens {tokens}", cells)
 
 
+def inference_graphed(tokens: int, model: str = "llama") -> Row:
+    """benchmarks.inference --area inference_graphed: ops.graphed_inference (CUDA graphs of the eager forward)."""
+    cells = [
+        ("bf16 eager", "ms", ms),
+        ("bf16 graphed", "ms", ms),
+        ("float8 graphed", "ms", ms),
+        ("float8 graphed", "vs_bf16_same_mode", times),
+        ("float8 graphed", "vs_bf16_eager", times),
+    ]
+    return Row(f"{model}, {tokens}", "inference_graphed", f"model {model}, tokens {tokens}", cells)
+
+
 def lce(label: str, variant: str, reference: bool = False) -> Row:
     """A variant of benchmarks.memory's fused LM head + loss; the reference has no SQNR of its own."""
     sqnr = (None, "ref", None) if reference else (variant, "dw_sqnr_db", db)
@@ -164,6 +176,18 @@ TABLES: Dict[str, Table] = {
             "float8 graphed vs bf16 eager",
         ],
         [inference_graphs(16)],
+    ),
+    "inference_graphed": Table(
+        "Inference under `ops.graphed_inference` (CUDA graphs of the eager forward), batch 1, each call synchronized",
+        [
+            "model, tokens",
+            "bf16 eager ms",
+            "bf16 graphed ms",
+            "float8 graphed ms",
+            "float8 vs bf16, both graphed",
+            "float8 graphed vs bf16 eager",
+        ],
+        [inference_graphed(t, m) for m in ("llama", "hf") for t in (1, 16, 128)],
     ),
     "lce": Table(
         "Fused linear + cross-entropy, V=128256, H=4096, 16384 tokens; vs naive: time ratio (below 1: faster)",
