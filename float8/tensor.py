@@ -294,10 +294,8 @@ class _DequantizeSTE(torch.autograd.Function):
 
 
 # ---- quantizers: how a high-precision tensor becomes a Float8Tensor ------------------------------------
-# The protocol (`Quantizer`) and the quantizers without state live here, beside the tensor they write,
-# because `Float8Tensor.quantize` builds them; the quantizers that keep state in buffers (StaticScalingState,
-# DelayedScalingState) build on them in float8/quantizer.py, which exports every quantizer. What a quantizer
-# answers is stated at the top of float8/quantizer.py and in docs/design.md §4.
+# The protocol and the stateless quantizers, which `Float8Tensor.quantize` builds; those that keep state in
+# buffers are in float8/quantizer.py (which exports all, and says what a quantizer answers; docs/design.md §4).
 
 
 def check_quantize_input(x: object) -> None:

@@ -28,3 +28,15 @@ def _ruff() -> list:
 def test_ruff_is_clean(args):
     done = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"ruff {' '.join(args)} (run it, or `ruff format .`):\n{done.stdout}{done.stderr}"
+
+
+def test_no_library_file_over_600_lines():
+    """Small files with one concern: a library module past 600 lines is split by concern (the norm and
+    activation kernels were, into forward, backward, launchers and references)."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for folder in ("float8", "ops", "kernels")
+        for p in (ROOT / folder).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, f"library files over 600 lines (split them by concern): {long}"
