@@ -6,25 +6,30 @@ first runs dynamo's guards, which for an FP8 model check every Float8Tensor para
 call on the H100 machine against bf16's 0.11; docs/inference.md). A plain torch.cuda.CUDAGraph of the eager
 forward replays our kernels and cuBLAS's with no guards at all.
 
-What a replay assumes, and how each assumption is checked so that a replay never reads stale tensors:
+What a replay assumes, and how each assumption is checked so that a replay never reads stale state:
 - the same input signature: the pytree structure of (args, kwargs), each tensor's shape, dtype and device,
-  each other leaf's value, the module's training flag and the autocast state. Another signature captures
-  another graph (one per signature, kept until `reset`).
-- the same module tree: every submodule, parameter and buffer is the object it was at capture, with the
-  same storage and version counter (a write from outside bumps it; the graph's own writes do not, so a buffer
-  the forward updates in place, such as a delayed-scaling history, is replayed correctly). A change drops
-  every graph, and the next call captures again (`captures` counts them). In-place writes into parameters
-  are seen either way; the re-capture is for layers that keep host-side state derived from a weight (the FP8
-  weight cache of a bf16 weight re-quantizes on the next eager call).
+  each other argument's value (None, bool, int, float, str, dtypes, devices and enums only: an object such
+  as a KV cache would be mutated by the warm-up calls and never by a replay), the autocast state and the
+  global matmul and attention settings. Another signature captures another graph, kept until `reset()`.
+- the same module tree (`ModuleSnapshot`): every module's submodules, parameters, buffers and forward
+  hooks are the objects they were at capture, its training flag, attribute count and (an ops.Linear's)
+  high_precision are unchanged, and each tensor keeps its storage, shape, strides and version counter (a
+  write from outside the graph bumps it; the graph's own writes do not). A change drops every graph and
+  the next call captures again (`captures` counts them). Other attribute values (an eps) are baked in at
+  capture: call `reset()` after changing one.
+- a forward that only writes state in place: one that rebinds module state, writes into its inputs, or
+  returns anything but tensors and plain values raises at capture, naming it. Buffers the forward updates
+  in place (a delayed-scaling history) are restored after the warm-up calls, so that each call, the
+  capturing one included, updates them once, as an eager call does.
 - no autograd: forwards run under torch.inference_mode(); an input that requires grad while grad mode is on
   raises ValueError (a graph of the forward alone would drop its backward).
-Python attributes the forward reads (an eps, a flag) are baked in at capture: call `reset()` after changing
-them. Outputs are copies (a replay writes into the same static buffers; returning them would let the next
-call overwrite a result the caller still holds).
+Outputs are copies (a replay writes into the same static buffers). One graphed callable serves one stream at
+a time; each signature keeps its graph's memory until `reset()`.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import operator
 from dataclasses import dataclass
@@ -33,6 +38,9 @@ from typing import Any, Dict, Hashable, List
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from float8.kernels.launch import runtime_settings
+from float8.ops.linear import Linear
 
 
 @dataclass
@@ -44,69 +52,116 @@ class _Captured:
 
 
 _VERSION = operator.attrgetter("_version")
+# What a module's forward depends on, besides its Python attributes: these dicts' contents, its training
+# flag, and on an ops.Linear the high_precision flag (ops.high_precision sets it for a while).
+_MODULE_DICTS = ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks")
+_FLAGS = operator.attrgetter("high_precision")
+# Non-tensor arguments and outputs a graph can stand for: values that cannot change behind its back.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, enum.Enum)
 
 
-def _ids_in(dicts: List[dict]) -> List[int]:
-    return list(map(id, itertools.chain.from_iterable(map(dict.values, dicts))))
+_TRAINING = operator.attrgetter("training")
+
+
+def _values(dicts: List[dict]) -> List[Any]:
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
+
+
+def _shapes(tensors: List[torch.Tensor]) -> tuple:
+    return list(map(torch.Tensor.size, tensors)), list(map(torch.Tensor.stride, tensors))
 
 
 @dataclass
 class ModuleSnapshot:
-    """What a capture relied on (`of(module)`), and whether it still holds (`unchanged()`): the values of
-    every module's submodule, parameter and buffer dicts (by identity), each tensor's version counter (bumped by writes from outside the graph), and the storage of each plain tensor and of each
-    inner tensor of a wrapper subclass (Float8Tensor's bits and scale), which a `.data = ...` re-points.
-    Flat lists compared with C-level maps: 36 us per check on a CI-class CPU for the benchmark's 2B-parameter
-    model (180 module dicts, 84 storages), against 250 us for a Python loop per tensor."""
+    """What a capture relied on (`of(module)`), and whether it still holds (`unchanged()`, or
+    `state_unchanged()` without the version counters): every module's submodule, parameter, buffer and
+    forward-hook dicts (and the global hook dicts), their sizes and their values, held and compared by
+    identity (a held value's id cannot be reused by a new object); each module's training flag and number
+    of attributes, and an ops.Linear's high_precision; each tensor's version counter (bumped by writes from
+    outside the graph); each plain tensor's storage address, shape and strides, and the identity and address
+    of each inner tensor of a wrapper subclass (Float8Tensor's bits and scale), which a `.data = ...`
+    re-points. Not the values of other attributes (an eps rebound): `GraphedInference.reset()` after
+    changing one. Flat lists compared with C-level maps: about 45 us per check on a CI-class CPU for the
+    benchmark's 2B-parameter model (60 modules, 51 parameters), 250 us with a Python loop per tensor."""
 
     dicts: List[dict]
     sizes: List[int]
-    ids: List[int]
+    filled: List[dict]  # the dicts with values: a value added to an empty one shows in `sizes`
+    values: List[Any]
+    modules: List[torch.nn.Module]
+    training: List[bool]
+    attr_counts: List[int]
+    flagged: List[torch.nn.Module]
+    flags: List[bool]
     versioned: List[torch.Tensor]
     versions: List[int]
+    plain: List[torch.Tensor]
+    shapes: tuple
     stored: List[torch.Tensor]
     pointers: List[int]
     owners: List[torch.Tensor]
     attrs: List[str]
-    inner_ids: List[int]
+    inner: List[torch.Tensor]
 
     @staticmethod
     def of(module: torch.nn.Module) -> "ModuleSnapshot":
         """The snapshot of `module`'s tree as it is now."""
-        dicts = [d for m in module.modules() for d in (m._modules, m._parameters, m._buffers)]
-        tensors = [t for d in dicts for t in d.values() if isinstance(t, torch.Tensor)]
+        modules = list(module.modules())
+        dicts = [getattr(m, a) for m in modules for a in _MODULE_DICTS]
+        hooks = torch.nn.modules.module
+        dicts += [
+            getattr(hooks, a) for a in ("_global_forward_hooks", "_global_forward_pre_hooks") if hasattr(hooks, a)
+        ]
+        filled = [d for d in dicts if d]
+        tensors = [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
         # An inference tensor has no version counter (reading it raises); its rebinding still shows.
         versioned = [t for t in tensors if not t.is_inference()]
-        stored, owners, attrs = [], [], []
+        plain = [t for t in tensors if not is_traceable_wrapper_subclass(t)]
+        owners, attrs = [], []
         for t in tensors:
             if is_traceable_wrapper_subclass(t):
-                for a in t.__tensor_flatten__()[0]:
-                    owners.append(t)
-                    attrs.append(a)
-                    stored.append(getattr(t, a))
-            else:
-                stored.append(t)
+                names = t.__tensor_flatten__()[0]
+                owners += [t] * len(names)
+                attrs += names
+        inner = list(map(getattr, owners, attrs))
+        flagged = [m for m in modules if isinstance(m, Linear)]
         return ModuleSnapshot(
             dicts,
             list(map(len, dicts)),
-            _ids_in(dicts),
+            filled,
+            _values(filled),
+            modules,
+            list(map(_TRAINING, modules)),
+            list(map(len, map(vars, modules))),
+            flagged,
+            list(map(_FLAGS, flagged)),
             versioned,
             list(map(_VERSION, versioned)),
-            stored,
-            list(map(torch.Tensor.data_ptr, stored)),
+            plain,
+            _shapes(plain),
+            plain + inner,
+            list(map(torch.Tensor.data_ptr, plain + inner)),
             owners,
             attrs,
-            list(map(id, map(getattr, owners, attrs))),
+            inner,
+        )
+
+    def state_unchanged(self) -> bool:
+        """Whether every dict value, flag and storage is still what the snapshot saw (versions aside)."""
+        return (
+            list(map(len, self.dicts)) == self.sizes
+            and all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self.filled)), self.values))
+            and list(map(_TRAINING, self.modules)) == self.training
+            and list(map(len, map(vars, self.modules))) == self.attr_counts
+            and list(map(_FLAGS, self.flagged)) == self.flags
+            and all(map(operator.is_, map(getattr, self.owners, self.attrs), self.inner))
+            and list(map(torch.Tensor.data_ptr, self.stored)) == self.pointers
+            and _shapes(self.plain) == self.shapes
         )
 
     def unchanged(self) -> bool:
-        """Whether every dict, tensor, version and storage is still what the snapshot saw."""
-        return (
-            list(map(len, self.dicts)) == self.sizes
-            and _ids_in(self.dicts) == self.ids
-            and list(map(_VERSION, self.versioned)) == self.versions
-            and list(map(id, map(getattr, self.owners, self.attrs))) == self.inner_ids
-            and list(map(torch.Tensor.data_ptr, self.stored)) == self.pointers
-        )
+        """state_unchanged(), and no tensor written since (its version counter)."""
+        return self.state_unchanged() and list(map(_VERSION, self.versioned)) == self.versions
 
 
 class GraphedInference:
@@ -134,7 +189,7 @@ class GraphedInference:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = self._signature(leaves, spec)
+        key = self._signature(leaves, spec, (args, kwargs))
         if self._state is not None and not self._state.unchanged():
             self.reset()
         captured = self._graphs.get(key)
@@ -148,55 +203,111 @@ class GraphedInference:
         out = [x.clone() if isinstance(x, torch.Tensor) else x for x in captured.out_leaves]
         return pytree.tree_unflatten(out, captured.out_spec)
 
-    def _signature(self, leaves: List[Any], spec: pytree.TreeSpec) -> Hashable:
-        parts: List[Hashable] = [spec, self.module.training, torch.is_autocast_enabled("cuda")]
-        parts.append(torch.get_autocast_dtype("cuda"))
+    def _signature(self, leaves: List[Any], spec: pytree.TreeSpec, tree: Any) -> Hashable:
+        parts: List[Hashable] = [spec, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+        parts.append(_global_settings())
         grad = torch.is_grad_enabled()
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 if grad and x.requires_grad:
                     raise ValueError(
-                        f"graphed_inference: tensor argument {i} requires grad; a graphed forward records no "
-                        "backward (call it under torch.no_grad() or torch.inference_mode(), or detach it)"
+                        f"graphed_inference: argument {_path(tree, i)} requires grad; a graphed forward records "
+                        "no backward (call it under torch.no_grad() or torch.inference_mode(), or detach it)"
                     )
                 if x.device.type != "cuda":
                     raise ValueError(
-                        f"graphed_inference: tensor argument {i} is on {x.device}; a CUDA graph reads CUDA "
-                        "tensors only (move it to the GPU)"
+                        f"graphed_inference: argument {_path(tree, i)} is on {x.device}; a CUDA graph reads "
+                        "CUDA tensors only (move it to the GPU)"
                     )
                 parts.append((tuple(x.shape), x.dtype, x.device))
+            elif isinstance(x, _PLAIN):
+                parts.append((type(x), "nan") if x != x else (type(x), x))  # NaN != NaN: one key for all NaNs
             else:
-                try:
-                    hash(x)
-                except TypeError:
-                    raise TypeError(
-                        f"graphed_inference: argument {i} ({type(x).__name__}) is neither a tensor nor "
-                        "hashable, so a call cannot be matched to a captured graph"
-                    ) from None
-                parts.append((type(x), x))
+                raise TypeError(
+                    f"graphed_inference: argument {_path(tree, i)} is a {type(x).__name__}; a graph can stand "
+                    "for tensors and plain values (None, bool, int, float, str, dtypes, devices, enums) only. "
+                    "An object the forward mutates (a KV cache) would change in the warm-up calls and never "
+                    "in a replay (for a Hugging Face model, pass use_cache=False)"
+                )
         return tuple(parts)
 
     def _capture(self, leaves: List[Any], spec: pytree.TreeSpec) -> _Captured:
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
         if device is None:
             raise ValueError("graphed_inference: the call has no tensor argument to take the device from")
-        static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        with torch.inference_mode(False):  # normal tensors: later calls copy into them in any mode
+            static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(static, spec)
+        static_inputs = [x for x in static if isinstance(x, torch.Tensor)]
+        input_versions = [x._version for x in static_inputs]
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(device))
+        before = ModuleSnapshot.of(self.module)
+        buffers = {id(b) for b in self.module.buffers()}
+        with torch.inference_mode(False):  # the buffers as they were, to put back after the warm-up calls
+            kept = [(t, t._version, t.detach().clone()) for t in before.versioned if id(t) in buffers]
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(self.warmup_calls):
+            self.module(*args, **kwargs)
+            settled = ModuleSnapshot.of(self.module)  # lazy state a first call makes (plans, caches) included
+            for _ in range(self.warmup_calls - 1):
                 self.module(*args, **kwargs)
             with torch.cuda.graph(graph, stream=stream):
                 out = self.module(*args, **kwargs)
         torch.cuda.current_stream(device).wait_stream(stream)
-        self.captures += 1
+        written = [i for i, (x, v) in enumerate(zip(static_inputs, input_versions)) if x._version != v]
+        if written:
+            raise RuntimeError(
+                f"graphed_inference: the forward writes into its tensor argument(s) {written} (in order of the "
+                "flattened arguments) in place; a graph reads copies of its inputs, so the write would never "
+                "reach the caller's tensor. Run this model eagerly"
+            )
+        if not settled.state_unchanged():
+            raise RuntimeError(
+                "graphed_inference: the forward rebinds module state from call to call (a submodule, "
+                "parameter, buffer, hook or attribute is another object after each call); a graph would "
+                "replay the first binding only. Write such state in place, or run the model eagerly"
+            )
+        with torch.no_grad():
+            for t, version, value in kept:
+                if t._version != version:  # written by the warm-up calls: as it was before them
+                    t.copy_(value)
         out_leaves, out_spec = pytree.tree_flatten(out)
-        static_inputs = [x for x in static if isinstance(x, torch.Tensor)]
+        for i, x in enumerate(out_leaves):
+            if not isinstance(x, (torch.Tensor, *_PLAIN)):
+                raise TypeError(
+                    f"graphed_inference: the forward returns a {type(x).__name__} ({_path(out, i, call=False)}); a "
+                    "graph returns tensors and plain values only (for a Hugging Face model, pass use_cache=False)"
+                )
+        self.captures += 1
         return _Captured(graph, static_inputs, out_leaves, out_spec)
+
+
+def _global_settings() -> tuple:
+    """Process-wide settings that change which kernels a forward runs (TF32, deterministic algorithms,
+    the SDPA backends allowed, Triton's runtime settings)."""
+    b = torch.backends
+    return (
+        b.cuda.matmul.allow_tf32,
+        b.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+        b.cuda.flash_sdp_enabled(),
+        b.cuda.mem_efficient_sdp_enabled(),
+        b.cuda.math_sdp_enabled(),
+        b.cuda.cudnn_sdp_enabled(),
+        runtime_settings(),
+    )
+
+
+def _path(tree: Any, i: int, call: bool = True) -> str:
+    """The i-th flattened leaf of a call's (args, kwargs), or of an output, named as the caller wrote it:
+    args[0], kwargs['input_ids'], output.logits."""
+    path = pytree.tree_flatten_with_path(tree)[0][i][0]
+    if not call:
+        return "output" + pytree.keystr(path)
+    return ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
 
 
 def graphed_inference(module: torch.nn.Module, *, warmup_calls: int = 2) -> GraphedInference:

@@ -37,12 +37,14 @@ def _first_linear(model):
 
 def test_refused_calls_name_the_problem():
     graphed = ops.graphed_inference(_model())
-    with pytest.raises(ValueError, match="tensor argument 0 is on cpu"):
+    with pytest.raises(ValueError, match=r"argument args\[0\] is on cpu"):
         graphed(torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="requires grad"):
-        graphed(torch.zeros(1, 4, requires_grad=True))
-    with pytest.raises(TypeError, match=r"argument 0 \(set\) is neither a tensor nor hashable"):
+    with pytest.raises(ValueError, match=r"argument kwargs\['x'\] requires grad"):
+        graphed(x=torch.zeros(1, 4, requires_grad=True))
+    with pytest.raises(TypeError, match=r"argument args\[0\] is a set; a graph can stand for tensors and plain"):
         graphed({1})
+    with pytest.raises(TypeError, match=r"argument kwargs\['cache'\] is a object.*KV cache"):
+        graphed(cache=object())
     with pytest.raises(ValueError, match="no tensor argument"):
         graphed(3)
     with pytest.raises(ValueError, match="warmup_calls must be >= 1"):
@@ -50,14 +52,26 @@ def test_refused_calls_name_the_problem():
     assert graphed.captures == 0
 
 
+def test_signature_tells_plain_values_apart_and_keys_every_nan_alike():
+    graphed = ops.graphed_inference(_model())
+    key = lambda *args: graphed._signature(list(args), None, (args, {}))  # noqa: E731
+    assert len({key(1), key(1.0), key(True)}) == 3  # equal and hashing alike, but not the same argument
+    assert key(float("nan")) == key(float("nan"))  # NaN != NaN: without this, every call would capture anew
+
+
 def test_snapshot_holds_across_a_forward_and_in_place_reads():
     model = _model()
+    with torch.inference_mode():
+        model(torch.zeros(1, 4, dtype=torch.long))  # whatever a first call makes lazily
     snap = ModuleSnapshot.of(model)
     with torch.inference_mode():
         model(torch.zeros(1, 4, dtype=torch.long))
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long))
     assert snap.unchanged()
+    with torch.no_grad():
+        model[-2].weight.mul_(1)  # a write: the version moves, the state does not
+    assert snap.state_unchanged() and not snap.unchanged()
 
 
 @pytest.mark.parametrize(
@@ -71,6 +85,12 @@ def test_snapshot_holds_across_a_forward_and_in_place_reads():
         "submodule replaced",
         "submodule added",
         "buffer added",
+        "a submodule in train mode",
+        "forward hook",
+        "forward pre-hook",
+        "ops.high_precision",
+        "a submodule replaced by one at the same address",
+        "weight .data re-shaped over the same storage",
     ],
 )
 def test_snapshot_sees_every_change(change):
@@ -94,6 +114,22 @@ def test_snapshot_sees_every_change(change):
             model[1].extra = torch.nn.ReLU()
         elif change == "buffer added":
             model[1].register_buffer("extra", torch.zeros(1))
+        elif change == "a submodule in train mode":
+            model[1].train()
+        elif change == "forward hook":
+            model[1].register_forward_hook(lambda *a: None)
+        elif change == "forward pre-hook":
+            lin.register_forward_pre_hook(lambda *a: None)
+        elif change == "ops.high_precision":
+            with ops.high_precision(model):
+                assert not snap.unchanged()
+            return
+        elif change == "a submodule replaced by one at the same address":
+            model[1] = None  # the old block is freed; a new one may get its address (the snapshot holds it)
+            model[1] = Block(TINY).to(BF16)
+        elif change == "weight .data re-shaped over the same storage":
+            emb = model[0]  # the same storage, the same address, another shape
+            emb.weight.data = emb.weight.data.view(emb.weight.shape[1], -1)
     assert not snap.unchanged()
 
 
@@ -165,5 +201,83 @@ def test_gpu_hugging_face_model_with_keyword_arguments():
     got = graphed(input_ids=ids, use_cache=False)
     assert torch.equal(got.logits, want)
     assert graphed.captures == 1
-    graphed(input_ids=ids, use_cache=True)  # another value of a non-tensor argument: another graph
-    assert graphed.captures == 2
+    # With a cache the output holds a DynamicCache, an object the warm-ups fill and no replay would.
+    with pytest.raises(TypeError, match="returns a DynamicCache"):
+        graphed(input_ids=ids, use_cache=True)
+    assert graphed.captures == 1
+
+
+class _Counting(torch.nn.Module):
+    """Adds its input's sum to a buffer in place, as a delayed-scaling history is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), device="cuda"))
+
+    def forward(self, x):
+        self.seen.add_(x.sum())
+        return x * 2
+
+
+@gpu
+def test_gpu_buffers_written_in_place_advance_once_per_call_as_eagerly():
+    eager, graphed_model = _Counting(), _Counting()
+    graphed = ops.graphed_inference(graphed_model)
+    for i in range(4):
+        x = torch.full((8,), float(i + 1), device="cuda")
+        with torch.inference_mode():
+            eager(x)
+        graphed(x)
+        assert torch.equal(graphed_model.seen, eager.seen), i  # the warm-up calls are undone
+    assert graphed.captures == 1
+
+
+@gpu
+def test_gpu_forwards_a_graph_cannot_replay_are_refused():
+    class Rebinding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("step", torch.zeros((), device="cuda"))
+
+        def forward(self, x):
+            self.step = self.step + 1  # a new tensor per call: a graph would keep reading the first
+            return x + self.step
+
+    class WritingItsInput(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(1)
+
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="rebinds module state"):
+        ops.graphed_inference(Rebinding())(x)
+    with pytest.raises(RuntimeError, match="writes into its tensor argument"):
+        ops.graphed_inference(WritingItsInput())(x)
+
+
+@gpu
+def test_gpu_a_first_call_under_inference_mode_then_calls_in_other_modes():
+    model = _model("cuda")
+    graphed = ops.graphed_inference(model)
+    ids = torch.randint(0, TINY.vocab, (1, 16), device="cuda")
+    with torch.inference_mode():
+        first = graphed(ids)
+    with torch.no_grad():
+        assert torch.equal(graphed(ids), first)
+    assert torch.equal(graphed(ids), first)
+    assert graphed.captures == 1
+
+
+@gpu
+def test_gpu_split_k_layers_replay_their_eager_bits():
+    """A narrow layer with a long K splits K at decode sizes (its partials summed in the kernel, with
+    counters the graph zeroes): replays keep eager's bits, call after call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8192, 128), torch.nn.GELU(), torch.nn.Linear(128, 14336 // 2))
+    model = ops.convert(model.to("cuda", BF16), fp8_weights=True).eval()
+    graphed = ops.graphed_inference(model)
+    for i in range(5):
+        x = torch.randn(16, 8192, device="cuda", dtype=BF16)
+        with torch.inference_mode():
+            want = model(x)
+        assert torch.equal(graphed(x), want), i
+    assert graphed.captures == 1
