@@ -59,11 +59,19 @@ class ScaleLayout(enum.Enum):
         a Linear runs in FP8 and norms/activations can write it in their own kernels.
     ROW: one scale per row; the transposed operand needs its own quantization along its rows.
     BLOCK: one scale per 1x128 or 128x128 block; GEMMs run on dequantized operands (numerics, not speed).
+    OTHER: any other granularity, from a quantizer written outside the library (tests/float8/
+        test_new_granularity.py defines one): GEMMs run on dequantized operands, as for BLOCK.
     """
 
     TENSOR = "tensor"
     ROW = "row"
     BLOCK = "block"
+    OTHER = "other"
+
+    @property
+    def dequantized_gemms(self) -> bool:
+        """Whether a Linear's GEMMs take this layout's operands dequantized (no FP8 GEMM reads its scales)."""
+        return self in (ScaleLayout.BLOCK, ScaleLayout.OTHER)
 
 
 def check_dense(x: torch.Tensor, what: str) -> None:

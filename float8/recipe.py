@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from float8.kernels.reference import fp8_max, max_margin
-from float8.quantizer import LinearQuantizers, quantizer_for
+from float8.quantizer import LinearQuantizers, Quantizer, quantizer_for
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, Scaling, TensorwiseScaling
 
 
@@ -49,6 +49,20 @@ class Format(enum.Enum):
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
+def _check_role_quantizer(role: str, q: Quantizer, fp8: torch.dtype) -> None:
+    """A quantizer given for a recipe role: stateless (every Linear of the recipe shares it), and of the
+    role's format."""
+    if isinstance(q, torch.nn.Module):
+        raise TypeError(
+            f"Recipe.{role}: {type(q).__name__} keeps state (a scale or an amax history) that one op owns, and a "
+            "recipe is shared by every Linear built from it; give a scaling dataclass, or set the op's quantizer"
+        )
+    if q.fp8_dtype != fp8:
+        raise ValueError(
+            f"Recipe.{role}: the quantizer writes {q.fp8_dtype}, but this recipe's format gives the {role} role {fp8}"
+        )
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Which format and scaling each role of a Linear uses. Hand it to ops or to `Sequential`.
@@ -59,9 +73,11 @@ class Recipe:
     """
 
     format: Format = Format.HYBRID
-    input: Scaling = field(default_factory=TensorwiseScaling)
-    weight: Scaling = field(default_factory=TensorwiseScaling)
-    grad: Scaling = field(default_factory=TensorwiseScaling)
+    # A scaling dataclass per role, or a stateless Quantizer of the role's format (a granularity of your
+    # own: tests/float8/test_new_granularity.py), shared by every Linear built from the recipe.
+    input: Union[Scaling, Quantizer] = field(default_factory=TensorwiseScaling)
+    weight: Union[Scaling, Quantizer] = field(default_factory=TensorwiseScaling)
+    grad: Union[Scaling, Quantizer] = field(default_factory=TensorwiseScaling)
     # Forward GEMM with cuBLASLt's fast accumulation (as TransformerEngine and torchao do); gradients
     # always accumulate with float32 promotion.
     fprop_fast_accum: bool = True
@@ -98,9 +114,14 @@ class Recipe:
             )
         for role in ("input", "weight", "grad"):
             s = getattr(self, role)
-            if not isinstance(s, (TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling)):
-                raise TypeError(f"Recipe.{role} must be a scaling dataclass, got {type(s).__name__}")
             fp8 = self.format.backward_dtype if role == "grad" else self.format.forward_dtype
+            if isinstance(s, Quantizer):
+                _check_role_quantizer(role, s, fp8)
+                continue
+            if not isinstance(s, (TensorwiseScaling, RowwiseScaling, BlockwiseScaling, DelayedScaling)):
+                raise TypeError(
+                    f"Recipe.{role} must be a scaling dataclass or a stateless Quantizer, got {type(s).__name__}"
+                )
             if s.margin > max_margin(fp8):
                 raise ValueError(
                     f"Recipe.{role} has margin {s.margin}, too large for {fp8}: every value would round to 0 "
@@ -120,6 +141,13 @@ class Recipe:
         """
         fwd, bwd = self.format.forward_dtype, self.format.backward_dtype
         dev = torch.device("cpu") if device is None else device
+        for role in ("input", "weight", "grad"):
+            q = getattr(self, role)
+            if isinstance(q, Quantizer) and amax_group is not None and getattr(q, "amax_group", None) is not amax_group:
+                raise ValueError(
+                    f"Recipe.{role} is a {type(q).__name__} given as it is, which cannot reduce its amax over the "
+                    "op's amax_group (tensor parallelism agrees scales over it): give a scaling dataclass"
+                )
         return LinearQuantizers(
             quantizer_for(self.input, fwd, device=dev, amax_group=amax_group),
             quantizer_for(self.weight, fwd, device=dev, amax_group=amax_group),

@@ -257,12 +257,17 @@ class GraphedInference:
             with torch.cuda.graph(graph, stream=stream):
                 out = self.module(*args, **kwargs)
         torch.cuda.current_stream(device).wait_stream(stream)
-        written = [i for i, (x, v) in enumerate(zip(static_inputs, input_versions)) if x._version != v]
+        with torch.no_grad():
+            for t, version, value in kept:
+                if t._version != version:  # written by the warm-up calls: as it was before them
+                    t.copy_(value)
+        at = [j for j, x in enumerate(static) if isinstance(x, torch.Tensor)]
+        written = [_path((args, kwargs), at[i]) for i, x in enumerate(static_inputs) if x._version != input_versions[i]]
         if written:
             raise RuntimeError(
-                f"graphed_inference: the forward writes into its tensor argument(s) {written} (in order of the "
-                "flattened arguments) in place; a graph reads copies of its inputs, so the write would never "
-                "reach the caller's tensor. Run this model eagerly"
+                f"graphed_inference: the forward writes into its tensor argument(s) {', '.join(written)} in place; "
+                "a graph reads copies of its inputs, so the write would never reach the caller's tensor. Run this "
+                "model eagerly"
             )
         if not settled.state_unchanged():
             raise RuntimeError(
@@ -270,10 +275,6 @@ class GraphedInference:
                 "parameter, buffer, hook or attribute is another object after each call); a graph would "
                 "replay the first binding only. Write such state in place, or run the model eagerly"
             )
-        with torch.no_grad():
-            for t, version, value in kept:
-                if t._version != version:  # written by the warm-up calls: as it was before them
-                    t.copy_(value)
         out_leaves, out_spec = pytree.tree_flatten(out)
         for i, x in enumerate(out_leaves):
             if not isinstance(x, (torch.Tensor, *_PLAIN)):

@@ -3,8 +3,9 @@ the record the forward saves (`LinearSaved`), the weight's quantization, and the
 stateless `functional.linear`. The `Linear` op (ops/linear.py) is a weight cache and three long-lived
 quantizers around the same two calls; ops/functional.py keeps the one-call forms.
 
-Numerics: per-tensor recipes reuse one set of FP8 bits (and its transpose) for every GEMM; per-row and
-block recipes quantize each operand along the dim its GEMM reduces (docs/design.md section 5).
+Numerics: per-tensor recipes reuse one set of FP8 bits (and its transpose) for every GEMM; per-row recipes
+quantize each operand along the dim its GEMM reduces; block recipes and any other granularity
+(ScaleLayout.OTHER) multiply the dequantized operands (docs/design.md section 5).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def quantize_weight(
     """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
 
     Per-tensor: one kernel writes both layouts. Per-row: the transposed operand is quantized along its own
-    rows. Blocks: the forward copy serves both (their GEMMs dequantize)."""
+    rows. Blocks and other granularities: the forward copy serves both (their GEMMs dequantize)."""
     if isinstance(weight, Float8Tensor):
         return weight, (weight if for_backward else None)
     with torch.no_grad():
@@ -75,7 +76,7 @@ def quantize_weight(
         w8 = quantizer._quantize(w, False)
         if not for_backward:
             return w8, None
-        if quantizer.layout is ScaleLayout.BLOCK:
+        if quantizer.layout.dequantized_gemms:
             return w8, w8
         return w8, quantizer._quantize(w.t(), False).t()
 
@@ -136,7 +137,7 @@ def linear_fwd(
     out_dtype = x2.dtype
     qi = quantizers.input
     layout = qi.layout
-    if layout is ScaleLayout.BLOCK:
+    if layout.dequantized_gemms:
         x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, False)
         y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
         saved_x = x8 if need_wgrad else None
@@ -210,7 +211,7 @@ def linear_bwd(
         del x
         if saved.need_dgrad:
             dx = dyh @ saved.w
-    elif saved.layout is ScaleLayout.BLOCK:
+    elif saved.layout.dequantized_gemms:
         dyh = qg._quantize(plain(dy2), False).dequantize()
         if saved.need_wgrad:
             dw = (dyh.t().float() @ x.dequantize(torch.float32)).to(weight_dtype)
