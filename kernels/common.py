@@ -206,7 +206,9 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= max(1, n)."""
-    return triton.next_power_of_2(max(1, n))
+    if type(n) is int:  # 0.2 us against Triton's 2.2 (its bit loop), a dozen times per small FP8 step
+        return 1 << (max(1, n) - 1).bit_length()
+    return triton.next_power_of_2(max(1, n))  # a SymInt while traced
 
 
 def small_num_warps(tile_elems: int) -> int:

@@ -286,6 +286,11 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
     assert launcher._key(args, (4, 3)) != launcher._key(args[:23] + (True,), (4, 3))  # the orientation
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
+    # Constexprs by value, every other argument by _arg_key, the options last: the key's whole definition.
+    want = tuple(a if i in launcher.constexpr else _arg_key(a) for i, a in enumerate(args)) + (4, 3)
+    assert launcher._key(args, (4, 3)) == want
+    assert _arg_key(torch.nn.Parameter(t)) == _arg_key(t) and _arg_key(None) == (type(None), None)
+    assert _arg_key(1.5) == "f" and _arg_key(False) == ("b", False)
 
 
 # ---- GPU tier ---------------------------------------------------------------------------------------
