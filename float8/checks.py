@@ -68,10 +68,11 @@ class ScaleLayout(enum.Enum):
     BLOCK = "block"
     OTHER = "other"
 
-    @property
-    def dequantized_gemms(self) -> bool:
-        """Whether a Linear's GEMMs take this layout's operands dequantized (no FP8 GEMM reads its scales)."""
-        return self in (ScaleLayout.BLOCK, ScaleLayout.OTHER)
+
+def dequantized_gemms(layout: ScaleLayout) -> bool:
+    """Whether a Linear's GEMMs take this layout's operands dequantized (no FP8 GEMM reads its scales). Plain
+    identity tests, which torch.compile traces in every version (an Enum property may not be)."""
+    return layout is ScaleLayout.BLOCK or layout is ScaleLayout.OTHER
 
 
 def check_dense(x: torch.Tensor, what: str) -> None:

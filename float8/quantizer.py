@@ -44,6 +44,7 @@ from float8.checks import (  # ScaleLayout and the checks: exported from here to
     all_reduce_amax,
     check_amax_group,
     check_dense,
+    dequantized_gemms,
 )
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
@@ -373,6 +374,7 @@ __all__ = [
     "quantizer_for",
     "check_amax_group",
     "check_dense",
+    "dequantized_gemms",
 ]
 
 

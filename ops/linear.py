@@ -64,6 +64,7 @@ from float8.quantizer import (
     StaticScalingState,
     check_amax_group,
     check_dense,
+    dequantized_gemms,
 )
 
 # Where a calibrated Linear's static input scale sits in its state dict (ops/calibrate.py).
@@ -375,7 +376,7 @@ class Linear(BasicOp):
             if weight_only.scale_mode(w.fp8_data, w.scale_inv)[0] == 2:
                 y = self._block_forward(x2, w, bias)
                 return None if y is None else y.reshape(*x.shape[:-1], self.out_features)
-            if self.input_quantizer.layout.dequantized_gemms:
+            if dequantized_gemms(self.input_quantizer.layout):
                 return None
             # The bias joins the GEMM's epilogue in x's dtype, as the runner's Linear + Bias fusion adds it.
             y, _ = linear_fwd(

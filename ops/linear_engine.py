@@ -22,7 +22,14 @@ from float8.gemm import fp8_mm_or_dequantized as _mm
 from float8.ops.base import plain, second_backward_error, take
 from float8.ops.bias import bias_backward
 from float8.ops.saved import SavedRecord
-from float8.quantizer import LinearQuantizers, Quantizer, QuantRequest, ScaleLayout, TensorwiseQuantizer
+from float8.quantizer import (
+    LinearQuantizers,
+    Quantizer,
+    QuantRequest,
+    ScaleLayout,
+    TensorwiseQuantizer,
+    dequantized_gemms,
+)
 
 
 @dataclass
@@ -76,7 +83,7 @@ def quantize_weight(
         w8 = quantizer._quantize(w, False)
         if not for_backward:
             return w8, None
-        if quantizer.layout.dequantized_gemms:
+        if dequantized_gemms(quantizer.layout):
             return w8, w8
         return w8, quantizer._quantize(w.t(), False).t()
 
@@ -137,7 +144,7 @@ def linear_fwd(
     out_dtype = x2.dtype
     qi = quantizers.input
     layout = qi.layout
-    if layout.dequantized_gemms:
+    if dequantized_gemms(layout):
         x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, False)
         y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
         saved_x = x8 if need_wgrad else None
@@ -211,7 +218,7 @@ def linear_bwd(
         del x
         if saved.need_dgrad:
             dx = dyh @ saved.w
-    elif saved.layout.dequantized_gemms:
+    elif dequantized_gemms(saved.layout):
         dyh = qg._quantize(plain(dy2), False).dequantize()
         if saved.need_wgrad:
             dw = (dyh.t().float() @ x.dequantize(torch.float32)).to(weight_dtype)
