@@ -269,6 +269,10 @@ class GraphedInference:
                 "a graph reads copies of its inputs, so the write would never reach the caller's tensor. Run this "
                 "model eagerly"
             )
+        if not before.state_unchanged():
+            # This signature's first call rebound state (a cache grown for a longer input, a buffer made
+            # lazily): graphs captured before it may read what was replaced, so they go.
+            self._graphs.clear()
         if not settled.state_unchanged():
             raise RuntimeError(
                 "graphed_inference: the forward rebinds module state from call to call (a submodule, "

@@ -228,10 +228,39 @@ def _in_fresh_process(fn, *args):
     """Run fn(*args) of this file in a new interpreter. The Hugging Face tests run there: with a transformers
     model built in the pytest process, a later torch.compile test of this suite crashed the interpreter (a
     segfault in dynamo's fake-tensor call of a float8 op, also before this file existed; found 2026-11-25,
-    docs/bad_input.md, Known problems). Isolated, neither depends on the other's order."""
+    docs/bad_input.md, Known problems). Isolated, neither depends on the other's order.
+
+    The same known crash of the toolchain also strikes a fresh interpreter now and then (1 run in 8 of the
+    compiled generate() test on torch 2.13 CPU, 2026-11-26: `std::bad_alloc` or a missing operator schema
+    inside dynamo's fake-tensor call of a float8 op): a run that dies of exactly that is run once more, and
+    a second failure of any kind fails the test."""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.float8.test_checkpoint import {fn.__name__} as f; f(*{args!r})"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    for attempt in range(2):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        if run.returncode == 0 or attempt or not _known_toolchain_crash(run):
+            break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+
+
+def _known_toolchain_crash(run: subprocess.CompletedProcess) -> bool:
+    """The crash of docs/bad_input.md's Known problems: a segfault, or memory errors from dynamo's fake-tensor
+    call of a float8 op (not an assertion of the test, nor any other error)."""
+    if run.returncode == -11:
+        return True
+    fake_call = "Dynamo failed to run FX node with fake tensors: call_function float8." in run.stderr
+    return fake_call and any(s in run.stderr for s in ("std::bad_alloc", "schema_.has_value()", "vector::reserve"))
+
+
+def test_only_the_known_toolchain_crash_is_run_again():
+    def ran(rc, err):
+        return subprocess.CompletedProcess([], rc, "", err)
+
+    fake_call = "Dynamo failed to run FX node with fake tensors: call_function float8.fp8_weight_mm.default(x)"
+    assert _known_toolchain_crash(ran(-11, ""))
+    assert _known_toolchain_crash(ran(1, fake_call + ": got MemoryError('std::bad_alloc')"))
+    assert not _known_toolchain_crash(ran(1, "AssertionError: the compiled tokens differ from eager's"))
+    assert not _known_toolchain_crash(ran(1, "MemoryError('std::bad_alloc') somewhere else"))
+    assert not _known_toolchain_crash(ran(1, fake_call + ": got ValueError('a real bug of ours')"))
 
 
 def test_hugging_face_save_pretrained_writes_the_hub_layout(tmp_path):

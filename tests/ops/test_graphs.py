@@ -254,6 +254,31 @@ def test_gpu_forwards_a_graph_cannot_replay_are_refused():
         ops.graphed_inference(WritingItsInput())(x)
 
 
+class _GrowingCache(torch.nn.Module):
+    """Rebinds its buffer when an input is longer than it (as a rotary cache grown for a longer sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0, device="cuda"))
+
+    def forward(self, x):
+        if x.shape[-1] > self.table.numel():
+            self.table = torch.arange(float(x.shape[-1]), device="cuda")
+        return x * self.table[: x.shape[-1]]
+
+
+@gpu
+def test_gpu_a_capture_that_rebinds_state_drops_the_graphs_that_read_the_old_state():
+    eager, model = _GrowingCache(), _GrowingCache()
+    graphed = ops.graphed_inference(model)
+    short, long = torch.ones(4, device="cuda"), torch.ones(16, device="cuda")
+    for x in (short, long, short, long):
+        with torch.inference_mode():
+            want = eager(x)
+        assert torch.equal(graphed(x), want)
+    assert graphed.captures == 3  # short, long (its first call grew the table: short's graph went), short
+
+
 @gpu
 def test_gpu_a_first_call_under_inference_mode_then_calls_in_other_modes():
     model = _model("cuda")
