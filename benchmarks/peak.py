@@ -1,6 +1,6 @@
 """What is alive at the peak of one training step, and where each tensor was allocated.
 
-    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train|converted] [--out DIR]
+    python -m benchmarks.peak [--tiny] [--case mlp|seed1119|both|train|converted|llama] [--out DIR]
 
 Runs the activation cases of `benchmarks.memory` (bf16, float8.ops with the default and the lean-activation
 recipe; AdamW, bf16 weights, loss out.sum()), records the
@@ -11,6 +11,9 @@ weights, gradients and optimizer states that were allocated before the recording
 --case train: the 8 Llama blocks of the memory bench's train case (float8.ops, default and lean recipes).
 --case converted: the same 8 blocks written in plain torch.nn, in bf16 and through `ops.convert` (default and
 lean recipes): the path users take with their own models. The other cases list the converted model too.
+--case llama: benchmarks.step_llama's whole model and whole step (zero_grad, forward, backward, AdamW foreach),
+one report per variant of `--variants` (eager, compiled, torchao); code torch.compile generated is named by its
+source line.
 CUDA only (the allocator's history); on a CPU it says so and stops. Each case is recorded as the area
 peak_<case> in DIR (default benchmarks/results/; benchmarks.harness.record): its reports as text, and the peaks
 and what was held before the step as figures.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import linecache
 import re
 
 import torch
@@ -28,16 +32,20 @@ import torch
 from benchmarks.harness import environment, figure, record
 
 MiB = 2**20
+LLAMA_VARIANTS = "bf16 eager,float8 converted eager,float8 converted eager lean,bf16 compiled,float8 converted compiled,torchao tensorwise compiled"
 
 
 def _site(frames) -> str:
-    """The innermost frame in float8 (or the bench's model file): where the tensor comes from."""
+    """The innermost frame in float8 (or the bench's model file): where the tensor comes from. Code that
+    torch.compile generated is named by its source line (the buffer and the kernel or op that fills it)."""
     for f in frames:
         name = f.get("filename", "")
         if "/float8/" in name and "/bench/peak.py" not in name:
             return f"{name.split('/float8/')[-1]}:{f.get('line')} {f.get('name')}"
     for f in frames:
         name = f.get("filename", "")
+        if "torchinductor" in name:
+            return "compiled: " + " ".join(linecache.getline(name, f.get("line", 0)).split())[:100]
         if "torch/" not in name and name.endswith(".py"):
             return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
     return frames[0].get("name", "?") if frames else "?"
@@ -53,8 +61,9 @@ def live_at_peak(trace, before: int):
             total += e["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
-        elif action == "free_completed" and e["addr"] in live:
-            total -= live.pop(e["addr"])[0]
+        elif action == "free_completed":
+            # A block allocated before the recording (a gradient that zero_grad frees) counts out too.
+            total -= live.pop(e["addr"])[0] if e["addr"] in live else e["size"]
     sites = collections.defaultdict(lambda: [0, 0])
     for size, frames in at_peak.values():
         s = sites[_site(frames)]
@@ -71,12 +80,20 @@ def profile_step(model, x) -> str:
         model(x).sum().backward()
         opt.step()
     opt.zero_grad(set_to_none=True)
+    text = profile_call(lambda: model(x).sum().backward())
+    del opt
+    return text
+
+
+def profile_call(run) -> str:
+    """The report of one call of `run` (after its warm-ups): the allocator's peak during it, what was
+    allocated before it, and the blocks alive at the peak by the site that allocated them."""
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=200000)
-    model(x).sum().backward()
+    run()
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -88,8 +105,19 @@ def profile_step(model, x) -> str:
     ]
     for site, (n, size) in sorted(sites.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {size / MiB:9.1f} MiB  x{n:<3d} {site}")
-    del opt
     return "\n".join(lines)
+
+
+def profile_llama(variant: str, tiny: bool) -> str:
+    """One report: the peak of a whole training step (zero_grad, forward, backward, AdamW foreach) of the
+    Llama-style model of benchmarks.step_llama, `variant` one of its VARIANTS."""
+    from benchmarks.llama import TINY, LlamaShape
+    from benchmarks.step_llama import build_step
+
+    step, _ = build_step(variant, TINY if tiny else LlamaShape(), torch.device("cuda"))
+    for _ in range(3):
+        step()
+    return profile_call(step)
 
 
 REPORT = re.compile(r"== (\S+) (.+)\nmax_memory_allocated (\d+) MiB; replayed peak (\d+) MiB\n\s*([\d.]+) MiB  before")
@@ -111,8 +139,11 @@ def figures(texts) -> list:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train", "converted"])
+    p.add_argument("--case", default="both", choices=["mlp", "seed1119", "both", "train", "converted", "llama"])
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
+    p.add_argument(
+        "--variants", default=LLAMA_VARIANTS, help="--case llama: benchmarks.step_llama variants, comma-separated"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("peak: needs CUDA (the caching allocator's history); nothing to do on this machine")
@@ -154,6 +185,18 @@ def main(argv=None):
         ),
     }
     env = environment(torch.device("cuda"))
+    if args.case == "llama":
+        report = []
+        for variant in args.variants.split(","):
+            gc.collect()
+            torch.cuda.empty_cache()
+            text = f"== llama {variant.replace(' ', '_')}\n" + profile_llama(variant, args.tiny)
+            print(text, flush=True)
+            report.append(text)
+            gc.collect()
+        text = "```\n" + "\n\n".join(report) + "\n```\n"
+        record("peak_llama", args.out, env, figures(report), text, {"reports": report})
+        return
     for case in ["seed1119", "mlp"] if args.case == "both" else [args.case]:
         (b, s), d, make_bf16, make_ours = cases[case]
 

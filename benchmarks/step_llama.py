@@ -38,7 +38,8 @@ VARIANTS = [
 BREAKDOWN = {"float8 converted compiled", "torchao tensorwise compiled", "float8 ops eager", "float8 ops compiled"}
 
 
-def _model(variant: str, s: LlamaShape, device):
+def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:
+    """The Llama-style model of one variant (VARIANTS), on `device`, compiled per block where the name says so."""
     if variant.startswith("bf16"):
         model = build("torch", s, device)
     elif variant.startswith("float8 ops"):
@@ -63,7 +64,7 @@ def _model(variant: str, s: LlamaShape, device):
 def build_step(variant: str, s: LlamaShape, device):
     """(step, losses): one whole training step of `variant` (zero_grad, forward, backward, AdamW foreach),
     and the list each step appends its loss to."""
-    model = _model(variant, s, device)
+    model = variant_model(variant, s, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     gen = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, s.vocab, (s.batch, s.seq), device=device, generator=gen)

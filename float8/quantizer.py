@@ -47,7 +47,7 @@ from float8.checks import (  # ScaleLayout and the checks: exported from here to
     dequantized_gemms,
 )
 from float8.kernels import quantize_tensorwise
-from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, scale_from_amax
+from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, quantize_tensorwise_ref, scale_from_amax
 from float8.scaling import DelayedScaling, Scaling
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
@@ -361,7 +361,20 @@ def quantizer_for(
     return _quantizer_for(scaling, fp8_dtype, amax_group=amax_group)
 
 
+def quantize_in_torch_ops(quantizer: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
+    """What `quantizer._quantize(x, with_transpose)` gives, computed by torch operations (the reference
+    the kernels are tested bit-exact against, kernels/reference.py) instead of a kernel: torch.compile can
+    fuse them with the code that makes x and recompute them in a backward from tensors it keeps anyway,
+    which it cannot do through a kernel. Current scaling without an amax group only."""
+    if type(quantizer) is not TensorwiseQuantizer or quantizer.amax_group is not None:
+        raise ValueError(f"quantize_in_torch_ops takes current per-tensor scaling without a group, got {quantizer!r}")
+    q = quantizer
+    data, data_t, scale_inv, _ = quantize_tensorwise_ref(x, q.fp8_dtype, None, q.margin, q.power_of_2, with_transpose)
+    return q.finish(data, data_t, scale_inv, None, x.dtype, with_transpose)
+
+
 __all__ = [
+    "quantize_in_torch_ops",
     "Quantizer",
     "ScaleLayout",
     "TensorwiseQuantizer",

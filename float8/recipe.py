@@ -93,10 +93,8 @@ class Recipe:
     # - A Linear takes its FP8 input and its FP8 gradient in rows only (the layout of the forward and the
     #   input-gradient GEMMs) and makes the transpose its weight-gradient GEMM reads in the backward, when
     #   that GEMM runs: the two layouts of one tensor are never alive together.
-    # - Under per-tensor current scaling, a Linear keeps no FP8 copy of its trained weight from the forward
-    #   to the backward: the backward quantizes the weight again (the same bits; +3 bytes of traffic per
-    #   parameter, -1 byte per parameter held through the step), and raises if the weight was written in
-    #   place in between.
+    # (Every recipe, lean or not: under per-tensor current scaling a Linear keeps no FP8 copy of its trained
+    # weight from the forward to the backward, which quantizes the weight again; docs/design.md section 5.)
     # The forward's bits do not change, nor do ReLU's gradients. Numerics and cost: docs/design.md, "Lean activation memory".
     lean_activations: bool = False
 

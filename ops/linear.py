@@ -54,6 +54,7 @@ from float8.ops.linear_engine import (
     linear_fwd_high_precision,
     quantize_weight,
     rebuilds_weight,
+    requantizes_input,
 )
 from float8.ops.parallel import check_parallel, parallel_expansion
 from float8.ops.weight_cache import InferencePlans, WeightCache
@@ -523,9 +524,11 @@ class Linear(BasicOp):
             )
         else:
             lean = self.recipe.lean_activations
-            # Lean: the backward quantizes a trained weight again (same bits) instead of keeping its
-            # transpose. A frozen weight's copies are cached across steps anyway: the cache serves both.
-            rebuild = lean and need_dgrad and need_wgrad and rebuilds_weight(self.weight, self.quantizers)
+            # The backward quantizes a trained weight again (same bits) instead of keeping its FP8 transpose
+            # from the forward: 1 byte per parameter less held through the step (1.6 GiB in the 8-block
+            # Llama-style model), for 3 bytes of traffic per parameter (~1% of its step; docs/memory.md). A
+            # frozen weight's copies are cached across steps anyway: the cache serves both.
+            rebuild = need_dgrad and need_wgrad and rebuilds_weight(self.weight, self.quantizers)
             w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
             y, ctx.saved = linear_fwd(
                 x2,
@@ -538,6 +541,7 @@ class Linear(BasicOp):
                 fast_accum=self.recipe.fprop_fast_accum,
                 rows_only=lean,
                 rebuild_weight=self.weight if rebuild else None,
+                requantize_input=lean and torch.compiler.is_compiling() and requantizes_input(self.quantizers),
             )
         return y.reshape(*lead, self.local_out_features)
 

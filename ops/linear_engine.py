@@ -29,6 +29,7 @@ from float8.quantizer import (
     ScaleLayout,
     TensorwiseQuantizer,
     dequantized_gemms,
+    quantize_in_torch_ops,
 )
 
 
@@ -106,6 +107,19 @@ def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     )
 
 
+def requantizes_input(quantizers: LinearQuantizers) -> bool:
+    """Whether a compiled lean Linear may keep its high-precision input for the backward and quantize it
+    there again instead of keeping its FP8 copy (Recipe.lean_activations under torch.compile): a
+    per-tensor input under stateless current scaling, so the second quantization gives the same bits.
+
+    The compiled graph then holds the input only if its partitioner finds nothing cheaper: in a
+    transformer block each Linear's input is a norm's output, an activation's product or attention's
+    output, which it recomputes in the backward from tensors it keeps anyway (what torchao's compiled
+    Linears get; measured in docs/memory.md). Eager lean keeps the FP8 copy: nothing recomputes there."""
+    q = quantizers.input
+    return type(q) is TensorwiseQuantizer and q.amax_group is None
+
+
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
     weight, version = take(saved, "rebuild")
     if version is not None and weight._version != version:
@@ -130,6 +144,7 @@ def linear_fwd(
     fast_accum: bool,
     rows_only: bool = False,
     rebuild_weight: Optional[torch.Tensor] = None,
+    requantize_input: bool = False,
 ) -> Tuple[torch.Tensor, LinearSaved]:
     """y = x2 @ w.t() (+ bias) with an FP8 GEMM, and the record its backward needs.
 
@@ -140,6 +155,8 @@ def linear_fwd(
     GEMM copies it into the other (float8/gemm.py), so two layouts are never alive at once.
     rebuild_weight: the weight itself (wd None; `rebuilds_weight` holds): the backward quantizes it again
     rather than keeping 1 byte per parameter from the forward to the backward.
+    requantize_input (`requantizes_input` holds): a per-tensor high-precision input is saved as it is and
+    quantized again by the backward (column-major, for the weight gradient), not kept in FP8.
     """
     out_dtype = x2.dtype
     qi = quantizers.input
@@ -149,10 +166,12 @@ def linear_fwd(
         y = F.linear(x8.dequantize(), w8.dequantize(out_dtype), bias)
         saved_x = x8 if need_wgrad else None
     elif layout is ScaleLayout.TENSOR:
-        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad and not rows_only)
+        source = requantize_input and need_wgrad and not isinstance(x2, Float8Tensor)
+        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad and not (rows_only or source))
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
-        # Saved for the weight gradient: the column-major layout only (half the bytes of both).
-        saved_x = column_major_only(x8) if need_wgrad else None
+        # Saved for the weight gradient: the column-major layout only (half the bytes of both), or the
+        # high-precision input itself, which the backward quantizes again (`source`).
+        saved_x = (x2 if source else column_major_only(x8)) if need_wgrad else None
     else:
         xh = plain(x2)
         x8 = qi._quantize(xh, False)
@@ -228,6 +247,12 @@ def linear_bwd(
     elif saved.layout is ScaleLayout.TENSOR:
         dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
         if saved.need_wgrad:
+            if type(x) is torch.Tensor:  # saved as it was (`requantize_input`): quantized again, the same bits
+                # In torch operations under compile: its partitioner then recomputes x and its cast here
+                # from what the graph keeps anyway, rather than keeping their result from the forward.
+                q = quantizers.input
+                x8 = quantize_in_torch_ops(q, x, True) if torch.compiler.is_compiling() else q._quantize(x, True)
+                x = column_major_only(x8)
             dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:

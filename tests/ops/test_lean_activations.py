@@ -135,12 +135,17 @@ def test_linear_asks_for_rows_only_and_saves_rows():
         assert saved.data.is_contiguous() is not with_t and saved.transpose is None
 
 
-def test_weight_is_quantized_again_in_backward_not_kept():
+@pytest.mark.parametrize("recipe", [LEAN, Recipe()], ids=["lean", "default"])
+def test_weight_is_quantized_again_in_backward_not_kept(recipe):
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
-    lin = ops.Linear(32, 32, bias=False, recipe=LEAN).to(torch.bfloat16)
+    lin = ops.Linear(32, 32, bias=False, recipe=recipe).to(torch.bfloat16)
     ctx = OpContext(RunState(True))
     lin.op_forward(ctx, x)
     assert ctx.saved.w is None and ctx.saved.rebuild[0] is lin.weight  # nothing FP8 of the weight held
+    frozen = ops.Linear(32, 32, bias=False, recipe=recipe).to(torch.bfloat16).requires_grad_(False)
+    ctx = OpContext(RunState(True))
+    frozen.op_forward(ctx, x)  # a frozen weight's copies are cached across steps: the cache serves both
+    assert ctx.saved.w is not None and ctx.saved.rebuild is None
     for recipe in (Recipe.delayed(), Recipe.rowwise()):  # stateful or not per-tensor: kept as before
         other = ops.Linear(32, 32, bias=False, recipe=dataclasses.replace(recipe, lean_activations=True))
         ctx = OpContext(RunState(True))
@@ -232,3 +237,65 @@ def test_cuda_rows_only_layouts_change_no_bit():
     dy = torch.randn_like(x)
     for a, b in zip(run(plain, x, dy), run(lean, x, dy)):
         assert torch.equal(a, b)
+
+
+def test_compiled_lean_linear_saves_its_input_and_quantizes_it_again_with_the_same_bits():
+    """requantize_input (a lean Linear under torch.compile): the high-precision input is what the forward
+    keeps, and the backward's quantization of it gives the default path's gradients to the bit."""
+    from float8.ops.linear_engine import linear_bwd, linear_fwd, quantize_weight
+
+    torch.manual_seed(0)
+    lin = ops.Linear(64, 32, bias=False, recipe=LEAN).to(torch.bfloat16)
+    x, dy = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    w8, wd = quantize_weight(lin.weight, lin.quantizers.weight, True)
+    grads = []
+    for requantize in (False, True):
+        y, saved = linear_fwd(
+            x, w8, wd, None, lin.quantizers, need_wgrad=True, need_dgrad=True, fast_accum=True,
+            rows_only=True, requantize_input=requantize,
+        )  # fmt: skip
+        assert (saved.x is x) is requantize  # the input itself: nothing FP8 of it kept
+        grads.append((y, *linear_bwd(dy, saved, lin.quantizers, torch.bfloat16)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_compiled_lean_converted_block_equals_eager_bits():
+    """A converted Llama block under Recipe(lean_activations=True), compiled fullgraph with aot_eager (the
+    Linears keep their inputs and quantize them again in the backward, in torch operations), gives eager's
+    output and gradients to the bit."""
+    from benchmarks.distributed import Block
+
+    torch.manual_seed(0)
+    base = Block(64, 4, 2, 16, 128).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    out = []
+    for backend in (None, "aot_eager"):
+        model = ops.convert(copy.deepcopy(base), recipe=LEAN)
+        run_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+        xi = x.clone().requires_grad_(True)
+        y = run_model(xi)
+        y.float().square().sum().backward()
+        out.append([y, xi.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")]),
+    ],
+)
+def test_quantize_in_torch_ops_gives_the_kernels_bits_and_refuses_other_quantizers(device):
+    from float8.quantizer import RowwiseQuantizer, TensorwiseQuantizer, quantize_in_torch_ops
+
+    x = torch.randn(48, 80, dtype=torch.bfloat16, device=device) * 3
+    for q in (TensorwiseQuantizer(), TensorwiseQuantizer(torch.float8_e5m2, margin=1, power_of_2=True)):
+        a, b = q._quantize(x, True), quantize_in_torch_ops(q, x, True)
+        assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8))
+        assert torch.equal(a._transpose.view(torch.uint8), b._transpose.view(torch.uint8))
+        assert torch.equal(a._scale_inv, b._scale_inv)
+    with pytest.raises(ValueError, match="current per-tensor scaling"):
+        quantize_in_torch_ops(RowwiseQuantizer(), x, False)
