@@ -32,6 +32,7 @@ VARIANTS = [
     "float8 converted eager",
     "float8 converted eager lean",
     "float8 converted compiled",
+    "float8 converted compiled lean",
     "torchao tensorwise compiled",
     "torchao rowwise compiled",
 ]
