@@ -541,7 +541,7 @@ class Linear(BasicOp):
                 fast_accum=self.recipe.fprop_fast_accum,
                 rows_only=lean,
                 rebuild_weight=self.weight if rebuild else None,
-                requantize_input=lean and torch.compiler.is_compiling() and requantizes_input(self.quantizers),
+                requantize_input=torch.compiler.is_compiling() and requantizes_input(self.quantizers),
             )
         return y.reshape(*lead, self.local_out_features)
 

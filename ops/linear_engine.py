@@ -43,7 +43,7 @@ class LinearSaved(SavedRecord):
         the transposed quantization for per-row, the Float8Tensor for blocks, plain in high precision).
     w: the weight operand of the input-gradient GEMM, or None where the backward re-quantizes the weight
         (`rebuild`).
-    rebuild: (weight, its version counter at the forward) under Recipe.lean_activations: the backward
+    rebuild: (weight, its version counter at the forward) where `rebuilds_weight` holds: the backward
         quantizes the weight again (the same bits: per-tensor current scaling of an unchanged tensor) and
         refuses if the weight was written in place since the forward.
     """
@@ -91,7 +91,7 @@ def quantize_weight(
 
 def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     """Whether the backward can quantize `weight` again instead of keeping its FP8 transpose from the
-    forward (Recipe.lean_activations): a high-precision weight under stateless per-tensor current scaling
+    forward (every recipe, for a trained weight): a high-precision weight under stateless per-tensor current scaling
     (no amax history to advance, no collective to repeat), so the second quantization gives the same bits,
     in a Linear whose GEMMs run per tensor (the input's layout picks the backward's GEMMs).
 
@@ -108,14 +108,17 @@ def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
 
 
 def requantizes_input(quantizers: LinearQuantizers) -> bool:
-    """Whether a compiled lean Linear may keep its high-precision input for the backward and quantize it
-    there again instead of keeping its FP8 copy (Recipe.lean_activations under torch.compile): a
-    per-tensor input under stateless current scaling, so the second quantization gives the same bits.
+    """Whether a Linear under torch.compile may keep its high-precision input for the backward and quantize
+    it there again instead of keeping its FP8 copy: a per-tensor input under stateless current scaling, so
+    the second quantization gives the same bits.
 
-    The compiled graph then holds the input only if its partitioner finds nothing cheaper: in a
-    transformer block each Linear's input is a norm's output, an activation's product or attention's
-    output, which it recomputes in the backward from tensors it keeps anyway (what torchao's compiled
-    Linears get; measured in docs/memory.md). Eager lean keeps the FP8 copy: nothing recomputes there."""
+    Both quantizations then run as torch operations (`quantize_in_torch_ops`), which the compiler fuses with
+    the code that makes the input, and its partitioner keeps the input only if it finds nothing cheaper: in
+    a converted transformer block each Linear's input is a norm's output, an activation's product or
+    attention's output, which it recomputes in the backward from tensors it keeps anyway (as for torchao's
+    Linears; docs/memory.md). A Linear whose input arrives in FP8 (after a norm or activation of a
+    hand-written ops.Sequential) keeps that copy, and eager Linears keep the FP8 copy: nothing recomputes
+    there."""
     q = quantizers.input
     return type(q) is TensorwiseQuantizer and q.amax_group is None
 
@@ -125,9 +128,9 @@ def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
     if version is not None and weight._version != version:
         raise RuntimeError(
             "Linear backward: the weight was modified in place after the forward (its version counter moved "
-            f"from {version} to {weight._version}). Recipe(lean_activations=True) quantizes the weight again in "
-            "the backward instead of keeping its FP8 copy, so it needs the forward's weight: update weights "
-            "after backward (as optimizers do), or use a recipe without lean_activations."
+            f"from {version} to {weight._version}). Under per-tensor current scaling the backward quantizes the "
+            "weight again instead of keeping its FP8 copy, so it needs the forward's weight, as nn.Linear's "
+            "backward does: update weights after backward (as optimizers do)."
         )
     return column_major_only(quantize_weight(weight, quantizer, True)[1])
 
@@ -167,7 +170,13 @@ def linear_fwd(
         saved_x = x8 if need_wgrad else None
     elif layout is ScaleLayout.TENSOR:
         source = requantize_input and need_wgrad and not isinstance(x2, Float8Tensor)
-        x8 = x2 if isinstance(x2, Float8Tensor) else qi._quantize(x2, need_wgrad and not (rows_only or source))
+        if isinstance(x2, Float8Tensor):
+            x8 = x2
+        elif source and torch.compiler.is_compiling():
+            # In torch operations too: inductor fuses the amax and the cast into the code that makes x2.
+            x8 = quantize_in_torch_ops(qi, x2, False)
+        else:
+            x8 = qi._quantize(x2, need_wgrad and not (rows_only or source))
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
         # Saved for the weight gradient: the column-major layout only (half the bytes of both), or the
         # high-precision input itself, which the backward quantizes again (`source`).
@@ -181,8 +190,10 @@ def linear_fwd(
     if need_dgrad and rebuild_weight is not None:
         if layout is not ScaleLayout.TENSOR:
             raise ValueError(f"linear_fwd: rebuild_weight needs per-tensor GEMMs, got an input layout {layout}")
-        # Under torch.compile no version counter is read: the compiled graph saves the weight for its
-        # backward itself, and autograd's check on its saved tensors refuses a weight written in between.
+        # Under torch.compile no version counter is read: the compiled graph decides what it keeps. Under
+        # inductor it keeps the weight, and autograd's check on its saved tensors refuses a weight written
+        # in between; aot_eager's partitioner moves the quantization into the forward and keeps its result
+        # (the forward's weight, no memory saved).
         rebuild = (rebuild_weight, None if torch.compiler.is_compiling() else rebuild_weight._version)
     elif need_dgrad:
         # Per-tensor: the input-gradient GEMM reads the weight column-major (its transpose): keep only that.

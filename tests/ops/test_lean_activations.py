@@ -239,9 +239,9 @@ def test_cuda_rows_only_layouts_change_no_bit():
         assert torch.equal(a, b)
 
 
-def test_compiled_lean_linear_saves_its_input_and_quantizes_it_again_with_the_same_bits():
-    """requantize_input (a lean Linear under torch.compile): the high-precision input is what the forward
-    keeps, and the backward's quantization of it gives the default path's gradients to the bit."""
+def test_compiled_linear_saves_its_input_and_quantizes_it_again_with_the_same_bits():
+    """requantize_input (a Linear under torch.compile): the high-precision input is what the forward keeps,
+    and the backward's quantization of it gives the eager path's gradients to the bit."""
     from float8.ops.linear_engine import linear_bwd, linear_fwd, quantize_weight
 
     torch.manual_seed(0)
@@ -260,10 +260,10 @@ def test_compiled_lean_linear_saves_its_input_and_quantizes_it_again_with_the_sa
         assert torch.equal(a, b)
 
 
-def test_compiled_lean_converted_block_equals_eager_bits():
-    """A converted Llama block under Recipe(lean_activations=True), compiled fullgraph with aot_eager (the
-    Linears keep their inputs and quantize them again in the backward, in torch operations), gives eager's
-    output and gradients to the bit."""
+@pytest.mark.parametrize("recipe", [LEAN, Recipe()], ids=["lean", "default"])
+def test_compiled_converted_block_equals_eager_bits(recipe):
+    """A converted Llama block compiled fullgraph with aot_eager (the Linears keep their inputs and quantize
+    them in torch operations, again in the backward) gives eager's output and gradients to the bit."""
     from benchmarks.distributed import Block
 
     torch.manual_seed(0)
@@ -271,7 +271,7 @@ def test_compiled_lean_converted_block_equals_eager_bits():
     x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
     out = []
     for backend in (None, "aot_eager"):
-        model = ops.convert(copy.deepcopy(base), recipe=LEAN)
+        model = ops.convert(copy.deepcopy(base), recipe=recipe)
         run_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
         xi = x.clone().requires_grad_(True)
         y = run_model(xi)

@@ -75,12 +75,13 @@ def test_copies_are_the_forward_copies_and_are_consumed():
     model = Net()
     _train(model, 1, requantize=True)
     for op in _linears(model):
-        w8, wd = op._weight_cache.lookup(op.weight, for_backward=True)
-        ref, _ = quantize_weight(op.weight, op.weight_quantizer, True)
+        # No transpose: under per-tensor current scaling the backward quantizes a trained weight again.
+        assert op._weight_cache.lookup(op.weight, for_backward=True) is None
+        w8, wd = op._weight_cache.lookup(op.weight, for_backward=False)
+        ref, _ = quantize_weight(op.weight, op.weight_quantizer, False)
         assert_bits(w8.fp8_data, ref.fp8_data, "data")
-        assert_bits(w8.transpose_cache, ref.transpose_cache, "transpose")
         assert_bits(w8.scale_inv, ref.scale_inv, "scale_inv")
-        assert wd is w8
+        assert w8.transpose_cache is None and wd is None
     # The training forward takes them: nothing FP8 is held after the step.
     model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
     assert all(op.cached_fp8_tensors() == [] for op in _linears(model))
@@ -93,8 +94,9 @@ def test_bytes_are_counted_and_freed():
     ops.requantize_weights(model)
     params = sum(op.weight.numel() for op in _linears(model))
     held = memory_footprint(model) - base
-    # Data and transpose, 1 byte each per parameter, and three scale-inverses of 4 bytes (one storage).
-    assert held == 2 * params + 3 * 4
+    # The data, 1 byte per parameter (no transpose: the backward quantizes the weight again), and three
+    # scale-inverses of 4 bytes (one storage).
+    assert held == params + 3 * 4
     model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
     assert memory_footprint(model) == base
 
@@ -154,3 +156,14 @@ def test_gpu_training_matches_lazy_quantization():
     assert _train(lazy, 4, False, "cuda", 128) == _train(eager, 4, True, "cuda", 128)
     for a, b in zip(lazy.parameters(), eager.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_trained_weight_whose_backward_reads_the_forwards_transpose_gets_it():
+    """Delayed weight scaling keeps its FP8 transpose from the forward to the backward: requantize_weights
+    writes it, and the training forward takes both copies."""
+    torch.manual_seed(0)
+    model = Net(Recipe(weight=DelayedScaling()))
+    ops.requantize_weights(model)
+    for op in _linears(model):
+        w8, wd = op._weight_cache.lookup(op.weight, for_backward=True)
+        assert wd is not None
