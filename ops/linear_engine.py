@@ -123,6 +123,15 @@ def requantizes_input(quantizers: LinearQuantizers) -> bool:
     return type(q) is TensorwiseQuantizer and q.amax_group is None
 
 
+def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
+    """A kept high-precision input quantized (`requantize_input`): in torch operations under compile, which
+    inductor fuses into the code that makes x and its partitioner recomputes in a backward; else the kernel.
+    The same bits either way."""
+    if torch.compiler.is_compiling():
+        return quantize_in_torch_ops(q, x, with_transpose)
+    return q._quantize(x, with_transpose)
+
+
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
     weight, version = take(saved, "rebuild")
     if version is not None and weight._version != version:
@@ -172,11 +181,10 @@ def linear_fwd(
         source = requantize_input and need_wgrad and not isinstance(x2, Float8Tensor)
         if isinstance(x2, Float8Tensor):
             x8 = x2
-        elif source and torch.compiler.is_compiling():
-            # In torch operations too: inductor fuses the amax and the cast into the code that makes x2.
-            x8 = quantize_in_torch_ops(qi, x2, False)
+        elif source:
+            x8 = _quantize_source(qi, x2, False)
         else:
-            x8 = qi._quantize(x2, need_wgrad and not (rows_only or source))
+            x8 = qi._quantize(x2, need_wgrad and not rows_only)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
         # Saved for the weight gradient: the column-major layout only (half the bytes of both), or the
         # high-precision input itself, which the backward quantizes again (`source`).
@@ -259,11 +267,7 @@ def linear_bwd(
         dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
         if saved.need_wgrad:
             if type(x) is torch.Tensor:  # saved as it was (`requantize_input`): quantized again, the same bits
-                # In torch operations under compile: its partitioner then recomputes x and its cast here
-                # from what the graph keeps anyway, rather than keeping their result from the forward.
-                q = quantizers.input
-                x8 = quantize_in_torch_ops(q, x, True) if torch.compiler.is_compiling() else q._quantize(x, True)
-                x = column_major_only(x8)
+                x = column_major_only(_quantize_source(quantizers.input, x, True))
             dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:
