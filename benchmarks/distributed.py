@@ -1,4 +1,4 @@
-"""2-GPU benchmarks (torchrun, NCCL): FSDP2 training of a Llama-style model and a tensor/sequence-parallel
+"""Multi-GPU benchmarks (torchrun, NCCL; 2 GPUs or more): FSDP2 training of a Llama-style model and a tensor/sequence-parallel
 transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed [--out DIR] [--tiny]
@@ -11,12 +11,14 @@ fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x204
     imports). Whole steps (zero_grad, forward, backward, optimizer step, scale precompute), CUDA events, in
     interleaved rounds with every model alive; step peak above what is held, what each model holds;
     all-gather bytes per step. --profile: NCCL time per step and the part not hidden behind compute.
-tp: one transformer layer, TP=2 with sequence parallelism, 8192 tokens: float8.ops (Linear(parallel=...,
-    sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style collectives, each
-    eager and compiled (fullgraph).
+tp: one transformer layer, TP over every rank with sequence parallelism, 8192 tokens: float8.ops
+    (Linear(parallel=..., sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style
+    collectives and the norms' gradients summed over the group (as float8's), each eager and compiled
+    (fullgraph).
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
-Rank 0 records the areas distributed_fsdp and distributed_tp in DIR (default benchmarks/results/; a DIR/x.json
-given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
+Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
+on for other counts) in DIR (default benchmarks/results/; a DIR/x.json given stands for DIR;
+benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
 """
 
 from __future__ import annotations
@@ -331,12 +333,35 @@ class _ScatterSeq(torch.autograd.Function):
         return out, None
 
 
-class TPBlockBf16(torch.nn.Module):
-    """The Llama block, TP with sequence parallelism in bf16 (Megatron-style): x (S/world, B, d)."""
+class _SumGradsOverGroup(torch.autograd.Function):
+    """Identity on parameters forward; their gradients summed over the group backward, in one all-reduce."""
 
-    def __init__(self, d, heads, kv, hd, ffn, group):
+    @staticmethod
+    def forward(ctx, group, *params):
+        ctx.group = group
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        import torch.distributed._functional_collectives as funcol
+
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if torch.compiler.is_compiling():
+            flat = funcol.all_reduce(flat, "sum", ctx.group)
+        else:
+            dist.all_reduce(flat, group=ctx.group)
+        parts = flat.split([g.numel() for g in grads])
+        return (None, *(p.view_as(g).to(g.dtype) for p, g in zip(parts, grads)))
+
+
+class TPBlockBf16(torch.nn.Module):
+    """The Llama block, TP with sequence parallelism in bf16 (Megatron-style): x (S/world, B, d); the norms'
+    weight gradients summed over the group (sum_norm_grads=False: each rank's own, for a test)."""
+
+    def __init__(self, d, heads, kv, hd, ffn, group, sum_norm_grads=True):
         super().__init__()
         w = group.size()
+        self.sum_norm_grads = sum_norm_grads
         self.group, self.h, self.kv, self.hd = group, heads // w, kv // w, hd
         self.norm1, self.norm2 = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.RMSNorm(d, eps=1e-6)
         self.qkv = torch.nn.Linear(d, (self.h + 2 * self.kv) * hd, bias=False)
@@ -346,7 +371,13 @@ class TPBlockBf16(torch.nn.Module):
 
     def forward(self, x):
         s, b, _ = x.shape
-        h = _GatherSeq.apply(self.norm1(x), self.group)  # (S, B, d)
+        # The norms see this rank's tokens only: their weight gradients are summed over the group, one
+        # all-reduce a backward, as float8's sequence-parallel norms do (the same collectives on both sides).
+        w1, w2 = self.norm1.weight, self.norm2.weight
+        if self.sum_norm_grads:
+            w1, w2 = _SumGradsOverGroup.apply(self.group, w1, w2)
+        eps = self.norm1.eps
+        h = _GatherSeq.apply(F.rms_norm(x, (x.shape[-1],), w1, eps), self.group)  # (S, B, d)
         S = h.shape[0]
         q, k, v = (
             self.qkv(h)
@@ -360,7 +391,7 @@ class TPBlockBf16(torch.nn.Module):
             .reshape(S, b, -1)
         )
         x = x + _ScatterSeq.apply(self.o(a), self.group)
-        g, u = self.up(_GatherSeq.apply(self.norm2(x), self.group)).chunk(2, dim=-1)
+        g, u = self.up(_GatherSeq.apply(F.rms_norm(x, (x.shape[-1],), w2, eps), self.group)).chunk(2, dim=-1)
         return x + _ScatterSeq.apply(self.down(F.silu(g) * u), self.group)
 
 
@@ -431,7 +462,8 @@ def _write(out, path) -> None:
             rows = [{"variant": name, **r} for name, r in out[part].items()]
             figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
             detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp")} | {part: out[part]}
-            record(f"distributed_{part}", path, env, figures, None, detail)
+            area = f"distributed_{part}" + ("" if out["world"] == 2 else f"_{out['world']}gpu")
+            record(area, path, env, figures, None, detail)
 
 
 def _exposed_comm(model_step, trace_dir, name, steps=2):
@@ -509,7 +541,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "versions": versions,
         "date": time.strftime("%Y-%m-%d"),
-        "command": "torchrun --nproc_per_node 2 -m benchmarks.distributed " + " ".join(sys.argv[1:]),
+        "command": f"torchrun --nproc_per_node {world} -m benchmarks.distributed " + " ".join(sys.argv[1:]),
         "fsdp": {},
         "tp": {},
     }

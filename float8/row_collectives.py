@@ -100,18 +100,28 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_rows(
-    x: torch.Tensor, group: dist.ProcessGroup, *, with_transpose: bool = False, one_scale: bool = False
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    with_transpose: bool = False,
+    one_scale: bool = False,
+    scale_agreed: bool = False,
 ) -> torch.Tensor:
     """All-gather the rows of x (M, ...) into (world * M, ...): a plain tensor in its dtype, a Float8Tensor
     as FP8 bytes with its scales (see the module docstring for per-tensor scales and `one_scale`). With
-    `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM)."""
+    `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM).
+    scale_agreed: the caller knows the per-tensor scale is one across the group by construction (current
+    scaling that reduced its amax over this group right before the cast: every rank derives the scale
+    from the same number); no scale is gathered or compared, one collective fewer."""
     if not isinstance(x, Float8Tensor):
         return _gather(x, group)
     s = x._scale_inv
-    if s.dim() == 0 and not one_scale and torch.compiler.is_compiling():
+    if s.dim() == 0 and not (one_scale or scale_agreed) and torch.compiler.is_compiling():
         return _gather(x.dequantize(), group)
     bits = _gather(x._data.view(torch.uint8), group).view(x.fp8_dtype)
-    if s.dim() == 0:
+    if s.dim() == 0 and scale_agreed:
+        scale_inv = s.clone()
+    elif s.dim() == 0:
         scales = _gather(s.reshape(1), group)
         if one_scale:
             # No host sync: a mismatch turns the scale NaN, so that nothing computed from it is finite.

@@ -10,11 +10,13 @@ tokens), so that a rank's block is contiguous; ops.Attention(sequence_first=True
     AllReduce        forward: all-reduce (sum)       backward: identity
     AllReduce(in_backward=True)  forward: identity   backward: all-reduce (sum)
 
-AllGather passes the request of the op after it (a Linear's "FP8 from this quantizer") on to the op
-before it, so the norm kernel before a sequence-parallel Linear writes the FP8 that is gathered: half the
-bytes of a bf16 all-gather. The per-tensor scale is then one across the group because that Linear's
-input quantizer reduces its amax over the group (ops/linear.py sets this up; float8/row_collectives.py
-says what happens if the scales still differ). `Linear(..., parallel=..., tp_group=...)` places these ops
+A sequence-parallel Linear's input is gathered as FP8 (half the bytes of a bf16 all-gather) under one
+per-tensor scale across the group, because that Linear's input quantizer reduces its amax over the group
+(ops/linear.py sets this up). Under current scaling AllGather quantizes its input itself (the amax
+all-reduced, then the cast) and gathers the bytes alone: every rank derived the same scale. Under delayed
+scaling it passes the request on to the op before, whose kernel (a norm's) writes the FP8 with the
+history's scale, and the gathered scales are compared on the device (float8/row_collectives.py says what
+a mismatch does). `Linear(..., parallel=..., tp_group=...)` places these ops
 itself (its `expand`); they are public for layers built by hand.
 """
 
@@ -27,7 +29,7 @@ import torch
 
 from float8 import Float8Tensor
 from float8.ops.base import BasicOp, OpContext, QuantRequest, plain
-from float8.quantizer import ScaleLayout
+from float8.quantizer import ScaleLayout, TensorwiseQuantizer
 from float8.row_collectives import (
     all_reduce_sum,
     check_group,
@@ -99,23 +101,39 @@ class AllGather(_RowCollective):
             and request.quantizer.amax_group is self.group
         )
 
+    def _casts_itself(self, request: Optional[QuantRequest]) -> bool:
+        # Current scaling over this group: the amax is all-reduced right before the cast, so every rank derives
+        # the same scale and none need be gathered or compared. The op before could not fuse that cast (its
+        # kernel cannot reduce over the group), so this op casts, and knows where its FP8 came from. Delayed
+        # scaling takes the scale from a history each rank keeps (a rank can let it drift): the op before
+        # writes that FP8 in its kernel and the gathered scales are compared.
+        return self._one_scale(request) and type(request.quantizer) is TensorwiseQuantizer
+
     def relay(self, request: Optional[QuantRequest]) -> Optional[QuantRequest]:
         """The request this op passes to the op before it, given the request of the op after it: the same
         quantizer, without the transpose (that of the local rows is of no use: it is made after the
-        gather), when that quantizer's scale is one across the group; else None (the op before writes high
-        precision, which is gathered and then quantized)."""
-        return QuantRequest(request.quantizer, False) if self._one_scale(request) else None
+        gather), when that quantizer's scale is one across the group and comes from a kept state (delayed
+        scaling); else None (the op before writes high precision, which this op quantizes and gathers, or
+        gathers and then quantizes)."""
+        if self._one_scale(request) and not self._casts_itself(request):
+            return QuantRequest(request.quantizer, False)
+        return None
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         ok = self._agree(ctx, x)
         rows = x.shape[0]
+        grad_transpose = out_request is not None and out_request.with_transpose and ctx.run.grad
         if isinstance(x, Float8Tensor):
             # Written for the relayed request by the op before: one scale by construction (checked on the
             # device). An FP8 input from outside the run: its scales are compared on the host (traced, it is
             # gathered dequantized instead, and quantized below like a high-precision input).
-            relayed = not ctx.first and self._one_scale(out_request)
-            transpose = relayed and out_request.with_transpose and ctx.run.grad
-            y = gather_rows(x, self.group, with_transpose=transpose, one_scale=relayed)
+            relayed = not ctx.first and self._one_scale(out_request) and not self._casts_itself(out_request)
+            y = gather_rows(x, self.group, with_transpose=relayed and grad_transpose, one_scale=relayed)
+        elif self._casts_itself(out_request):
+            # Quantized here with the amax reduced over the group (one all-reduce), gathered as FP8 bytes
+            # without a scale: two collectives, not three.
+            x8 = out_request.quantizer._quantize(x, False)
+            y = gather_rows(x8, self.group, with_transpose=grad_transpose, scale_agreed=True)
         else:
             y = gather_rows(x, self.group)
         if not isinstance(y, Float8Tensor):

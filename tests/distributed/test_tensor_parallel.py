@@ -166,12 +166,15 @@ def test_sequence_parallel_block_matches_unsharded(kind):
     results = run_ranks(_sp_run, timeout=TIMEOUT_S, args=(kind,))
     _check_against_unsharded(results, sp=True, kind=kind)
     for r in results:
-        # The sequence-parallel all-gather moves FP8: 1 byte per element of the local (S/2, B, D) block,
-        # plus a 4-byte scale; the gradient's all-gather (backward of the reduce-scatter) is bf16.
+        # The sequence-parallel all-gather moves FP8: 1 byte per element of the local (S/2, B, D) block;
+        # the gradient's all-gather (backward of the reduce-scatter) is bf16. Delayed scaling also sends
+        # the 4-byte scale (compared on the device: histories are kept per rank); current scaling sends
+        # none (every rank derives it from the all-reduced amax).
         local = (S // 2) * B * D
         fwd = [m for m in r["moved"] if m in (local, 4)]
-        assert fwd.count(local) == 3 and fwd.count(4) == 3, r["moved"]
-        assert r["gathered_fp8"][0::2] == [True] * 3, r["gathered_fp8"]  # the norm's FP8, gathered
+        scales = 3 if kind == "delayed" else 0
+        assert fwd.count(local) == 3 and fwd.count(4) == scales, r["moved"]
+        assert r["gathered_fp8"][0::2] == [True] * 3, r["gathered_fp8"]  # FP8 gathered
 
 
 def test_tensor_parallel_block_matches_unsharded():
@@ -209,6 +212,12 @@ def _bad_inputs(rank, world):
     # FP8 input from outside the Sequential, quantized per rank: different scales, one tensor.
     x8 = Float8Tensor.quantize(torch.randn(4, D) * (rank + 1))
     out["scales"] = _error_of(lambda: gather(x8))
+    # Passed through an op into a sequence-parallel Linear (current scaling: the all-gather gathers no scale
+    # for FP8 it quantized itself; FP8 it did not make has its scales compared).
+    passed = ops.Sequential(
+        ops.Identity(), ops.Linear(D, 2 * world, parallel="column", tp_group=group, sequence_parallel=True)
+    )
+    out["passed through"] = _error_of(lambda: passed(x8))
     # The same through the no-sync path (a quantizer said the scale is one): NaN, never finite wrong values.
     out["nan"] = bool(gather_rows(x8, group, one_scale=True).dequantize().isnan().all())
     same = Float8Tensor.quantize(torch.randn(4, D, generator=torch.Generator().manual_seed(0)))
@@ -231,6 +240,7 @@ def test_bad_input_raises_on_every_rank():
         assert "different shapes [(8, 2, 64), (4, 4, 64)]" in r["token dims"], r["token dims"]
         assert "do not split evenly over 2 ranks" in r["uneven"], r["uneven"]
         assert "scales differ" in r["scales"], r["scales"]
+        assert "scales differ" in r["passed through"], r["passed through"]
         assert r["nan"] and r["ok"] and r["rowwise"], r
 
 
