@@ -49,25 +49,43 @@ MAX_DIMS = 8
 
 
 def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str, shape: Optional[tuple] = None) -> None:
-    """Every rank of `group` holds an activation of `shape` (default x's), or every rank raises a ValueError
-    naming the shapes (a collective of tensors of different sizes would hang or mix up data; token dims that
-    differ with the same number of tokens, a sequence split differently, would give finite wrong results).
-    One all-gather of a few int64s and one host sync: the ops call it once per run, not once per collective."""
+    """Every rank of `group` holds an activation of `shape` (default x's) and of one format, or every rank
+    raises a ValueError naming them (a collective of tensors of different sizes would hang or mix up data;
+    token dims that differ with the same number of tokens, a sequence split differently, would give finite
+    wrong results; an FP8 activation on one rank and a high-precision one on another take different
+    collectives, which hang). One all-gather of a few int64s and one host sync: the ops call it once per
+    run, not once per collective."""
     gathered = _gather(_shape_row(x, shape, who), group).cpu()
-    shapes = [tuple(int(v) for v in row[1 : 1 + int(row[0])]) for row in gathered]
-    if any(s != shapes[0] for s in shapes):
+    seen = [(tuple(int(v) for v in row[1 : 1 + int(row[0])]), _FORMATS[int(row[-1])]) for row in gathered]
+    if any(s != seen[0] for s in seen):
         raise ValueError(
-            f"{who}: the ranks of the group hold activations of different shapes {shapes}; tensor- and "
-            "sequence-parallel collectives need the same shape on every rank (equal blocks of the sequence)"
+            f"{who}: the ranks of the group hold activations of different shapes or formats {seen}; tensor- "
+            "and sequence-parallel collectives need the same shape (equal blocks of the sequence) and the same "
+            "format (all FP8, or all high precision, of one dtype) on every rank"
         )
 
 
+# The formats an activation's row names (its last entry, an index here): its dtype, FP8 bits by their format.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FORMATS = ("other", *(str(d)[6:] for d in _DTYPES), *("FP8 " + str(d)[6:] for d in _FP8_DTYPES))
+_CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}
+_FP8_CODES = {d: i + 1 + len(_DTYPES) for i, d in enumerate(_FP8_DTYPES)}
+
+
+def _format_code(x: torch.Tensor) -> int:
+    if isinstance(x, Float8Tensor):
+        return _FP8_CODES.get(x.fp8_dtype, 0)
+    return _CODES.get(x.dtype, 0)
+
+
 def _shape_row(x: torch.Tensor, shape: Optional[tuple], who: str) -> torch.Tensor:
-    """`shape` (default x's) as MAX_DIMS + 1 int64s on x's device: the count, then the sizes, padded with -1."""
+    """`shape` (default x's) as MAX_DIMS + 2 int64s on x's device: the count, the sizes padded with -1, and
+    the activation's format (an index into _FORMATS)."""
     shape = tuple(x.shape) if shape is None else tuple(shape)
     if len(shape) > MAX_DIMS:
         raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {shape}")
-    row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape))
+    row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape)) + [_format_code(x)]
     return torch.tensor(row, dtype=torch.int64, device=x.device).reshape(1, -1)
 
 
@@ -100,28 +118,18 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_rows(
-    x: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    with_transpose: bool = False,
-    one_scale: bool = False,
-    scale_agreed: bool = False,
+    x: torch.Tensor, group: dist.ProcessGroup, *, with_transpose: bool = False, one_scale: bool = False
 ) -> torch.Tensor:
     """All-gather the rows of x (M, ...) into (world * M, ...): a plain tensor in its dtype, a Float8Tensor
     as FP8 bytes with its scales (see the module docstring for per-tensor scales and `one_scale`). With
-    `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM).
-    scale_agreed: the caller knows the per-tensor scale is one across the group by construction (current
-    scaling that reduced its amax over this group right before the cast: every rank derives the scale
-    from the same number); no scale is gathered or compared, one collective fewer."""
+    `with_transpose`, the gathered Float8Tensor also holds its FP8 transpose (for a backward GEMM)."""
     if not isinstance(x, Float8Tensor):
         return _gather(x, group)
     s = x._scale_inv
-    if s.dim() == 0 and not (one_scale or scale_agreed) and torch.compiler.is_compiling():
+    if s.dim() == 0 and not one_scale and torch.compiler.is_compiling():
         return _gather(x.dequantize(), group)
     bits = _gather(x._data.view(torch.uint8), group).view(x.fp8_dtype)
-    if s.dim() == 0 and scale_agreed:
-        scale_inv = s.clone()
-    elif s.dim() == 0:
+    if s.dim() == 0:
         scales = _gather(s.reshape(1), group)
         if one_scale:
             # No host sync: a mismatch turns the scale NaN, so that nothing computed from it is finite.

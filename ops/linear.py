@@ -95,8 +95,8 @@ class Linear(BasicOp):
       bias is added.
     - sequence_parallel=True: outside the Linear, activations are sharded along tokens (sequence-first:
       (S, B, features), each rank an equal block of S). A column-parallel Linear all-gathers its input as
-      FP8 (its input quantizer reduces its amax over the group, so the scale is one; the norm before it
-      writes that FP8), and a row-parallel one reduce-scatters its output (in high precision). Norms and
+      FP8 (its input quantizer reduces its amax over the group, so the scale is one; ops/parallel.py says
+      who casts), and a row-parallel one reduce-scatters its output (in high precision). Norms and
       biases in the sharded region then see only local tokens: give them `sequence_parallel_group`.
     in_features/out_features are the whole layer's; `weight` is this rank's shard (`local_in_features`,
     `local_out_features`), initialised as the whole layer's would be. The ops of ops/parallel.py

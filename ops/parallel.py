@@ -113,9 +113,11 @@ class AllGather(_RowCollective):
         """The request this op passes to the op before it, given the request of the op after it: the same
         quantizer, without the transpose (that of the local rows is of no use: it is made after the
         gather), when that quantizer's scale is one across the group and comes from a kept state (delayed
-        scaling); else None (the op before writes high precision, which this op quantizes and gathers, or
-        gathers and then quantizes)."""
-        if self._one_scale(request) and not self._casts_itself(request):
+        or static scaling); a request for high precision when this op casts itself (current scaling over
+        the group); else None (the op before writes high precision, which is gathered, then quantized)."""
+        if self._casts_itself(request):
+            return _HighPrecisionRequest(request.quantizer, False)
+        if self._one_scale(request):
             return QuantRequest(request.quantizer, False)
         return None
 
@@ -130,10 +132,12 @@ class AllGather(_RowCollective):
             relayed = not ctx.first and self._one_scale(out_request) and not self._casts_itself(out_request)
             y = gather_rows(x, self.group, with_transpose=relayed and grad_transpose, one_scale=relayed)
         elif self._casts_itself(out_request):
-            # Quantized here with the amax reduced over the group (one all-reduce), gathered as FP8 bytes
-            # without a scale: two collectives, not three.
+            # Quantized here with the amax reduced over the group (one all-reduce) and gathered as FP8 bytes
+            # alone: two collectives, not three. The scale is this rank's, which every rank derived from the
+            # same amax; the Linear makes the transpose it needs from the gathered bits.
             x8 = out_request.quantizer._quantize(x, False)
-            y = gather_rows(x8, self.group, with_transpose=grad_transpose, scale_agreed=True)
+            bits = gather_rows(x8._data.view(torch.uint8), self.group)
+            y = Float8Tensor(bits.view(x8.fp8_dtype), x8._scale_inv, x8.dtype)
         else:
             y = gather_rows(x, self.group)
         if not isinstance(y, Float8Tensor):
@@ -150,6 +154,22 @@ class AllGather(_RowCollective):
         self, ctx: OpContext, dy: torch.Tensor, dx_request: Optional[QuantRequest] = None
     ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
         return reduce_scatter_rows(plain(dy), self.group), []
+
+
+class _HighPrecisionRequest(QuantRequest):
+    """What an AllGather that quantizes its input itself asks of the op before it: high precision. A producer
+    that could fuse the cast sees `fuses` False and writes high precision; one that quantizes whatever is
+    requested (ops.Quantize) gets its input back unchanged from `_quantize`, instead of quantizing with a
+    scale of its rank's own, which the gather could not serve."""
+
+    @property
+    def fuses(self) -> bool:
+        """No: the consumer casts, after the producer."""
+        return False
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it is: high precision, which the AllGather quantizes over its group."""
+        return x
 
 
 class ReduceScatter(_RowCollective):

@@ -88,7 +88,7 @@ def _run_tp(rank, world, sp, kind):
         return real_gather(out, inp, group=group, async_op=async_op)
 
     def watched_rows(x, group, **kw):
-        gathered_fp8.append(isinstance(x, Float8Tensor))
+        gathered_fp8.append(isinstance(x, Float8Tensor) or x.dtype == torch.uint8)  # FP8, or its bits
         return real_rows(x, group, **kw)
 
     import float8.ops.parallel as parallel
@@ -207,6 +207,10 @@ def _bad_inputs(rank, world):
     out["shapes"] = _error_of(lambda: gather(torch.randn(4 + rank, D)))
     # As many tokens on each rank, split into sequences differently: (8, 2) and (4, 4) tokens.
     out["token dims"] = _error_of(lambda: gather(torch.randn(*((8, 2) if rank == 0 else (4, 4)), D)))
+    # One rank's activation FP8, the other's high precision, of one shape: they would take different
+    # collectives (a hang), so the shape check compares formats too.
+    mixed = torch.randn(4, D)
+    out["formats"] = _error_of(lambda: gather(mixed if rank == 0 else Float8Tensor.quantize(mixed)))
     # Tokens that do not split over the group, the same on every rank: reduce-scatter cannot keep a block.
     out["uneven"] = _error_of(lambda: ops.Sequential(ops.ReduceScatter(group))(torch.randn(3, D)))
     # FP8 input from outside the Sequential, quantized per rank: different scales, one tensor.
@@ -236,8 +240,9 @@ def _bad_inputs(rank, world):
 
 def test_bad_input_raises_on_every_rank():
     for r in run_ranks(_bad_inputs, timeout=TIMEOUT_S):
-        assert "different shapes [(4, 64), (5, 64)]" in r["shapes"], r["shapes"]
-        assert "different shapes [(8, 2, 64), (4, 4, 64)]" in r["token dims"], r["token dims"]
+        assert "different shapes or formats [((4, 64), 'float32'), ((5, 64), 'float32')]" in r["shapes"], r
+        assert "[((8, 2, 64), 'float32'), ((4, 4, 64), 'float32')]" in r["token dims"], r["token dims"]
+        assert "[((4, 64), 'float32'), ((4, 64), 'FP8 float8_e4m3fn')]" in r["formats"], r["formats"]
         assert "do not split evenly over 2 ranks" in r["uneven"], r["uneven"]
         assert "scales differ" in r["scales"], r["scales"]
         assert "scales differ" in r["passed through"], r["passed through"]
@@ -494,7 +499,7 @@ def test_compiled_layer_compares_shapes_once():
     # compares the ranks' shapes (one small int64 all-gather; each part did before: three, each an NCCL call
     # of ~130 us host time on the 2-H200 machine, docs/distributed.md).
     gathers = run_ranks(_traced_gathers, timeout=TIMEOUT_S)[0]
-    assert [g for g in gathers if g[0] == "torch.int64"] == [("torch.int64", (2, 9))], gathers
+    assert [g for g in gathers if g[0] == "torch.int64"] == [("torch.int64", (2, 10))], gathers
     rows = SP_DIMS["s"] * 2  # the whole sequence, batch 2: the FP8 rows of the QKV and MLP inputs, gathered
     assert [g for g in gathers if g[0] == "torch.uint8"] == [("torch.uint8", (rows, SP_DIMS["d"]))] * 2, gathers
 
@@ -571,3 +576,40 @@ def test_tensor_parallel_with_fsdp2_on_a_2d_mesh_matches_unsharded(fp8_all_gathe
             if a["tp_rank"] == b["tp_rank"]:
                 for name in a["params"]:
                     assert torch.equal(a["params"][name], b["params"][name]), name
+
+
+def _quantize_before_gather(rank, world):
+    import torch.distributed as dist
+
+    import float8.ops as ops
+
+    group = dist.new_group(list(range(world)))
+
+    def layer(with_quantize):
+        torch.manual_seed(0)
+        quantize = [ops.Quantize()] if with_quantize else []
+        return ops.Sequential(
+            ops.RMSNorm(D, sequence_parallel_group=group),
+            *quantize,
+            ops.Linear(D, 2 * world * 8, parallel="column", tp_group=group, sequence_parallel=True),
+        )
+
+    x = torch.randn(S // world, B, D, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    out = {}
+    for backend in (None, "aot_eager"):
+        ys = []
+        for with_quantize in (False, True):
+            model = layer(with_quantize)
+            run = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+            ys.append(run(x.clone()))
+        out[backend or "eager"] = torch.equal(*ys)
+    return out
+
+
+def test_quantize_before_a_sequence_parallel_linear_casts_once_over_the_group():
+    """ops.Quantize before a sequence-parallel Linear (current scaling, different data on each rank): the
+    all-gather asks it for high precision and casts over the group itself, so the layer gives the bits of
+    the same layer without the Quantize, eager and compiled (not a per-rank scale the gather refuses, nor a
+    second rounding)."""
+    for r in run_ranks(_quantize_before_gather, timeout=TIMEOUT_S):
+        assert r == {"eager": True, "aot_eager": True}, r
