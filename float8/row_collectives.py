@@ -48,21 +48,31 @@ def check_group(group: object, who: str) -> dist.ProcessGroup:
 MAX_DIMS = 8
 
 
-def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup, who: str, shape: Optional[tuple] = None) -> None:
-    """Every rank of `group` holds an activation of `shape` (default x's) and of one format, or every rank
-    raises a ValueError naming them (a collective of tensors of different sizes would hang or mix up data;
-    token dims that differ with the same number of tokens, a sequence split differently, would give finite
-    wrong results; an FP8 activation on one rank and a high-precision one on another take different
-    collectives, which hang). One all-gather of a few int64s and one host sync: the ops call it once per
-    run, not once per collective."""
-    gathered = _gather(_shape_row(x, shape, who), group).cpu()
-    seen = [(tuple(int(v) for v in row[1 : 1 + int(row[0])]), _FORMATS[int(row[-1])]) for row in gathered]
+def check_same_shape(
+    x: torch.Tensor, group: dist.ProcessGroup, who: str, shape: Optional[tuple] = None, grad: Optional[bool] = None
+) -> None:
+    """Every rank of `group` holds an activation of `shape` (default x's) and of one format, in one grad mode
+    (`grad`: whether the run records a backward, when given), or every rank raises a ValueError naming them
+    (a collective of tensors of different sizes would hang or mix up data; token dims that differ with the
+    same number of tokens, a sequence split differently, would give finite wrong results; an FP8 activation
+    on one rank and a high-precision one on another take different collectives, and a rank that records a
+    backward runs collectives in it that the others never join: both hang). One all-gather of a few int64s
+    and one host sync: the ops call it once per run, not once per collective."""
+    gathered = _gather(_shape_row(x, shape, who, grad), group).cpu()
+    seen = [
+        (tuple(int(v) for v in row[1 : 1 + int(row[0])]), _FORMATS[int(row[-2])], _GRAD_MODES[int(row[-1])])
+        for row in gathered
+    ]
     if any(s != seen[0] for s in seen):
         raise ValueError(
-            f"{who}: the ranks of the group hold activations of different shapes or formats {seen}; tensor- "
-            "and sequence-parallel collectives need the same shape (equal blocks of the sequence) and the same "
-            "format (all FP8, or all high precision, of one dtype) on every rank"
+            f"{who}: the ranks of the group hold activations of different shapes, formats or grad modes {seen}; "
+            "tensor- and sequence-parallel collectives need the same shape (equal blocks of the sequence), the "
+            "same format (all FP8, or all high precision, of one dtype) and the same grad mode (every rank "
+            "training, or none) on every rank"
         )
+
+
+_GRAD_MODES = ("no backward", "backward", "grad mode not given")  # indexed by the code: 0, 1, -1
 
 
 # The formats an activation's row names (its last entry, an index here): its dtype, FP8 bits by their format.
@@ -79,23 +89,26 @@ def _format_code(x: torch.Tensor) -> int:
     return _CODES.get(x.dtype, 0)
 
 
-def _shape_row(x: torch.Tensor, shape: Optional[tuple], who: str) -> torch.Tensor:
-    """`shape` (default x's) as MAX_DIMS + 2 int64s on x's device: the count, the sizes padded with -1, and
-    the activation's format (an index into _FORMATS)."""
+def _shape_row(x: torch.Tensor, shape: Optional[tuple], who: str, grad: Optional[bool] = None) -> torch.Tensor:
+    """`shape` (default x's) as MAX_DIMS + 3 int64s on x's device: the count, the sizes padded with -1, the
+    activation's format (an index into _FORMATS) and the grad mode (1, 0, or -1 when not given)."""
     shape = tuple(x.shape) if shape is None else tuple(shape)
     if len(shape) > MAX_DIMS:
         raise ValueError(f"{who}: activations of up to {MAX_DIMS} dims, got shape {shape}")
-    row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape)) + [_format_code(x)]
+    grad_code = -1 if grad is None else int(bool(grad))
+    row = [len(shape), *shape] + [-1] * (MAX_DIMS - len(shape)) + [_format_code(x), grad_code]
     return torch.tensor(row, dtype=torch.int64, device=x.device).reshape(1, -1)
 
 
-def shapes_agree(x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tuple] = None) -> torch.Tensor:
-    """Whether every rank of `group` holds an activation of `shape` (default x's), as a bool tensor on x's
-    device: the check of traced code (torch.compile), which cannot sync the host. One all-gather of a few
+def shapes_agree(
+    x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tuple] = None, grad: Optional[bool] = None
+) -> torch.Tensor:
+    """Whether every rank of `group` holds an activation of `shape` (default x's), of one format and in one
+    grad mode (as `check_same_shape`), as a bool tensor on x's device: the check of traced code (torch.compile), which cannot sync the host. One all-gather of a few
     int64s. A different number of tokens also makes the collective after it mismatch, which the backend
     itself ends (gloo aborts the process; NCCL's watchdog at the group's timeout): what this check turns
     NaN is the rest, token dims that differ with the same number of tokens."""
-    shapes = _gather(_shape_row(x, shape, "shapes_agree"), group)
+    shapes = _gather(_shape_row(x, shape, "shapes_agree", grad), group)
     return (shapes == shapes[0]).all()
 
 

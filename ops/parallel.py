@@ -66,8 +66,8 @@ class _RowCollective(BasicOp):
         lead = tuple(ctx.run.lead)
         shape = (*lead, *x.shape[1:]) if lead and math.prod(lead) == x.shape[0] else tuple(x.shape)
         if torch.compiler.is_compiling():
-            return shapes_agree(x, self.group, shape)
-        check_same_shape(x, self.group, type(self).__name__, shape)
+            return shapes_agree(x, self.group, shape, ctx.run.grad)
+        check_same_shape(x, self.group, type(self).__name__, shape, ctx.run.grad)
         return None
 
     def _set_lead(self, ctx: OpContext, rows_before: int, rows_after: int) -> None:

@@ -211,6 +211,11 @@ def _bad_inputs(rank, world):
     # collectives (a hang), so the shape check compares formats too.
     mixed = torch.randn(4, D)
     out["formats"] = _error_of(lambda: gather(mixed if rank == 0 else Float8Tensor.quantize(mixed)))
+    # One rank records a backward, the other does not: the backward's collectives would wait for a rank
+    # that never runs them.
+    trained = ops.Sequential(ops.AllGather(group), ops.Linear(D, 8))
+    with torch.set_grad_enabled(rank == 1):
+        out["grad modes"] = _error_of(lambda: trained(torch.randn(4, D)))
     # Tokens that do not split over the group, the same on every rank: reduce-scatter cannot keep a block.
     out["uneven"] = _error_of(lambda: ops.Sequential(ops.ReduceScatter(group))(torch.randn(3, D)))
     # FP8 input from outside the Sequential, quantized per rank: different scales, one tensor.
@@ -240,9 +245,11 @@ def _bad_inputs(rank, world):
 
 def test_bad_input_raises_on_every_rank():
     for r in run_ranks(_bad_inputs, timeout=TIMEOUT_S):
-        assert "different shapes or formats [((4, 64), 'float32'), ((5, 64), 'float32')]" in r["shapes"], r
-        assert "[((8, 2, 64), 'float32'), ((4, 4, 64), 'float32')]" in r["token dims"], r["token dims"]
-        assert "[((4, 64), 'float32'), ((4, 64), 'FP8 float8_e4m3fn')]" in r["formats"], r["formats"]
+        assert "different shapes, formats or grad modes [((4, 64), 'float32'," in r["shapes"], r["shapes"]
+        assert "((5, 64), 'float32'," in r["shapes"], r["shapes"]
+        assert "[((8, 2, 64), 'float32'," in r["token dims"] and "((4, 4, 64), 'float32'," in r["token dims"], r
+        assert "((4, 64), 'float32'," in r["formats"] and "((4, 64), 'FP8 float8_e4m3fn'," in r["formats"], r
+        assert "'no backward'), ((4, 64), 'float32', 'backward')]" in r["grad modes"], r["grad modes"]
         assert "do not split evenly over 2 ranks" in r["uneven"], r["uneven"]
         assert "scales differ" in r["scales"], r["scales"]
         assert "scales differ" in r["passed through"], r["passed through"]
@@ -499,7 +506,7 @@ def test_compiled_layer_compares_shapes_once():
     # compares the ranks' shapes (one small int64 all-gather; each part did before: three, each an NCCL call
     # of ~130 us host time on the 2-H200 machine, docs/distributed.md).
     gathers = run_ranks(_traced_gathers, timeout=TIMEOUT_S)[0]
-    assert [g for g in gathers if g[0] == "torch.int64"] == [("torch.int64", (2, 10))], gathers
+    assert [g for g in gathers if g[0] == "torch.int64"] == [("torch.int64", (2, 11))], gathers
     rows = SP_DIMS["s"] * 2  # the whole sequence, batch 2: the FP8 rows of the QKV and MLP inputs, gathered
     assert [g for g in gathers if g[0] == "torch.uint8"] == [("torch.uint8", (rows, SP_DIMS["d"]))] * 2, gathers
 
