@@ -1,5 +1,5 @@
-"""Multi-GPU benchmarks (torchrun, NCCL; 2 GPUs or more): FSDP2 training of a Llama-style model and a tensor/sequence-parallel
-transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
+"""Multi-GPU benchmarks (torchrun, NCCL; 2 GPUs or more): FSDP2 training of a Llama-style model and a
+tensor/sequence-parallel transformer layer, FP8 (float8) against bf16 and torchao, measured in one run.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.distributed [--out DIR] [--tiny]
 

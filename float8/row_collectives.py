@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from float8.tensor import Float8Tensor
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has the old names only.
@@ -75,12 +76,11 @@ def check_same_shape(
 _GRAD_MODES = ("no backward", "backward", "grad mode not given")  # indexed by the code: 0, 1, -1
 
 
-# The formats an activation's row names (its last entry, an index here): its dtype, FP8 bits by their format.
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FORMATS = ("other", *(str(d)[6:] for d in _DTYPES), *("FP8 " + str(d)[6:] for d in _FP8_DTYPES))
+# The formats an activation's row names (an index here): its dtype, FP8 bits by their format.
+_DTYPES = (*HIGH_PRECISION_DTYPES, torch.float64)
+_FORMATS = ("other", *(str(d)[6:] for d in _DTYPES), *("FP8 " + str(d)[6:] for d in FP8_DTYPES))
 _CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}
-_FP8_CODES = {d: i + 1 + len(_DTYPES) for i, d in enumerate(_FP8_DTYPES)}
+_FP8_CODES = {d: i + 1 + len(_DTYPES) for i, d in enumerate(FP8_DTYPES)}
 
 
 def _format_code(x: torch.Tensor) -> int:
@@ -104,8 +104,8 @@ def shapes_agree(
     x: torch.Tensor, group: dist.ProcessGroup, shape: Optional[tuple] = None, grad: Optional[bool] = None
 ) -> torch.Tensor:
     """Whether every rank of `group` holds an activation of `shape` (default x's), of one format and in one
-    grad mode (as `check_same_shape`), as a bool tensor on x's device: the check of traced code (torch.compile), which cannot sync the host. One all-gather of a few
-    int64s. A different number of tokens also makes the collective after it mismatch, which the backend
+    grad mode (as `check_same_shape`), as a bool tensor on x's device: the check of traced code
+    (torch.compile), which cannot sync the host. One all-gather of a few int64s. A different number of tokens also makes the collective after it mismatch, which the backend
     itself ends (gloo aborts the process; NCCL's watchdog at the group's timeout): what this check turns
     NaN is the rest, token dims that differ with the same number of tokens."""
     shapes = _gather(_shape_row(x, shape, "shapes_agree", grad), group)

@@ -16,8 +16,8 @@ per-tensor scale across the group, because that Linear's input quantizer reduces
 all-reduced, then the cast) and gathers the bytes alone: every rank derived the same scale. Under delayed
 scaling it passes the request on to the op before, whose kernel (a norm's) writes the FP8 with the
 history's scale, and the gathered scales are compared on the device (float8/row_collectives.py says what
-a mismatch does). `Linear(..., parallel=..., tp_group=...)` places these ops
-itself (its `expand`); they are public for layers built by hand.
+a mismatch does). `Linear(..., parallel=..., tp_group=...)` places these ops itself (its `expand`); they
+are public for layers built by hand.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ class AllGather(_RowCollective):
     def op_forward(self, ctx: OpContext, x: torch.Tensor, out_request: Optional[QuantRequest] = None) -> torch.Tensor:
         ok = self._agree(ctx, x)
         rows = x.shape[0]
-        grad_transpose = out_request is not None and out_request.with_transpose and ctx.run.grad
         if isinstance(x, Float8Tensor):
             # Written for the relayed request by the op before: one scale by construction (checked on the
             # device). An FP8 input from outside the run: its scales are compared on the host (traced, it is
             # gathered dequantized instead, and quantized below like a high-precision input).
             relayed = not ctx.first and self._one_scale(out_request) and not self._casts_itself(out_request)
-            y = gather_rows(x, self.group, with_transpose=relayed and grad_transpose, one_scale=relayed)
+            transpose = relayed and out_request.with_transpose and ctx.run.grad
+            y = gather_rows(x, self.group, with_transpose=transpose, one_scale=relayed)
         elif self._casts_itself(out_request):
             # Quantized here with the amax reduced over the group (one all-reduce) and gathered as FP8 bytes
             # alone: two collectives, not three. The scale is this rank's, which every rank derived from the

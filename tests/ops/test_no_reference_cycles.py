@@ -50,17 +50,22 @@ def _block(recipe):
     ).to(BF16)
 
 
-def _freed_without_gc(build, step):
+def _freed_without_gc(build, step, collect_once=False):
     """Build a model, run `step(model)` (which may return an optimizer to drop too), delete everything and
-    count what is still alive with the cycle collector off."""
+    count what is still alive with the cycle collector off (collect_once: after one full collection, for a
+    compiled model; dynamo's caches are reset first)."""
     gc.collect()
     gc.disable()
     try:
+        if collect_once:
+            torch._dynamo.reset()
         torch.manual_seed(0)
         model = build()
         refs = [weakref.ref(t) for t in model.parameters()] + [weakref.ref(m) for m in model.modules()]
         keep = step(model)
         del model, keep
+        if collect_once:
+            gc.collect()
         alive = [r() for r in refs if r() is not None]
         return [type(a).__name__ for a in alive]
     finally:
@@ -115,26 +120,13 @@ def test_a_lone_linear():
     assert _freed_without_gc(lambda: ops.Linear(64, 64), lambda m: None) == []
 
 
-def _freed_by_one_collection(build, step):
-    """As `_freed_without_gc`, then one full collection: what is still alive after it."""
-    gc.collect()
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = build()
-    refs = [weakref.ref(t) for t in model.parameters()] + [weakref.ref(m) for m in model.modules()]
-    keep = step(model)
-    del model, keep
-    gc.collect()
-    return [type(r()).__name__ for r in refs if r() is not None]
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "lean"])
 def test_compiled_converted_model_is_freed_by_one_collection(recipe):
     def compiled_step(model):
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         return _train_step(compiled), compiled
 
-    assert _freed_by_one_collection(lambda: _converted(RECIPES[recipe]), compiled_step) == []
+    assert _freed_without_gc(lambda: _converted(RECIPES[recipe]), compiled_step, collect_once=True) == []
 
 
 def test_compiled_inference_with_fp8_weights_is_freed_by_one_collection():
@@ -144,4 +136,4 @@ def test_compiled_inference_with_fp8_weights_is_freed_by_one_collection():
             compiled(torch.randn(16, 128, dtype=BF16))
         return compiled
 
-    assert _freed_by_one_collection(lambda: _converted(None, fp8_weights=True), infer) == []
+    assert _freed_without_gc(lambda: _converted(None, fp8_weights=True), infer, collect_once=True) == []
