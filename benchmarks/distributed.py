@@ -15,10 +15,13 @@ tp: one transformer layer, TP over every rank with sequence parallelism, 8192 to
     (Linear(parallel=..., sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style
     collectives and the norms' gradients summed over the group (as float8's), each eager and compiled
     (fullgraph).
+mesh (4 GPUs or more): the fsdp model's blocks TP+SP over pairs of GPUs and FSDP2 over the pairs (a 2-D
+    mesh dp x tp=2, 8192 tokens per pair): bf16 Megatron-style blocks against float8.ops blocks with the FP8
+    weight all-gather, each eager and compiled per block, whole AdamW steps.
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
 Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
-on for other counts) in DIR (default benchmarks/results/; a DIR/x.json given stands for DIR;
-benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
+on for other counts, and distributed_mesh_4gpu...) in DIR (default benchmarks/results/; a DIR/x.json
+given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
 """
 
 from __future__ import annotations
@@ -163,25 +166,66 @@ def _fsdp_model(kind, cfg, dev):
     return model, opt, after_step
 
 
-def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
-    """Every variant in FSDP_VARIANTS (or `only`), in interleaved rounds (the order reversed every other
-    round), `steps` timed whole steps each per round after a first untimed round of 3 (compiles, warms).
-    Reported: the median step of each variant and the medians over rounds of its same-round ratios to bf16
-    eager; the step peak above what is allocated before the step (the models of the other variants are
-    alive too) and what the variant's model holds between steps (parameters, optimizer state, caches)."""
-    names = [n for n in FSDP_VARIANTS if only is None or n in only]
+# The same model on a 2-D mesh: FSDP2 over "dp" (weights sharded and gathered per block), tensor and
+# sequence parallelism over "tp" inside each block (2 GPUs), the input (S/tp, B=1, d) sequence-first.
+MESH_VARIANTS = {
+    "bf16 TP+SP x FSDP2, eager": ("bf16", False),
+    "bf16 TP+SP x FSDP2, compiled": ("bf16", True),
+    "float8 TP+SP x FSDP2 + FP8 all-gather, eager": ("float8", False),
+    "float8 TP+SP x FSDP2 + FP8 all-gather, compiled": ("float8", True),
+}
+
+
+def _mesh_model(kind, cfg, dev, mesh):
+    """A Stack of TP+SP blocks (bf16 Megatron-style, or float8.ops with the FP8 weight all-gather),
+    FSDP2-sharded over mesh["dp"], fp32 masters, AdamW; and what runs after each optimizer step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import float8.fsdp as f8fsdp
+
+    d, heads, kv, hd, ffn, blocks = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks"))
+    tp = mesh["tp"].get_group()
+    torch.manual_seed(0)
+    after_step = lambda: None  # noqa: E731
+    with torch.device(dev):
+        if kind == "bf16":
+            model = Stack([TPBlockBf16(d, heads, kv, hd, ffn, tp) for _ in range(blocks)])
+        else:
+            model = Stack([ops_block(d, heads, kv, hd, ffn, group=tp, sp=True) for _ in range(blocks)])
+            f8fsdp.enable_fp8_all_gather(model)
+            after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, opt, after_step
+
+
+def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None, variants=None, build=None, shape=None):
+    """Every variant in `variants` (FSDP_VARIANTS by default; or those in `only`), in interleaved rounds
+    (the order reversed every other round), `steps` timed whole steps each per round after a first untimed
+    round of 3 (compiles, warms). `build(kind)` makes a model (default: _fsdp_model), `shape` is the
+    input's (default (b, s, d)), `world` the size of the group FSDP shards over. Reported: the median step
+    of each variant and the medians over rounds of its same-round ratios to the first variant (bf16 eager);
+    the step peak above what is allocated before the step (the models of the other variants are alive too)
+    and what the variant's model holds between steps (parameters, optimizer state, caches)."""
+    variants = variants or FSDP_VARIANTS
+    build = build or (lambda kind: _fsdp_model(kind, cfg, dev))
+    shape = shape or (cfg["b"], cfg["s"], cfg["d"])
+    names = [n for n in variants if only is None or n in only]
     try:
         import torchao  # noqa: F401
     except ImportError:
         names = [n for n in names if not n.startswith("torchao")]
     g = torch.Generator(device=dev).manual_seed(100 + rank)
-    x = torch.randn(cfg["b"], cfg["s"], cfg["d"], device=dev, dtype=torch.bfloat16, generator=g)
-    target = torch.randn(cfg["b"], cfg["s"], cfg["d"], device=dev, dtype=torch.bfloat16, generator=g)
+    x = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
+    target = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
     models, results = {}, {}
     gib = 2**30
 
     def step_fn(name):
-        kind, compiled = FSDP_VARIANTS[name]
+        kind, compiled = variants[name]
         model, opt, after_step = models[kind]
         model.__dict__["use"] = [torch.compile(b) for b in model.blocks] if compiled else None
         res = results[name]
@@ -204,20 +248,20 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
     # Each model is built and warmed (3 untimed steps of each of its variants: compiles, optimizer state)
     # before the next: what it holds between steps is the memory it added.
     for name in names:
-        kind = FSDP_VARIANTS[name][0]
+        kind = variants[name][0]
         if kind in models:
             continue
-        variants = [n for n in names if FSDP_VARIANTS[n][0] == kind]
+        of_kind = [n for n in names if variants[n][0] == kind]
         gc.collect()
         before = torch.cuda.memory_allocated()
         try:
-            models[kind] = _fsdp_model(kind, cfg, dev)
+            models[kind] = build(kind)
         except Exception as e:  # noqa: BLE001 - reported in the results, the other variants still run
-            results.update({v: {"error": f"{type(e).__name__}: {e}"[:500]} for v in variants})
-        _agree_on_errors(results, variants, dev)
-        if kind not in models or "error" in results.get(variants[0], {}):
+            results.update({v: {"error": f"{type(e).__name__}: {e}"[:500]} for v in of_kind})
+        _agree_on_errors(results, of_kind, dev)
+        if kind not in models or "error" in results.get(of_kind[0], {}):
             continue
-        for variant in variants:
+        for variant in of_kind:
             results[variant] = {"losses": [], "rounds_ms": []}
             try:
                 _step_times(step_fn(variant), 3, 0)
@@ -225,7 +269,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
                 results[variant] = {"error": f"{type(e).__name__}: {e}"[:500]}
             _agree_on_errors(results, [variant], dev)
         gc.collect()
-        for variant in variants:
+        for variant in of_kind:
             if "error" not in results[variant]:
                 results[variant]["held_gib"] = (torch.cuda.memory_allocated() - before) / gib
     live = [n for n in names if "error" not in results[n]]
@@ -241,7 +285,8 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
             except Exception as e:  # noqa: BLE001
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             _agree_on_errors(results, [name], dev)
-    base = results.get("bf16 eager", {}).get("rounds_ms")
+    base_name = next((n for n in names if n.startswith("bf16") and "eager" in n), None)
+    base = results.get(base_name, {}).get("rounds_ms")
     for name in live:
         r = results[name]
         if "error" in r or not r["rounds_ms"]:
@@ -249,7 +294,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None):
         r["ms_per_step"] = _median([t for rnd in r["rounds_ms"] for t in rnd])
         if base and len(base) == len(r["rounds_ms"]):
             r["vs_bf16_eager"] = _median([_median(b) / _median(t) for b, t in zip(base, r["rounds_ms"])])
-        r["all_gather_bytes_per_step"] = _all_gather_bytes(models[FSDP_VARIANTS[name][0]][0], world)
+        r["all_gather_bytes_per_step"] = _all_gather_bytes(models[variants[name][0]][0], world)
         r["peak_gib"] = r["held_gib"] + r["peak_above_held_gib"]
         if profile_dir:  # on every rank (the collectives need both); rank 0 writes
             r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name))
@@ -487,11 +532,11 @@ def _write(out, path) -> None:
     """Record each part measured so far as its area, distributed_<part>: a figure per number of each variant."""
     env = {"device": f"{out['world']}x {out['device']}", "date": out["date"], **out["versions"]}
     env["command"] = out["command"]
-    for part in ("fsdp", "tp"):
-        if out[part]:
+    for part in ("fsdp", "tp", "mesh"):
+        if out.get(part):
             rows = [{"variant": name, **r} for name, r in out[part].items()]
             figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
-            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp")} | {part: out[part]}
+            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp", "mesh")} | {part: out[part]}
             area = f"distributed_{part}" + ("" if out["world"] == 2 else f"_{out['world']}gpu")
             record(area, path, env, figures, None, detail)
 
@@ -544,7 +589,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=8, help="timed whole steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
-    p.add_argument("--only", choices=["fsdp", "tp"], default=None)
+    p.add_argument("--only", choices=["fsdp", "tp", "mesh"], default=None)
     p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
     p.add_argument(
         "--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles"
@@ -587,6 +632,24 @@ def main() -> None:
         out["tp"] = _tp(cfg, rank, world, dev, 10, args.rounds, folder if args.profile else None)
         if rank == 0:
             print(out["tp"], flush=True)
+    if args.only in (None, "mesh") and world >= 4 and world % 2 == 0:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        out["mesh"] = _fsdp(
+            cfg,
+            rank,
+            world // 2,
+            dev,
+            args.steps,
+            args.rounds,
+            variants=MESH_VARIANTS,
+            build=lambda kind: _mesh_model(kind, cfg, dev, mesh),
+            shape=(cfg["tp_tokens"] // 2, 1, cfg["d"]),
+        )
+        if rank == 0:
+            for name, r in out["mesh"].items():
+                print(name, {k: v for k, v in r.items() if k not in ("losses", "rounds_ms")}, flush=True)
     if rank == 0:
         _write(out, args.out)
     dist.barrier()

@@ -59,11 +59,8 @@ def check_same_shape(
     on one rank and a high-precision one on another take different collectives, and a rank that records a
     backward runs collectives in it that the others never join: both hang). One all-gather of a few int64s
     and one host sync: the ops call it once per run, not once per collective."""
-    gathered = _gather(_shape_row(x, shape, who, grad), group).cpu()
-    seen = [
-        (tuple(int(v) for v in row[1 : 1 + int(row[0])]), _FORMATS[int(row[-2])], _GRAD_MODES[int(row[-1])])
-        for row in gathered
-    ]
+    gathered = _gather(_shape_row(x, shape, who, grad), group).tolist()  # the one host sync
+    seen = [(tuple(row[1 : 1 + row[0]]), _FORMATS[row[-2]], _GRAD_MODES[row[-1]]) for row in gathered]
     if any(s != seen[0] for s in seen):
         raise ValueError(
             f"{who}: the ranks of the group hold activations of different shapes, formats or grad modes {seen}; "

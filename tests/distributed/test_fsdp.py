@@ -155,6 +155,61 @@ def _fsdp_fp8(rank, world, hidden=128, reshard=True):
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
+def _precomputed_scales_used(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import float8.fsdp as f8fsdp
+
+    class CountAllReduces(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "allreduce" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    model = _fp8_model(128)  # row-wise inputs and gradients: no amax all-reduce but the weights'
+    f8fsdp.enable_fp8_all_gather(model)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = _batches()[0].chunk(world)[rank]
+
+    def step(scales):
+        counter = CountAllReduces()
+        with counter:
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+        opt.step()  # writes every master: the precomputed scales are dropped
+        opt.zero_grad()
+        if scales:
+            assert f8fsdp.precompute_scales(model) == 4
+        return counter.count, float(loss)
+
+    step(scales=True)
+    used, loss_precomputed = step(scales=False)  # gathers with the scales precomputed after the last step
+    recomputed, _ = step(scales=False)  # none precomputed: each gather (forward, backward's re-gather) reduces
+    assert used == 0 and recomputed == 8, (used, recomputed)
+    # A precomputed scale is the one the gather would compute: the same bits.
+    step(scales=True)
+    with torch.no_grad():
+        y_precomputed = model(x)
+        for p in model.parameters():
+            local = getattr(p, "_local_tensor", p)
+            if isinstance(local, f8fsdp.Float8TrainingWeight):
+                local.precomputed_scale = None
+        assert torch.equal(model(x), y_precomputed)
+    return loss_precomputed
+
+
+def test_precomputed_scales_replace_the_all_reduce_of_every_gather():
+    """precompute_scales set each scale on a wrapper that DTensor.to_local() had just made, so FSDP never saw
+    it: every gather all-reduced its weight's amax again. Now the gathers after it all-reduce nothing."""
+    losses = run_ranks(_precomputed_scales_used, timeout=TIMEOUT_S)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
 # hidden=127: the first Linear's 127 rows shard 64/63 and the second's 64 rows of 127 columns evenly;
 # hidden=1: a (1, 64) weight leaves rank 1 an empty shard. reshard_after_forward=False keeps the gathered
 # FP8 weights from forward to backward.
