@@ -21,7 +21,7 @@ mesh (4 GPUs or more): the fsdp model's blocks TP+SP over pairs of GPUs and FSDP
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
 Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
 on for other counts, and distributed_mesh_4gpu...) in DIR (default benchmarks/results/; a DIR/x.json
-given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt and profile_tp.txt.
+given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt, profile_tp.txt and profile_mesh.txt.
 """
 
 from __future__ import annotations
@@ -129,6 +129,8 @@ FSDP_VARIANTS = {
     # The user path: the plain torch.nn model, ops.convert, float8.fsdp.enable_fp8_all_gather, fully_shard.
     "float8 converted + FP8 all-gather, eager": ("converted", False),
     "float8 converted + FP8 all-gather, compiled": ("converted", True),
+    # The same without precompute_scales: each gather all-reduces its weight's amax (precompute off).
+    "float8 converted + FP8 all-gather, compiled, scale at each gather": ("converted, no precompute", True),
     "torchao tensorwise + FP8 all-gather, compiled": ("torchao", True),
 }
 
@@ -142,13 +144,14 @@ def _fsdp_model(kind, cfg, dev):
     after_step = lambda: None  # noqa: E731
     with torch.device(dev):  # built whole on the GPU (7 GiB of fp32 for 8 blocks), then sharded
         model = Stack([Block(d, heads, kv, hd, ffn) for _ in range(blocks)])
-    if kind == "converted":
+    if kind.startswith("converted"):
         import float8.fsdp as f8fsdp
         import float8.ops as ops
 
         ops.convert(model)
         f8fsdp.enable_fp8_all_gather(model)
-        after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
+        if "no precompute" not in kind:
+            after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
     elif kind == "torchao":
         from torchao.float8 import (
             Float8LinearConfig,
@@ -173,6 +176,7 @@ MESH_VARIANTS = {
     "bf16 TP+SP x FSDP2, compiled": ("bf16", True),
     "float8 TP+SP x FSDP2 + FP8 all-gather, eager": ("float8", False),
     "float8 TP+SP x FSDP2 + FP8 all-gather, compiled": ("float8", True),
+    "float8 TP+SP x FSDP2 + FP8 all-gather, compiled, scale at each gather": ("float8, no precompute", True),
 }
 
 
@@ -193,7 +197,8 @@ def _mesh_model(kind, cfg, dev, mesh):
         else:
             model = Stack([ops_block(d, heads, kv, hd, ffn, group=tp, sp=True) for _ in range(blocks)])
             f8fsdp.enable_fp8_all_gather(model)
-            after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
+            if "no precompute" not in kind:
+                after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh["dp"], mp_policy=mp)
@@ -202,7 +207,20 @@ def _mesh_model(kind, cfg, dev, mesh):
     return model, opt, after_step
 
 
-def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None, variants=None, build=None, shape=None):
+def _fsdp(
+    cfg,
+    rank,
+    world,
+    dev,
+    steps,
+    rounds,
+    only=None,
+    profile_dir=None,
+    variants=None,
+    build=None,
+    shape=None,
+    part="fsdp",
+):
     """Every variant in `variants` (FSDP_VARIANTS by default; or those in `only`), in interleaved rounds
     (the order reversed every other round), `steps` timed whole steps each per round after a first untimed
     round of 3 (compiles, warms). `build(kind)` makes a model (default: _fsdp_model), `shape` is the
@@ -297,7 +315,7 @@ def _fsdp(cfg, rank, world, dev, steps, rounds, only=None, profile_dir=None, var
         r["all_gather_bytes_per_step"] = _all_gather_bytes(models[variants[name][0]][0], world)
         r["peak_gib"] = r["held_gib"] + r["peak_above_held_gib"]
         if profile_dir:  # on every rank (the collectives need both); rank 0 writes
-            r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name))
+            r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name, part))
     return results
 
 
@@ -541,10 +559,10 @@ def _write(out, path) -> None:
             record(area, path, env, figures, None, detail)
 
 
-def _exposed_comm(model_step, trace_dir, name, steps=2):
+def _exposed_comm(model_step, trace_dir, name, part, steps=2):
     """Profile `steps` steps; NCCL kernel time, and the part of it during which no other kernel runs (what
     the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The trace goes
-    kernels' table goes to trace_dir/profile_fsdp.txt when given."""
+    kernels' table goes to trace_dir/profile_<part>.txt when given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -575,7 +593,7 @@ def _exposed_comm(model_step, trace_dir, name, steps=2):
         exposed += (b - a) - covered
     if trace_dir:  # the kernels by CUDA time, one table per variant (a whole trace is tens of MB)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
-        with open(os.path.join(trace_dir, "profile_fsdp.txt"), "a") as f:
+        with open(os.path.join(trace_dir, f"profile_{part}.txt"), "a") as f:
             f.write(f"## {name}: {steps} steps\n{table}\n")
     return {
         "nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps,
@@ -646,6 +664,9 @@ def main() -> None:
             variants=MESH_VARIANTS,
             build=lambda kind: _mesh_model(kind, cfg, dev, mesh),
             shape=(cfg["tp_tokens"] // 2, 1, cfg["d"]),
+            only=args.variants,
+            profile_dir=folder if args.profile else None,
+            part="mesh",
         )
         if rank == 0:
             for name, r in out["mesh"].items():
