@@ -18,6 +18,8 @@ tp: one transformer layer, TP over every rank with sequence parallelism, 8192 to
 mesh (4 GPUs or more): the fsdp model's blocks TP+SP over pairs of GPUs and FSDP2 over the pairs (a 2-D
     mesh dp x tp=2, 8192 tokens per pair): bf16 Megatron-style blocks against float8.ops blocks with the FP8
     weight all-gather, each eager and compiled per block, whole AdamW steps.
+async_tp: torch's symmetric-memory collective + FP8 GEMM ops against the collective then the GEMM, at the
+    tp layer's shapes (needs NVLink multicast off on the lent machines: TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
 Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
 on for other counts, and distributed_mesh_4gpu...) in DIR (default benchmarks/results/; a DIR/x.json
@@ -546,15 +548,88 @@ def _tp(cfg, rank, world, dev, steps, rounds, profile_dir=None, warm=5):
     return results
 
 
+def _async_tp(cfg, rank, world, dev, n=20):
+    """Asynchronous TP, measured before it is built: torch's symmetric-memory ops that pipeline a collective
+    with an FP8 GEMM by blocks of rows (fused_all_gather_scaled_matmul, fused_scaled_matmul_reduce_scatter)
+    against the collective then the GEMM, at the TP layer's shapes (tp_tokens rows; the column-parallel QKV
+    and gate/up, the row-parallel output and down projections of this rank's shard). Per shape: ms of
+    each (CUDA events, mean of n after 3 warm calls) and whether the results are equal."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    group = dist.group.WORLD
+    enable_symm_mem_for_group(group.group_name)
+    e4m3 = torch.float8_e4m3fn
+    m, d, ffn, hd = cfg["tp_tokens"], cfg["d"], cfg["ffn"], cfg["hd"]
+    qkv = (cfg["heads"] + 2 * cfg["kv"]) * hd // world
+    sa, sb = torch.tensor(0.02, device=dev), torch.tensor(0.01, device=dev)
+
+    def fp8(shape, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return (torch.randn(shape, device=dev, generator=g) * 0.5).to(e4m3)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / n
+
+    def mm(a, w):
+        return torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    results = {}
+    for name, n_local in (("qkv", qkv), ("gate/up", 2 * ffn // world)):
+        shard, w = fp8((m // world, d), 100 + rank), fp8((n_local, d), 7 + rank)
+
+        def sequential(shard=shard, w=w):
+            return mm(funcol.all_gather_tensor(shard.view(torch.uint8), 0, group).wait().view(e4m3), w)
+
+        def fused(shard=shard, w=w):
+            return torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                shard, [w.t()], sa, [sb], 0, group.group_name, [None], [None], [torch.bfloat16], [True]
+            )[1][0]
+
+        results[f"all-gather + GEMM, {name}"] = (sequential, fused)
+    for name, k_local in (("output", cfg["heads"] * hd // world), ("down", ffn // world)):
+        a, w = fp8((m, k_local), 200 + rank), fp8((d, k_local), 9 + rank)
+
+        def sequential(a=a, w=w):
+            return funcol.reduce_scatter_tensor(mm(a, w), "sum", 0, group).wait()
+
+        def fused(a=a, w=w):
+            return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                a, w.t(), sa, sb, "sum", 0, 0, group.group_name, [m, d], None, None, torch.bfloat16, True
+            )
+
+        results[f"GEMM + reduce-scatter, {name}"] = (sequential, fused)
+    out = {}
+    for name, (sequential, fused) in results.items():
+        try:
+            equal = torch.equal(sequential(), fused())
+            out[name] = {"sequential_ms": timed(sequential), "fused_ms": timed(fused), "equal": equal}
+            out[name]["fused_speedup"] = out[name]["sequential_ms"] / out[name]["fused_ms"]
+        except Exception as e:  # noqa: BLE001 - reported; the other shapes still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        _agree_on_errors(out, [name], dev)
+    return out
+
+
 def _write(out, path) -> None:
     """Record each part measured so far as its area, distributed_<part>: a figure per number of each variant."""
     env = {"device": f"{out['world']}x {out['device']}", "date": out["date"], **out["versions"]}
     env["command"] = out["command"]
-    for part in ("fsdp", "tp", "mesh"):
+    for part in ("fsdp", "tp", "mesh", "async_tp"):
         if out.get(part):
             rows = [{"variant": name, **r} for name, r in out[part].items()]
             figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
-            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp", "mesh")} | {part: out[part]}
+            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp", "mesh", "async_tp")} | {part: out[part]}
             area = f"distributed_{part}" + ("" if out["world"] == 2 else f"_{out['world']}gpu")
             record(area, path, env, figures, None, detail)
 
@@ -607,7 +682,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=8, help="timed whole steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
-    p.add_argument("--only", choices=["fsdp", "tp", "mesh"], default=None)
+    p.add_argument("--only", choices=["fsdp", "tp", "mesh", "async_tp"], default=None)
     p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
     p.add_argument(
         "--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles"
@@ -650,6 +725,10 @@ def main() -> None:
         out["tp"] = _tp(cfg, rank, world, dev, 10, args.rounds, folder if args.profile else None)
         if rank == 0:
             print(out["tp"], flush=True)
+    if args.only in (None, "async_tp"):
+        out["async_tp"] = _async_tp(cfg, rank, world, dev)
+        if rank == 0:
+            print(out["async_tp"], flush=True)
     if args.only in (None, "mesh") and world >= 4 and world % 2 == 0:
         from torch.distributed.device_mesh import init_device_mesh
 
