@@ -222,6 +222,7 @@ def _fsdp(
     build=None,
     shape=None,
     part="fsdp",
+    manual_gc=False,
 ):
     """Every variant in `variants` (FSDP_VARIANTS by default; or those in `only`), in interleaved rounds
     (the order reversed every other round), `steps` timed whole steps each per round after a first untimed
@@ -229,7 +230,10 @@ def _fsdp(
     input's (default (b, s, d)), `world` the size of the group FSDP shards over. Reported: the median step
     of each variant and the medians over rounds of its same-round ratios to the first variant (bf16 eager);
     the step peak above what is allocated before the step (the models of the other variants are alive too)
-    and what the variant's model holds between steps (parameters, optimizer state, caches)."""
+    and what the variant's model holds between steps (parameters, optimizer state, caches). manual_gc:
+    Python's collector off during each round's timed steps, a generation-1 collection before each round
+    (a full collection on one rank, hundreds of ms with compiled models alive, stalls every rank at the
+    next collective)."""
     variants = variants or FSDP_VARIANTS
     build = build or (lambda kind: _fsdp_model(kind, cfg, dev))
     shape = shape or (cfg["b"], cfg["s"], cfg["d"])
@@ -301,9 +305,14 @@ def _fsdp(
             try:
                 # Compiled wrappers are made afresh each round: dynamo's cache (keyed on the block's code)
                 # keeps the compiled graphs, so only the warm-up compiles.
+                if manual_gc:  # as large-scale trainers do: no collection inside a step, gen 1 between
+                    gc.collect(1)
+                    gc.disable()
                 results[name]["rounds_ms"].append(_step_times(step_fn(name), 1, steps))
             except Exception as e:  # noqa: BLE001
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            finally:
+                gc.enable()
             _agree_on_errors(results, [name], dev)
     base_name = next((n for n in names if n.startswith("bf16") and "eager" in n), None)
     base = results.get(base_name, {}).get("rounds_ms")
@@ -685,6 +694,9 @@ def main() -> None:
     p.add_argument("--only", choices=["fsdp", "tp", "mesh", "async_tp"], default=None)
     p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
     p.add_argument(
+        "--manual-gc", action="store_true", help="fsdp, mesh: no Python garbage collection inside timed steps"
+    )
+    p.add_argument(
         "--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles"
     )
     args = p.parse_args()
@@ -715,7 +727,15 @@ def main() -> None:
     }
     if args.only in (None, "fsdp"):
         out["fsdp"] = _fsdp(
-            cfg, rank, world, dev, args.steps, args.rounds, args.variants, folder if args.profile else None
+            cfg,
+            rank,
+            world,
+            dev,
+            args.steps,
+            args.rounds,
+            args.variants,
+            folder if args.profile else None,
+            manual_gc=args.manual_gc,
         )
         if rank == 0:
             for name, r in out["fsdp"].items():
@@ -746,6 +766,7 @@ def main() -> None:
             only=args.variants,
             profile_dir=folder if args.profile else None,
             part="mesh",
+            manual_gc=args.manual_gc,
         )
         if rank == 0:
             for name, r in out["mesh"].items():
