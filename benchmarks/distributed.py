@@ -232,8 +232,8 @@ def _fsdp(
     the step peak above what is allocated before the step (the models of the other variants are alive too)
     and what the variant's model holds between steps (parameters, optimizer state, caches). manual_gc:
     Python's collector off during each round's timed steps, a generation-1 collection before each round
-    (a full collection on one rank, hundreds of ms with compiled models alive, stalls every rank at the
-    next collective)."""
+    (a full collection on one rank, long with compiled models alive, stalls every rank at the next
+    collective)."""
     variants = variants or FSDP_VARIANTS
     build = build or (lambda kind: _fsdp_model(kind, cfg, dev))
     shape = shape or (cfg["b"], cfg["s"], cfg["d"])
