@@ -45,7 +45,8 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers the f
 from float8 import dispatch
 from float8.checks import block_shape, is_whole, storage_address
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _is_float8, layout_quantizer, mark_written, share_writes
+from float8.tensor import Float8Tensor, _is_float8, layout_quantizer
+from float8.writes import mark_written, share_writes
 
 c10d = torch.ops.c10d
 MAX_DIMS = 8

@@ -18,7 +18,8 @@ import torch
 from float8 import dispatch
 from float8.checks import block_shape, storage_address
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _is_float8, _requantize_into, check_whole, mark_written, share_writes
+from float8.tensor import Float8Tensor, _is_float8, _requantize_into, check_whole
+from float8.writes import mark_written, share_writes
 
 aten = torch.ops.aten
 
@@ -49,8 +50,11 @@ def transpose_cache_after(
     raise ValueError(f"unknown transpose-cache rule {how!r}")
 
 
-def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Float8Tensor:
-    out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
+def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None, same_layout=False) -> Float8Tensor:
+    # same_layout (aliases and copies of the whole tensor): src's quantizer still writes this layout.
+    out = Float8Tensor(
+        data, scale_inv, dtype or src.dtype, transpose, quantizer=src._quantizer if same_layout else None
+    )
     out._gathered_master = src._gathered_master
     if _aliases(data, src):
         share_writes(out, src)  # a view: writes through it must reach src's cache check, and back
@@ -76,7 +80,7 @@ def _shares_versions(handler):
 
     __torch_dispatch__ runs below autograd's ADInplaceOrView key, where a view of a plain tensor gets a
     counter of its own; a raw write into `view.fp8_data` would then not move the base's counter, and the
-    base's transpose cache would go stale unseen (tensor.transpose_in_step). Re-enabling the key for
+    base's transpose cache would go stale unseen (writes.transpose_in_step). Re-enabling the key for
     the handler makes the inner views ordinary autograd views of the source's bits."""
 
     @functools.wraps(handler)
@@ -98,7 +102,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 @_shares_versions
 def _alias(func, args, kwargs):
     src = args[0]
-    return _wrap(src, func(src._data), src._scale_inv, transpose_cache_after("alias", src))
+    return _wrap(src, func(src._data), src._scale_inv, transpose_cache_after("alias", src), same_layout=True)
 
 
 @dispatch.implements([aten.clone.default])
@@ -107,7 +111,7 @@ def _clone(func, args, kwargs):
     memory_format = kwargs.get("memory_format")
     data = src._data.clone() if memory_format is None else src._data.clone(memory_format=memory_format)
     cache = transpose_cache_after("copy", src, lambda t: t.clone())
-    return _wrap(src, data, src._scale_inv.clone(), cache)
+    return _wrap(src, data, src._scale_inv.clone(), cache, same_layout=True)
 
 
 @dispatch.implements([aten._to_copy.default])
@@ -129,7 +133,9 @@ def _to_copy(func, args, kwargs):
 
     cache = transpose_cache_after("copy", src, move)
     # A high-precision dtype changes what the tensor stands for; the FP8 bits stay as they are.
-    return _wrap(src, move(src._data), move(src._scale_inv), cache, dtype=dtype)
+    # A quantizer may hold tensors on src's device (a static scale): it goes along only on that device.
+    same_device = torch.device(device) == src.device
+    return _wrap(src, move(src._data), move(src._scale_inv), cache, dtype=dtype, same_layout=same_device)
 
 
 @dispatch.implements([aten.copy_.default])

@@ -40,6 +40,7 @@ from float8.kernels.reference import (
     scale_from_amax,
 )
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
+from float8.writes import _stamp, mark_written, transpose_in_step
 
 Float8FallbackWarning = dispatch.Float8FallbackWarning
 
@@ -59,6 +60,8 @@ class Float8Tensor(torch.Tensor):
         nominal_dtype: torch.dtype,
         transpose: Optional[torch.Tensor] = None,
         requires_grad: bool = False,
+        *,
+        quantizer: Optional["Quantizer"] = None,
     ):
         _check_parts(data, scale_inv, nominal_dtype, transpose)
         if torch.is_inference_mode_enabled() and not data.is_inference():
@@ -76,6 +79,9 @@ class Float8Tensor(torch.Tensor):
         # An FSDP2 all-gather of a trainable high-precision master (float8/fsdp.py): a Linear computes its
         # weight gradient, which FSDP reduce-scatters into the master's.
         self._gathered_master = False
+        # What re-quantizes an in-place write into these bits (layout_quantizer): the quantizer that made
+        # them, stateless; None where they were built otherwise (then the layout is read from the scales).
+        self._quantizer = quantizer
         self._t_stamp = _stamp(self)
         return self
 
@@ -195,6 +201,7 @@ class Float8Tensor(torch.Tensor):
             self.dtype,
             None if cache is None else cache.clone(),
             self.requires_grad,
+            quantizer=self._quantizer,
         )
         memo[id(self)] = out
         return out
@@ -233,51 +240,6 @@ def check_whole(dst: Float8Tensor) -> None:
             "view shares its scale and transpose with the whole tensor. Write the whole tensor (e.g. "
             "t.copy_(new_values)), or work on t.dequantize()"
         )
-
-
-# ---- the transpose cache stays in step with the data, or is dropped ---------------------------------
-# The cache is stamped, when it is made or re-derived, with (writes, version of the bits, version of the
-# cache); a read that finds any of them moved drops it, and the GEMM that needs the other layout makes it
-# again from the bits. Two kinds of write are caught:
-# - raw writes into `t.fp8_data` or into the cache (`t.t().fp8_data` *is* it): they move the tensors'
-#   version counters;
-# - writes through the library (in-place ops, copy_) into any Float8Tensor that aliases the bits (a view:
-#   `t.view(-1).add_(1)`): they bump `_writes`, a counter shared by all Float8Tensors made as views of one
-#   another (share_writes). Counters are needed here because views made inside __torch_dispatch__ run
-#   below autograd and do not share the base's version counter.
-
-
-def _stamp(t: "Float8Tensor"):
-    data, cache = t._data, t._transpose_raw
-    if cache is None or data.is_inference() or cache.is_inference() or torch.compiler.is_compiling():
-        return None  # inference tensors keep no version counter; a traced graph has no counters to read
-    return (t._writes[0], data._version, cache._version)
-
-
-def transpose_in_step(t: Float8Tensor) -> Optional[torch.Tensor]:
-    """t's transpose cache, or None after dropping it if a write moved the bits or the cache since it was
-    made. The one place that decides whether a cache is still valid."""
-    cache = t._transpose_raw
-    if cache is None or t._t_stamp is None or torch.compiler.is_compiling():
-        return cache
-    if (t._writes[0], t._data._version, cache._version) != t._t_stamp:
-        t._transpose_raw = t._t_stamp = None
-        return None
-    return cache
-
-
-def share_writes(view: Float8Tensor, src: Float8Tensor) -> Float8Tensor:
-    """Make `view`, which aliases src's bits, count its writes with src's (and the other way round)."""
-    view._writes = src._writes
-    view._t_stamp = _stamp(view)
-    return view
-
-
-def mark_written(t: Float8Tensor) -> None:
-    """After the library wrote t's bits (and re-derived t's own cache): every alias's cache is now stale,
-    t's own is in step."""
-    t._writes[0] += 1
-    t._t_stamp = _stamp(t)
 
 
 class _DequantizeSTE(torch.autograd.Function):
@@ -331,9 +293,10 @@ class Quantizer:
         check_quantize_input(x)
         grad = torch.is_grad_enabled()
         want_t = bool(with_transpose) and grad and x.dim() >= 2
-        if grad and x.requires_grad:
-            return _QuantizeSTE.apply(x, self, want_t)
-        return self._quantize(x, want_t)
+        out = _QuantizeSTE.apply(x, self, want_t) if grad and x.requires_grad else self._quantize(x, want_t)
+        if out._quantizer is None and not torch.compiler.is_compiling():
+            out._quantizer = self.requantizer()  # a quantizer of one's own builds its tensors itself
+        return out
 
     def _quantize(self, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
         """`quantize` without the grad-mode rule and without autograd: for ops, which run inside their
@@ -362,10 +325,15 @@ class Quantizer:
         """The Float8Tensor from a kernel's outputs, after the amax bookkeeping (`record`)."""
         scale_inv = self._after_kernel(scale_inv, amax)
         t = data_t if with_transpose and data_t.numel() == data.numel() and data.dim() >= 2 else None
-        return Float8Tensor(data, scale_inv, nominal_dtype, t)
+        return Float8Tensor(data, scale_inv, nominal_dtype, t, quantizer=_made_by(self.requantizer()))
 
     def _after_kernel(self, scale_inv, amax):
         return scale_inv
+
+    def requantizer(self) -> "Quantizer":
+        """What an in-place write into a tensor this quantizer made re-quantizes with: the same format,
+        layout and settings, without state to update or a collective to join (one rank may write alone)."""
+        return self
 
     def record(self, amax: torch.Tensor) -> None:
         """Bookkeeping of one amax written by a kernel (delayed scaling keeps a history); device ops only."""
@@ -421,6 +389,14 @@ class TensorwiseQuantizer(Quantizer):
             x, self.fp8_dtype, scale, self.margin, self.power_of_2, with_transpose
         )
         return self.finish(data, data_t, scale_inv, None, x.dtype, with_transpose)
+
+    def requantizer(self) -> "TensorwiseQuantizer":
+        """Self, or without the amax group: an in-place write on one rank takes its own amax."""
+        if self.amax_group is None:
+            return self
+        if "_local" not in self.__dict__:
+            self._local = TensorwiseQuantizer(self.fp8_dtype, margin=self.margin, power_of_2=self.power_of_2)
+        return self._local
 
     def __repr__(self) -> str:
         return f"TensorwiseQuantizer({self.fp8_dtype}, margin={self.margin}, power_of_2={self.power_of_2})"
@@ -504,7 +480,7 @@ class RowwiseQuantizer(Quantizer):
 
     def _quantize(self, x, with_transpose):
         data, scale_inv = quantize_rowwise(x, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose), quantizer=_made_by(self))
 
 
 class BlockwiseQuantizer(Quantizer):
@@ -521,7 +497,13 @@ class BlockwiseQuantizer(Quantizer):
     def _quantize(self, x, with_transpose):
         rows, cols = self.block
         data, scale_inv = quantize_blockwise(x, rows, cols, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose), quantizer=_made_by(self))
+
+
+def _made_by(quantizer: Quantizer) -> Optional[Quantizer]:
+    # Traced code cannot hand a Python object to the tensor it builds (dynamo: "Missing as_proxy()"):
+    # a tensor made under torch.compile reads its layout from its scales when written in place.
+    return None if torch.compiler.is_compiling() else quantizer
 
 
 def _transpose_copy(data, with_transpose):
@@ -561,7 +543,10 @@ def _quantizer_for(scaling, fp8_dtype=None, *, amax_group=None) -> Quantizer:
 
 
 def layout_quantizer(t: Float8Tensor) -> Quantizer:
-    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t)."""
+    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t): the
+    one that made t (its margin, power-of-2 or static scale kept), else one read from t's scale shape."""
+    if t._quantizer is not None:
+        return t._quantizer
     s, shape, fp8 = t._scale_inv, t._data.shape, t.fp8_dtype
     if s.dim() == 0:
         return TensorwiseQuantizer(fp8)
