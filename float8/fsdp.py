@@ -53,6 +53,22 @@ _KEEP_WRAPPED = {
     aten.reshape.default,
     aten._pin_memory.default,
 }
+# Those whose results alias the master's storage: they count writes with it (a write through one makes a
+# scale precomputed for the master stale).
+_ALIASING = {
+    aten.detach.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.narrow.default,
+    aten.t.default,
+    aten.alias.default,
+    aten.reshape.default,
+}
 
 
 class Float8TrainingWeight(torch.Tensor):
@@ -77,7 +93,22 @@ class Float8TrainingWeight(torch.Tensor):
         self.master = master
         self.fp8_dtype = fp8_dtype
         self.precomputed_scale: Optional[torch.Tensor] = None
+        # Writes into the master through this wrapper or any alias of it (detach, views, .data, a state
+        # dict's entries, DTensor.to_local(): each is a new wrapper), shared by all of them; with the
+        # master's version (writes that reach it without this class: a compiled optimizer step) it stamps a
+        # precomputed scale, which a gather uses only while both are unchanged.
+        self._writes = [0]
+        self._scale_stamp = None
         return self
+
+    def set_precomputed_scale(self, scale: torch.Tensor) -> None:
+        """The scale the next gathers quantize with, valid until the master is written."""
+        self.precomputed_scale, self._scale_stamp = scale, (self._writes[0], self.master._version)
+
+    def _valid_precomputed_scale(self) -> Optional[torch.Tensor]:
+        if self.precomputed_scale is None or self._scale_stamp != (self._writes[0], self.master._version):
+            return None
+        return self.precomputed_scale
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Float8TrainingWeight({self.fp8_dtype}, master={self.master!r})"
@@ -109,10 +140,12 @@ class Float8TrainingWeight(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         fp8 = weights[0].fp8_dtype
         if func in _KEEP_WRAPPED:
-            return tree_map(lambda t: Float8TrainingWeight(t, fp8) if isinstance(t, torch.Tensor) else t, out)
+            writes = weights[0]._writes if func in _ALIASING else None
+            return tree_map(lambda t: _wrapped(t, fp8, writes) if isinstance(t, torch.Tensor) else t, out)
         if func._schema.is_mutable:
             # A write into a master (an optimizer step): a scale computed before it is stale.
             for w in weights:
+                w._writes[0] += 1
                 w.precomputed_scale = None
             if isinstance(args[0], Float8TrainingWeight):
                 return args[0]
@@ -128,7 +161,7 @@ class Float8TrainingWeight(torch.Tensor):
         mp_policy: Optional[torch.distributed.fsdp.MixedPrecisionPolicy] = None,
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The local shard as FP8 bytes (uint8) under one scale for the whole weight."""
-        scale = self.precomputed_scale
+        scale = self._valid_precomputed_scale()
         if scale is None:  # one all-reduce for this weight; precompute_scales does all weights in one
             amax = _reduce_over(amax_kernel(self.master), _mesh_groups(mesh))
             scale = scale_from_amax(amax, self.fp8_dtype)
@@ -172,6 +205,13 @@ class Float8TrainingWeight(torch.Tensor):
         return weight, (bits,)
 
 
+def _wrapped(t: torch.Tensor, fp8_dtype: torch.dtype, writes: Optional[list]) -> Float8TrainingWeight:
+    w = Float8TrainingWeight(t, fp8_dtype)
+    if writes is not None:
+        w._writes = writes
+    return w
+
+
 def _mesh_groups(mesh) -> tuple:
     """The process groups of every dim of an FSDP mesh: one for FSDP, two for HSDP (replicate, shard). The
     amax is reduced over all of them, so every rank quantizes a weight with one scale (a 2-D mesh has no
@@ -209,7 +249,12 @@ def enable_fp8_all_gather(model: torch.nn.Module, *, fp8_dtype: torch.dtype = to
 def precompute_scales(model: torch.nn.Module) -> int:
     """After optimizer.step(): the scales of all FP8-gathered weights, from one all-reduce of their amaxes
     per data-parallel group (instead of one per weight at each all-gather). Returns how many weights.
-    A scale is forgotten as soon as its master is written (the next optimizer step): never stale."""
+    A gather uses a scale only while its master is unwritten: an eager write through the weight or any
+    alias of it (.data, detach(), to_local(), views, a state dict's entries; dcp.load) drops it, and the
+    gather takes the amax itself. A compiled optimizer step writes the masters out of sight (inductor moves
+    no version counter here): call this after every such step, or the gathers quantize with the scales of
+    the last call (saturating weights that grew since). Every rank must write its weights alike (as
+    FSDP's training does): a rank that drops its scales alone runs an all-reduce the others do not."""
     by_mesh = {}
     for p in model.parameters():
         # The DTensor's own local tensor, the object FSDP2 calls fsdp_pre_all_gather on: to_local() returns
@@ -228,5 +273,5 @@ def precompute_scales(model: torch.nn.Module) -> int:
             scales = scale_from_amax(amaxes, fp8_dtype)
             for i, w in enumerate(weights):
                 if w.fp8_dtype == fp8_dtype:
-                    w.precomputed_scale = scales[i]
+                    w.set_precomputed_scale(scales[i])
     return sum(len(w) for _, w in by_mesh.values())

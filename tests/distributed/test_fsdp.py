@@ -210,6 +210,47 @@ def test_precomputed_scales_replace_the_all_reduce_of_every_gather():
     assert all(torch.isfinite(torch.tensor(losses))), losses
 
 
+def _alias_writes_drop_the_scale(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
+
+    model = _fp8_model(128)
+    f8fsdp.enable_fp8_all_gather(model)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    x = _batches()[0].chunk(world)[rank]
+    model(x).float().pow(2).mean().backward()  # FSDP's lazy init
+    weights = [p for p in model.parameters() if isinstance(p._local_tensor, f8fsdp.Float8TrainingWeight)]
+    writes = {
+        "p.data.mul_": lambda: [p.data.mul_(3) for p in weights],
+        "p.detach().mul_": lambda: [p.detach().mul_(3) for p in weights],
+        "p.to_local().mul_": lambda: [p.to_local().mul_(3) for p in weights],
+        "p[:].mul_": lambda: [p[:].mul_(3) for p in weights],
+        "state_dict()[k].mul_": lambda: [v.mul_(3) for k, v in model.state_dict().items() if "1.weight" in k],
+    }
+    stale = []
+    for name, write in writes.items():
+        assert f8fsdp.precompute_scales(model) == 4
+        with torch.no_grad():
+            write()  # each a new wrapper of the master: the write did not reach the scale's own
+            got = model(x)
+            for p in weights:
+                p._local_tensor.precomputed_scale = None
+            if not torch.equal(got, model(x)):
+                stale.append(name)
+    return stale
+
+
+def test_a_write_through_an_alias_of_a_weight_drops_its_precomputed_scale():
+    """Writes through .data, detach(), to_local(), a view or a state dict's entry each go through a new
+    wrapper of the master; they used to leave the scale precomputed for the master in place, and the next
+    gather quantized the grown weights with it (saturated, silently)."""
+    for stale in run_ranks(_alias_writes_drop_the_scale, timeout=TIMEOUT_S):
+        assert stale == [], stale
+
+
 # hidden=127: the first Linear's 127 rows shard 64/63 and the second's 64 rows of 127 columns evenly;
 # hidden=1: a (1, 64) weight leaves rank 1 an empty shard. reshard_after_forward=False keeps the gathered
 # FP8 weights from forward to backward.
