@@ -31,29 +31,7 @@ from float8.kernels.reference import scale_from_amax
 from float8.tensor import Float8Tensor
 
 aten = torch.ops.aten
-# Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).
-_KEEP_WRAPPED = {
-    aten.detach.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.as_strided.default,
-    aten.slice.Tensor,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.chunk.default,
-    aten.narrow.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.empty_like.default,
-    aten.new_zeros.default,
-    aten.new_empty.default,
-    aten.zeros_like.default,
-    aten.t.default,
-    aten.alias.default,
-    aten.reshape.default,
-    aten._pin_memory.default,
-}
-# Those whose results alias the master's storage: they count writes with it (a write through one makes a
+# Ops whose results alias the master's storage: they count writes with it (a write through one makes a
 # scale precomputed for the master stale).
 _ALIASING = {
     aten.detach.default,
@@ -68,6 +46,16 @@ _ALIASING = {
     aten.t.default,
     aten.alias.default,
     aten.reshape.default,
+}
+# Ops whose results stay weights (FSDP2 shards, views, copies and moves the parameter through these).
+_KEEP_WRAPPED = _ALIASING | {
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.zeros_like.default,
+    aten._pin_memory.default,
 }
 
 
