@@ -165,14 +165,14 @@ def _precomputed_scales_used(rank, world):
         count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += "allreduce" in str(func)
+            self.count += "allreduce" in str(func) or "all_reduce" in str(func)
             return func(*args, **(kwargs or {}))
 
     model = _fp8_model(128)  # row-wise inputs and gradients: no amax all-reduce but the weights'
-    f8fsdp.enable_fp8_all_gather(model)
+    n_weights = len(f8fsdp.enable_fp8_all_gather(model))
     for block in model:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=True)  # two gathers a step: forward, backward's re-gather
+    fully_shard(model, reshard_after_forward=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = _batches()[0].chunk(world)[rank]
 
@@ -190,7 +190,7 @@ def _precomputed_scales_used(rank, world):
     step(scales=True)
     used, loss_precomputed = step(scales=False)  # gathers with the scales precomputed after the last step
     recomputed, _ = step(scales=False)  # none precomputed: each gather (forward, backward's re-gather) reduces
-    assert used == 0 and recomputed == 8, (used, recomputed)
+    assert used == 0 and recomputed == 2 * n_weights > 0, (used, recomputed)
     # A precomputed scale is the one the gather would compute: the same bits.
     step(scales=True)
     with torch.no_grad():
