@@ -201,9 +201,11 @@ def _wrapped(t: torch.Tensor, fp8_dtype: torch.dtype, writes: Optional[list]) ->
 
 
 def _mesh_groups(mesh) -> tuple:
-    """The process groups of every dim of an FSDP mesh: one for FSDP, two for HSDP (replicate, shard). The
-    amax is reduced over all of them, so every rank quantizes a weight with one scale (a 2-D mesh has no
-    single group: get_group() refused it, and HSDP with the FP8 all-gather failed in its first forward)."""
+    """The process groups of every dim of a mesh: one for FSDP, two for HSDP's whole mesh (replicate,
+    shard). The amax is reduced over all of them, so every rank quantizes a weight with one scale (a 2-D
+    mesh has no single group: get_group() refused it, and HSDP with the FP8 all-gather failed in its first
+    forward). precompute_scales passes the parameter's mesh; FSDP may hand a gather its shard dim alone
+    (torch 2.13 does), which gives the same amax: the replicas hold equal shards."""
     return tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
 
 
