@@ -50,11 +50,8 @@ def transpose_cache_after(
     raise ValueError(f"unknown transpose-cache rule {how!r}")
 
 
-def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None, same_layout=False) -> Float8Tensor:
-    # same_layout (aliases and copies of the whole tensor): src's quantizer still writes this layout.
-    out = Float8Tensor(
-        data, scale_inv, dtype or src.dtype, transpose, quantizer=src._quantizer if same_layout else None
-    )
+def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Float8Tensor:
+    out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
     out._gathered_master = src._gathered_master
     if _aliases(data, src):
         share_writes(out, src)  # a view: writes through it must reach src's cache check, and back
@@ -102,7 +99,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 @_shares_versions
 def _alias(func, args, kwargs):
     src = args[0]
-    return _wrap(src, func(src._data), src._scale_inv, transpose_cache_after("alias", src), same_layout=True)
+    return _wrap(src, func(src._data), src._scale_inv, transpose_cache_after("alias", src))
 
 
 @dispatch.implements([aten.clone.default])
@@ -111,7 +108,7 @@ def _clone(func, args, kwargs):
     memory_format = kwargs.get("memory_format")
     data = src._data.clone() if memory_format is None else src._data.clone(memory_format=memory_format)
     cache = transpose_cache_after("copy", src, lambda t: t.clone())
-    return _wrap(src, data, src._scale_inv.clone(), cache, same_layout=True)
+    return _wrap(src, data, src._scale_inv.clone(), cache)
 
 
 @dispatch.implements([aten._to_copy.default])
@@ -133,9 +130,7 @@ def _to_copy(func, args, kwargs):
 
     cache = transpose_cache_after("copy", src, move)
     # A high-precision dtype changes what the tensor stands for; the FP8 bits stay as they are.
-    # A quantizer may hold tensors on src's device (a static scale): it goes along only on that device.
-    same_device = torch.device(device) == src.device
-    return _wrap(src, move(src._data), move(src._scale_inv), cache, dtype=dtype, same_layout=same_device)
+    return _wrap(src, move(src._data), move(src._scale_inv), cache, dtype=dtype)
 
 
 @dispatch.implements([aten.copy_.default])

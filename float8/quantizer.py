@@ -193,15 +193,6 @@ class DelayedScalingState(torch.nn.Module, Quantizer):
                 f"{fp8_dtype} with it would use a scale made for the other format. Use one state per format."
             )
 
-    def requantizer(self) -> TensorwiseQuantizer:
-        """Current per-tensor scaling with this recipe's margin and power of 2: an in-place write neither
-        reads nor records the history (nor joins the amax group)."""
-        fp8 = self.fp8_dtype or torch.float8_e4m3fn
-        local = self.__dict__.get("_local")
-        if local is None or local.fp8_dtype != fp8:
-            local = self.__dict__["_local"] = TensorwiseQuantizer(fp8, margin=self.margin, power_of_2=self.power_of_2)
-        return local
-
     def _for_format(self, fp8_dtype) -> "DelayedScalingState":
         """This state, bound to `fp8_dtype` (None: its own format, else E4M3); another format is an error."""
         self.bind(fp8_dtype or self.fp8_dtype or torch.float8_e4m3fn)

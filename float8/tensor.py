@@ -60,8 +60,6 @@ class Float8Tensor(torch.Tensor):
         nominal_dtype: torch.dtype,
         transpose: Optional[torch.Tensor] = None,
         requires_grad: bool = False,
-        *,
-        quantizer: Optional["Quantizer"] = None,
     ):
         _check_parts(data, scale_inv, nominal_dtype, transpose)
         if torch.is_inference_mode_enabled() and not data.is_inference():
@@ -79,9 +77,6 @@ class Float8Tensor(torch.Tensor):
         # An FSDP2 all-gather of a trainable high-precision master (float8/fsdp.py): a Linear computes its
         # weight gradient, which FSDP reduce-scatters into the master's.
         self._gathered_master = False
-        # What re-quantizes an in-place write into these bits (layout_quantizer): the quantizer that made
-        # them, stateless; None where they were built otherwise (then the layout is read from the scales).
-        self._quantizer = quantizer
         self._t_stamp = _stamp(self)
         return self
 
@@ -201,7 +196,6 @@ class Float8Tensor(torch.Tensor):
             self.dtype,
             None if cache is None else cache.clone(),
             self.requires_grad,
-            quantizer=self._quantizer,
         )
         memo[id(self)] = out
         return out
@@ -293,10 +287,9 @@ class Quantizer:
         check_quantize_input(x)
         grad = torch.is_grad_enabled()
         want_t = bool(with_transpose) and grad and x.dim() >= 2
-        out = _QuantizeSTE.apply(x, self, want_t) if grad and x.requires_grad else self._quantize(x, want_t)
-        if out._quantizer is None and not torch.compiler.is_compiling():
-            out._quantizer = self.requantizer()  # a quantizer of one's own builds its tensors itself
-        return out
+        if grad and x.requires_grad:
+            return _QuantizeSTE.apply(x, self, want_t)
+        return self._quantize(x, want_t)
 
     def _quantize(self, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
         """`quantize` without the grad-mode rule and without autograd: for ops, which run inside their
@@ -325,15 +318,10 @@ class Quantizer:
         """The Float8Tensor from a kernel's outputs, after the amax bookkeeping (`record`)."""
         scale_inv = self._after_kernel(scale_inv, amax)
         t = data_t if with_transpose and data_t.numel() == data.numel() and data.dim() >= 2 else None
-        return Float8Tensor(data, scale_inv, nominal_dtype, t, quantizer=_made_by(self.requantizer()))
+        return Float8Tensor(data, scale_inv, nominal_dtype, t)
 
     def _after_kernel(self, scale_inv, amax):
         return scale_inv
-
-    def requantizer(self) -> "Quantizer":
-        """What an in-place write into a tensor this quantizer made re-quantizes with: the same format,
-        layout and settings, without state to update or a collective to join (one rank may write alone)."""
-        return self
 
     def record(self, amax: torch.Tensor) -> None:
         """Bookkeeping of one amax written by a kernel (delayed scaling keeps a history); device ops only."""
@@ -389,14 +377,6 @@ class TensorwiseQuantizer(Quantizer):
             x, self.fp8_dtype, scale, self.margin, self.power_of_2, with_transpose
         )
         return self.finish(data, data_t, scale_inv, None, x.dtype, with_transpose)
-
-    def requantizer(self) -> "TensorwiseQuantizer":
-        """Self, or without the amax group: an in-place write on one rank takes its own amax."""
-        if self.amax_group is None:
-            return self
-        if "_local" not in self.__dict__:
-            self._local = TensorwiseQuantizer(self.fp8_dtype, margin=self.margin, power_of_2=self.power_of_2)
-        return self._local
 
     def __repr__(self) -> str:
         return f"TensorwiseQuantizer({self.fp8_dtype}, margin={self.margin}, power_of_2={self.power_of_2})"
@@ -480,7 +460,7 @@ class RowwiseQuantizer(Quantizer):
 
     def _quantize(self, x, with_transpose):
         data, scale_inv = quantize_rowwise(x, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose), quantizer=_made_by(self))
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
 
 
 class BlockwiseQuantizer(Quantizer):
@@ -497,13 +477,7 @@ class BlockwiseQuantizer(Quantizer):
     def _quantize(self, x, with_transpose):
         rows, cols = self.block
         data, scale_inv = quantize_blockwise(x, rows, cols, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose), quantizer=_made_by(self))
-
-
-def _made_by(quantizer: Quantizer) -> Optional[Quantizer]:
-    # Traced code cannot hand a Python object to the tensor it builds (dynamo: "Missing as_proxy()"):
-    # a tensor made under torch.compile reads its layout from its scales when written in place.
-    return None if torch.compiler.is_compiling() else quantizer
+        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
 
 
 def _transpose_copy(data, with_transpose):
@@ -543,10 +517,7 @@ def _quantizer_for(scaling, fp8_dtype=None, *, amax_group=None) -> Quantizer:
 
 
 def layout_quantizer(t: Float8Tensor) -> Quantizer:
-    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t): the
-    one that made t (its margin, power-of-2 or static scale kept), else one read from t's scale shape."""
-    if t._quantizer is not None:
-        return t._quantizer
+    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t)."""
     s, shape, fp8 = t._scale_inv, t._data.shape, t.fp8_dtype
     if s.dim() == 0:
         return TensorwiseQuantizer(fp8)
