@@ -27,10 +27,6 @@ def _made(kind: str) -> Float8Tensor:
     return Float8Tensor.quantize(X, scaling=TensorwiseScaling(margin=1, power_of_2=True))
 
 
-def _fresh(values: torch.Tensor) -> Float8Tensor:
-    return Float8Tensor.quantize(values)
-
-
 def _same(a: Float8Tensor, b: Float8Tensor) -> bool:
     return torch.equal(a.fp8_data.view(torch.uint8), b.fp8_data.view(torch.uint8)) and torch.equal(
         a.scale_inv, b.scale_inv
@@ -42,8 +38,9 @@ def test_a_write_takes_a_fresh_scale_so_no_written_value_is_clipped(kind):
     t = _made(kind)
     big = X * 1000  # far beyond what a static scale of 1 represents (E4M3's max is 448)
     t.copy_(big)
-    assert _same(t, _fresh(big))
     assert t.dequantize().abs().max() > 448
+    rel = (t.dequantize() - big).norm() / big.norm()
+    assert rel < 0.05, rel  # E4M3 rounding (3 mantissa bits), not clipping
 
 
 @pytest.mark.parametrize("kind", ["static", "margin and power of 2"])
@@ -64,10 +61,11 @@ def test_eager_and_compiled_writes_give_the_same_bits(kind):
     ids=["itself", "detach", "view", "as_strided"],
 )
 def test_a_write_through_any_alias_gives_the_same_bits(alias):
-    t = _made("static")
+    direct, t = _made("static"), _made("static")
     with torch.no_grad():
+        direct.copy_(X * 1000)
         alias(t).copy_(X * 1000)
-    assert _same(t, _fresh(X * 1000))
+    assert _same(t, direct)
 
 
 def test_a_write_after_a_save_and_load_gives_the_same_bits():
