@@ -645,8 +645,8 @@ def _write(out, path) -> None:
 
 def _exposed_comm(model_step, trace_dir, name, part, steps=2):
     """Profile `steps` steps; NCCL kernel time, and the part of it during which no other kernel runs (what
-    the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The trace goes
-    kernels' table goes to trace_dir/profile_<part>.txt when given."""
+    the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The kernels'
+    table (not the whole trace, tens of MB) goes to trace_dir/profile_<part>.txt when given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -1,0 +1,38 @@
+"""The 2-D mesh models that benchmarks.distributed measures (4 gloo ranks, dp=2 x tp=2): each builds and
+trains, and float8's with precompute_scales computes what it computes without it, to the bit."""
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+CFG = dict(d=64, heads=4, kv=2, hd=16, ffn=128, blocks=2, b=1, s=16, tp_tokens=16)
+
+
+def _losses(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.distributed import _mesh_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(CFG["tp_tokens"] // 2, 1, CFG["d"], generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for kind in ("bf16", "float8", "float8, no precompute"):
+        model, opt, after_step = _mesh_model(kind, CFG, torch.device("cpu"), mesh)
+        out[kind] = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            after_step()
+            out[kind].append(float(loss))
+    return out
+
+
+def test_mesh_models_train_and_precomputed_scales_change_no_bit():
+    for r in run_ranks(_losses, world=4, timeout=240):
+        assert all(torch.isfinite(torch.tensor(v)).all() for v in r.values()), r
+        assert r["bf16"][-1] < r["bf16"][0] and r["float8"][-1] < r["float8"][0], r
+        assert r["float8"] == r["float8, no precompute"], r
