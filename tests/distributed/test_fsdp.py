@@ -155,11 +155,9 @@ def _fsdp_fp8(rank, world, hidden=128, reshard=True):
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-def _precomputed_scales_used(rank, world):
-    from torch.distributed.fsdp import fully_shard
+def _count_all_reduces():
+    """A dispatch mode counting the all-reduces run under it (`.count`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import float8.fsdp as f8fsdp
 
     class CountAllReduces(TorchDispatchMode):
         count = 0
@@ -167,6 +165,30 @@ def _precomputed_scales_used(rank, world):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.count += "allreduce" in str(func) or "all_reduce" in str(func)
             return func(*args, **(kwargs or {}))
+
+    return CountAllReduces()
+
+
+def _forward_with_and_without_precomputed_scales(model, x):
+    """(all-reduces of a forward after precompute_scales, whether it equals the forward without them)."""
+    import float8.fsdp as f8fsdp
+
+    f8fsdp.precompute_scales(model)
+    with torch.no_grad():
+        counter = _count_all_reduces()
+        with counter:
+            got = model(x)
+        for p in model.parameters():
+            local = getattr(p, "_local_tensor", p)
+            if isinstance(local, f8fsdp.Float8TrainingWeight):
+                local.precomputed_scale = None
+        return counter.count, torch.equal(got, model(x))
+
+
+def _precomputed_scales_used(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import float8.fsdp as f8fsdp
 
     model = _fp8_model(128)  # row-wise inputs and gradients: no amax all-reduce but the weights'
     n_weights = len(f8fsdp.enable_fp8_all_gather(model))
@@ -177,7 +199,7 @@ def _precomputed_scales_used(rank, world):
     x = _batches()[0].chunk(world)[rank]
 
     def step(scales):
-        counter = CountAllReduces()
+        counter = _count_all_reduces()
         with counter:
             loss = model(x).float().pow(2).mean()
             loss.backward()
@@ -192,14 +214,8 @@ def _precomputed_scales_used(rank, world):
     recomputed, _ = step(scales=False)  # none precomputed: each gather (forward, backward's re-gather) reduces
     assert used == 0 and recomputed == 2 * n_weights > 0, (used, recomputed)
     # A precomputed scale is the one the gather would compute: the same bits.
-    step(scales=True)
-    with torch.no_grad():
-        y_precomputed = model(x)
-        for p in model.parameters():
-            local = getattr(p, "_local_tensor", p)
-            if isinstance(local, f8fsdp.Float8TrainingWeight):
-                local.precomputed_scale = None
-        assert torch.equal(model(x), y_precomputed)
+    step(scales=False)
+    assert _forward_with_and_without_precomputed_scales(model, x) == (0, True)
     return loss_precomputed
 
 
@@ -426,6 +442,8 @@ def _hsdp_fp8(rank, world):
         assert torch.equal(model(x.chunk(world)[rank]), _fp8_model(128)(x).chunk(world)[rank])
     _train(model, _batches(), rank, world)
     assert f8fsdp.precompute_scales(model) == 4  # one scale per weight, agreed over both mesh dims
+    # The gathers use them (no all-reduce), and they are the scales each gather would take itself.
+    assert _forward_with_and_without_precomputed_scales(model, x.chunk(world)[rank]) == (0, True)
     return {n: getattr(p.full_tensor(), "master", p.full_tensor()).detach() for n, p in model.named_parameters()}
 
 
