@@ -230,7 +230,9 @@ def _fsdp(
     input's (default (b, s, d)), `world` the size of the group FSDP shards over. Reported: the median step
     of each variant and the medians over rounds of its same-round ratios to the first variant (bf16 eager);
     the step peak above what is allocated before the step (the models of the other variants are alive too)
-    and what the variant's model holds between steps (parameters, optimizer state, caches). manual_gc:
+    and what the variant's model holds between steps (parameters, optimizer state, caches); every rank's
+    median step and its Python garbage collections in the timed steps (a rank that stops for a full
+    collection makes the others wait at its next collective). manual_gc:
     Python's collector off during each round's timed steps, a generation-1 collection before each round
     (a full collection on one rank, long with compiled models alive, stalls every rank at the next
     collective)."""
@@ -297,6 +299,7 @@ def _fsdp(
             if "error" not in results[variant]:
                 results[variant]["held_gib"] = (torch.cuda.memory_allocated() - before) / gib
     live = [n for n in names if "error" not in results[n]]
+    gc_counter = _GcCounter(live)  # which rank collects when: a full collection stalls the others
     for rnd in range(rounds):
         order = live if rnd % 2 == 0 else live[::-1]
         for name in order:
@@ -308,12 +311,15 @@ def _fsdp(
                 if manual_gc:  # as large-scale trainers do: no collection inside a step, gen 1 between
                     gc.collect(1)
                     gc.disable()
+                gc_counter.variant = name
                 results[name]["rounds_ms"].append(_step_times(step_fn(name), 1, steps))
             except Exception as e:  # noqa: BLE001
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             finally:
+                gc_counter.variant = None
                 gc.enable()
             _agree_on_errors(results, [name], dev)
+    gc_counter.close()
     base_name = next((n for n in names if n.startswith("bf16") and "eager" in n), None)
     base = results.get(base_name, {}).get("rounds_ms")
     for name in live:
@@ -325,9 +331,39 @@ def _fsdp(
             r["vs_bf16_eager"] = _median([_median(b) / _median(t) for b, t in zip(base, r["rounds_ms"])])
         r["all_gather_bytes_per_step"] = _all_gather_bytes(models[variants[name][0]][0], world)
         r["peak_gib"] = r["held_gib"] + r["peak_above_held_gib"]
+        # Every rank's median step and its Python collections (generations 0, 1, 2) in the timed steps.
+        per_rank = _per_rank([r["ms_per_step"], *gc_counter.counts[name]], dev)
+        r["ms_per_step_per_rank"] = [row[0] for row in per_rank]
+        r["gc_collections_per_rank"] = [[int(v) for v in row[1:]] for row in per_rank]
         if profile_dir:  # on every rank (the collectives need both); rank 0 writes
             r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name, part))
     return results
+
+
+class _GcCounter:
+    """Python's garbage collections by generation while `variant` names one of `names` (a gc callback,
+    removed by close())."""
+
+    def __init__(self, names):
+        self.counts = {n: [0, 0, 0] for n in names}
+        self.variant = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if phase == "start" and self.variant is not None:
+            self.counts[self.variant][info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def _per_rank(values, dev) -> list:
+    """`values` (numbers, as many on every rank) of every rank of the default group, rank by rank."""
+    mine = torch.tensor(values, dtype=torch.float64, device=dev)
+    world = dist.get_world_size()
+    out = torch.empty(world * mine.numel(), dtype=torch.float64, device=dev)
+    dist.all_gather_into_tensor(out, mine)
+    return out.view(world, -1).tolist()
 
 
 def _agree_on_errors(results, names, dev) -> None:

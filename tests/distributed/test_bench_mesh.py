@@ -36,3 +36,26 @@ def test_mesh_models_train_and_precomputed_scales_change_no_bit():
         assert all(torch.isfinite(torch.tensor(v)).all() for v in r.values()), r
         assert r["bf16"][-1] < r["bf16"][0] and r["float8"][-1] < r["float8"][0], r
         assert r["float8"] == r["float8, no precompute"], r
+
+
+def _per_rank_and_collections(rank, world):
+    import gc
+
+    from benchmarks.distributed import _GcCounter, _per_rank
+
+    counter = _GcCounter(["a", "b"])
+    try:
+        counter.variant = "a"
+        gc.collect(2)
+        counter.variant = None
+        gc.collect(0)  # while no variant is named: not counted
+    finally:
+        counter.close()
+    assert counter._on_gc not in gc.callbacks
+    return counter.counts, _per_rank([rank * 10.0, 1.5], torch.device("cpu"))
+
+
+def test_the_benchmark_gathers_each_ranks_figures_and_counts_collections_by_variant():
+    for counts, per_rank in run_ranks(_per_rank_and_collections, timeout=120):
+        assert counts == {"a": [0, 0, 1], "b": [0, 0, 0]}, counts
+        assert per_rank == [[0.0, 1.5], [10.0, 1.5]], per_rank
