@@ -148,6 +148,11 @@ class _RunFunction(torch.autograd.Function):
         # activations on the H100 (benchmarks.peak --case converted, 2026-11-25).
         if not torch.compiler.is_compiling():
             y = runner.forward(x)
+            if not isinstance(y, Float8Tensor):
+                # In the token dims here, not after the Function: a view of its output (ViewBackward0) is
+                # what FSDP2 warns of, since an in-place write into it drops FSDP's pre-backward hook (the
+                # backward then read resharded weights and failed).
+                y = y.reshape(*runner.run.lead, y.shape[-1])
             held = held_storages(runner.ctxs)
             saved = [x] if isinstance(x, Float8Tensor) or (held and storage_key(x) in held) else []
             if (
@@ -192,6 +197,7 @@ class _RunFunction(torch.autograd.Function):
         runner = take(ctx, "runner")
         if runner is None:
             raise second_backward_error("ops.Sequential / ops op")
+        dy = dy.reshape(-1, dy.shape[-1])  # the rows the ops run on (the eager output has the token dims)
         ctxs = unpack_contexts(ctx.skeleton, saved) if torch.compiler.is_compiling() else None
         dx, grads = runner.backward(dy, ctxs)
         if isinstance(dx, Float8Tensor):
@@ -385,4 +391,5 @@ def run_ops(
         y = _RunFunction.apply(x2, runner, *params)
     else:
         y = runner.forward(x2)
-    return y.reshape(*runner.run.lead, y.shape[-1])
+    shape = (*runner.run.lead, y.shape[-1])
+    return y if tuple(y.shape) == shape else y.reshape(shape)

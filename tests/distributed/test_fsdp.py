@@ -267,6 +267,41 @@ def test_a_write_through_an_alias_of_a_weight_drops_its_precomputed_scale():
         assert stale == [], stale
 
 
+def _in_place_after_a_block(rank, world, in_place):
+    from torch.distributed.fsdp import fully_shard
+
+    class TwoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = _model()
+
+        def forward(self, x):
+            h = self.blocks[0](x)
+            if in_place:
+                h += 1.0  # a residual-style write into the block's output
+            else:
+                h = h + 1.0
+            return self.blocks[1](h)
+
+    model = TwoBlocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x = _batches()[0].chunk(world)[rank]
+    model(x).float().pow(2).mean().backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_an_in_place_write_into_a_sharded_blocks_output_trains_like_an_out_of_place_one():
+    """A Sequential returned a view of its Function's output (ViewBackward0); FSDP2 registers its
+    pre-backward hook on the output, and an in-place write into that view dropped it: the backward ran
+    on resharded weights and failed in the allocator ("Caffe2 uses a lazy allocation")."""
+    in_place = run_ranks(_in_place_after_a_block, timeout=TIMEOUT_S, args=(True,))
+    out_of_place = run_ranks(_in_place_after_a_block, timeout=TIMEOUT_S, args=(False,))
+    for name, grad in out_of_place[0].items():
+        assert torch.equal(in_place[0][name], grad), name
+
+
 # hidden=127: the first Linear's 127 rows shard 64/63 and the second's 64 rows of 127 columns evenly;
 # hidden=1: a (1, 64) weight leaves rank 1 an empty shard. reshard_after_forward=False keeps the gathered
 # FP8 weights from forward to backward.
