@@ -23,7 +23,8 @@ async_tp: torch's symmetric-memory collective + FP8 GEMM ops against the collect
 Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on any 2 GPUs).
 Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
 on for other counts, and distributed_mesh_4gpu...) in DIR (default benchmarks/results/; a DIR/x.json
-given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt, profile_tp.txt and profile_mesh.txt.
+given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt,
+profile_tp.txt and profile_mesh.txt.
 """
 
 from __future__ import annotations
@@ -139,8 +140,6 @@ FSDP_VARIANTS = {
 
 def _fsdp_model(kind, cfg, dev):
     """An FSDP2-sharded Stack of blocks with AdamW, and what runs after each optimizer step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     d, heads, kv, hd, ffn, blocks = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks"))
     torch.manual_seed(0)
     after_step = lambda: None  # noqa: E731
@@ -163,12 +162,19 @@ def _fsdp_model(kind, cfg, dev):
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    return model, _shard_with_adamw(model), after_step
+
+
+def _shard_with_adamw(model, mesh=None):
+    """FSDP2 per block and at the root (bf16 compute, fp32 gradient reduction) over `mesh` (default: all
+    ranks); the model's fused AdamW."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:
-        fully_shard(blk, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return model, opt, after_step
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
 # The same model on a 2-D mesh: FSDP2 over "dp" (weights sharded and gathered per block), tensor and
@@ -185,8 +191,6 @@ MESH_VARIANTS = {
 def _mesh_model(kind, cfg, dev, mesh):
     """A Stack of TP+SP blocks (bf16 Megatron-style, or float8.ops with the FP8 weight all-gather),
     FSDP2-sharded over mesh["dp"], fp32 masters, AdamW; and what runs after each optimizer step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import float8.fsdp as f8fsdp
 
     d, heads, kv, hd, ffn, blocks = (cfg[k] for k in ("d", "heads", "kv", "hd", "ffn", "blocks"))
@@ -201,12 +205,7 @@ def _mesh_model(kind, cfg, dev, mesh):
             f8fsdp.enable_fp8_all_gather(model)
             if "no precompute" not in kind:
                 after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh["dp"], mp_policy=mp)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return model, opt, after_step
+    return model, _shard_with_adamw(model, mesh["dp"]), after_step
 
 
 def _fsdp(
@@ -666,15 +665,18 @@ def _async_tp(cfg, rank, world, dev, n=20):
     return out
 
 
+PARTS = ("fsdp", "tp", "mesh", "async_tp")  # what --only picks; each recorded as an area of its own
+
+
 def _write(out, path) -> None:
     """Record each part measured so far as its area, distributed_<part>: a figure per number of each variant."""
     env = {"device": f"{out['world']}x {out['device']}", "date": out["date"], **out["versions"]}
     env["command"] = out["command"]
-    for part in ("fsdp", "tp", "mesh", "async_tp"):
+    for part in PARTS:
         if out.get(part):
             rows = [{"variant": name, **r} for name, r in out[part].items()]
             figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
-            detail = {k: v for k, v in out.items() if k not in ("fsdp", "tp", "mesh", "async_tp")} | {part: out[part]}
+            detail = {k: v for k, v in out.items() if k not in PARTS} | {part: out[part]}
             area = f"distributed_{part}" + ("" if out["world"] == 2 else f"_{out['world']}gpu")
             record(area, path, env, figures, None, detail)
 
@@ -727,7 +729,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=8, help="timed whole steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (after one untimed)")
-    p.add_argument("--only", choices=["fsdp", "tp", "mesh", "async_tp"], default=None)
+    p.add_argument("--only", choices=PARTS, default=None)
     p.add_argument("--variants", nargs="*", default=None, help="FSDP variants to run (default: all)")
     p.add_argument(
         "--manual-gc", action="store_true", help="fsdp, mesh: no Python garbage collection inside timed steps"
