@@ -1,14 +1,18 @@
 """Host time of decode-size inference calls (CUDA): an FP8-only ops.Linear against nn.Linear, per call, and
-the Llama-style model under CUDA graphs (ops.graphed_inference, and torch.compile mode="reduce-overhead"),
-bf16 against float8.
+the Llama-style model under CUDA graphs (ops.graphed_inference, and torch.compile mode="reduce-overhead")
+and compiled in torch.compile's default mode ("compiled"), bf16 against float8.
 
-    python -m benchmarks.host_inference [--tokens 16] [--graphs graphed_inference,reduce-overhead] [--out DIR]
+    python -m benchmarks.host_inference [--tokens 16] [--graphs graphed_inference,reduce-overhead,compiled] [--out DIR]
 
 - linear: microseconds of host per call, calls issued back to back under inference_mode (the GPU keeps up,
   so the loop measures the host), 4096->4096 and 4096->1024 (a split-K layer: two launches).
 - graphs: per call, the host time before the replay returns ("host_ms", calls back to back without a
   synchronize, divided by their count), the time per call back to back ("pipelined_ms") and one call at a
   time ("synchronized_ms", the median): bf16 and float8 weights of benchmarks.inference's Llama-style model.
+  Also "host_only_ms": the host time of a call while the GPU is still busy with earlier work (a few calls
+  queued behind large matmuls, so that the launch queue never fills and no call waits for the GPU), and
+  "gpu_ms": the CUDA kernel time of a call (torch.profiler, summed). A call whose host_only_ms exceeds its
+  gpu_ms is bound by the host.
 
 Recorded as the area "host_inference" in DIR (default benchmarks/results/; benchmarks.harness.record).
 """
@@ -50,15 +54,46 @@ def linear_host_us(tokens: int, n: int, reps: int = 200) -> dict:
     return out
 
 
+def host_only_ms(call, calls: int = 8) -> float:
+    """Host milliseconds per call, issued while the GPU works through ~30 ms of matmuls queued before them:
+    few enough calls that their launches fit the launch queue, so none waits for the GPU."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(24):
+        a @ a
+    t = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def gpu_ms(call, calls: int = 10) -> float:
+    """CUDA kernel milliseconds per call (torch.profiler), summed over every kernel of the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / calls / 1e3
+
+
 def graphed_ms(weights: str, tokens: int, how: str) -> dict:
-    """host_ms, pipelined_ms, synchronized_ms of the model under CUDA graphs: `how` is "graphed_inference"
-    (ops.graphed_inference) or "reduce-overhead" (torch.compile's mode)."""
+    """host_ms, pipelined_ms, synchronized_ms, host_only_ms and gpu_ms of the model: `how` is
+    "graphed_inference" (ops.graphed_inference), "reduce-overhead" (torch.compile's CUDA-graph mode) or
+    "compiled" (torch.compile's default mode; fullgraph for float8)."""
     dev = torch.device("cuda")
     model = quantize_weights(build_bf16("llama", LlamaShape(), dev), weights, dev)
     ids = torch.randint(0, LlamaShape().vocab, (1, tokens), device=dev)
     if how == "graphed_inference":
         call = ops.graphed_inference(model)
         call = functools.partial(call, ids)
+    elif how == "compiled":
+        call = functools.partial(torch.compile(model, fullgraph=weights == "float8", dynamic=False), ids)
     else:
         fn = torch.compile(model, mode="reduce-overhead", fullgraph=weights == "float8", dynamic=False)
 
@@ -83,10 +118,13 @@ def graphed_ms(weights: str, tokens: int, how: str) -> dict:
             call()
             torch.cuda.synchronize()
             single.append((time.perf_counter() - t) * 1e3)
+        alone, kernels = host_only_ms(call), gpu_ms(call)
     return {
         "host_ms": round(host, 3),
         "pipelined_ms": round(pipelined, 3),
         "synchronized_ms": round(statistics.median(single), 3),
+        "host_only_ms": round(alone, 3),
+        "gpu_ms": round(kernels, 3),
     }
 
 
@@ -105,7 +143,8 @@ def main(argv=None) -> None:
             figures.append(figure(f"linear 4096->{n}, {args.tokens} tokens", variant, "host_us", us))
             print(f"{variant} 4096->{n}: {us} us of host per call", flush=True)
     for how in args.graphs.split(","):
-        case = f"llama graphed, {args.tokens} tokens" + ("" if how == "reduce-overhead" else f", {how}")
+        name = "llama compiled" if how == "compiled" else "llama graphed"
+        case = f"{name}, {args.tokens} tokens" + ("" if how in ("reduce-overhead", "compiled") else f", {how}")
         for weights in ("bf16", "float8"):
             for metric, v in graphed_ms(weights, args.tokens, how).items():
                 figures.append(figure(case, weights, metric, v))
