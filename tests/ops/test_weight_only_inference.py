@@ -201,6 +201,30 @@ def test_gpu_inductor_and_cuda_graphs_give_eagers_bits(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_compiled_split_k_layers_give_eagers_bits(mode):
+    """Narrow layers split K (4096 -> 256: 8 column tiles at 16 tokens). A traced call sums its partials in
+    the main kernel, as a prepared eager call does: the same bits, call after call and replay after replay
+    (the counters reset themselves)."""
+    from float8.kernels import weight_only
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4096, 256, bias=True), torch.nn.SiLU(), torch.nn.Linear(256, 4096, bias=False)
+    ).to("cuda", torch.bfloat16)
+    ops.convert(model, fp8_weights=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert weight_only.plan(16, 256, 4096, 0)[1] > 1 or sms < 16  # the first layer does split K
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    for tokens in (16, 1, 128, 16):
+        x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            want = model(x)
+            for _ in range(3):
+                assert torch.equal(compiled(x), want)
+
+
+@pytest.mark.gpu
 def test_gpu_weight_only_is_closer_to_float64_than_fp8xfp8():
     lin = _gpu_mlp()[0]
     x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
