@@ -380,14 +380,8 @@ def fp8_weight_mm_triton(
     split_k: Optional[int] = None,
 ) -> torch.Tensor:
     """The kernel, no checks (fp8_weight_mm checks). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP);
-    split_k: K ranges per column tile (default split_k_for on this GPU's SM count).
-
-    Traced (torch.compile), a split K sums in the main kernel (FIXUP), as a prepared eager call does, with
-    the same bits: its counters' zero fill is a kernel inductor writes and launches through its own static
-    launcher, where the summing kernel would be a user kernel launched through Triton's Python launcher,
-    which costs more host time (compiled decode forwards wait for the host: docs/inference.md)."""
-    traced = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-    call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k, one_launch=traced)
+    split_k: K ranges per column tile (default split_k_for on this GPU's SM count)."""
+    call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k)
     _launch(call.grid, *call.args, **call.options)
     if call.sum_args is not None:
         _launch_sum(call.sum_grid, *call.sum_args, **_SUM_OPTIONS)
