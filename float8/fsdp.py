@@ -131,10 +131,10 @@ class Float8TrainingWeight(torch.Tensor):
             writes = weights[0]._writes if func in _ALIASING else None
             return tree_map(lambda t: _wrapped(t, fp8, writes) if isinstance(t, torch.Tensor) else t, out)
         if func._schema.is_mutable:
-            # A write into a master (an optimizer step): a scale computed before it is stale.
+            # A write into a master (an optimizer step): counted, so a scale stamped before it is not used
+            # (by this wrapper or any alias sharing the count: _valid_precomputed_scale).
             for w in weights:
                 w._writes[0] += 1
-                w.precomputed_scale = None
             if isinstance(args[0], Float8TrainingWeight):
                 return args[0]
         return out
