@@ -5,12 +5,15 @@ group. Below float8/tensor.py in the import order."""
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+import math
+import numbers
+from typing import Optional, Sequence, Union
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from float8.kernels import amax as amax_kernel
-from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES, max_margin
+from float8.kernels.reference import FLOAT32_MAX, FP8_DTYPES, HIGH_PRECISION_DTYPES, max_margin, min_scale
 
 
 def _describe_scale(s: torch.Tensor) -> str:
@@ -19,6 +22,30 @@ def _describe_scale(s: torch.Tensor) -> str:
     if s.dim() == 0 and s.device.type == "cpu" and type(s) is torch.Tensor and not torch.compiler.is_compiling():
         return f"{s.item():.6g}"
     return f"shape {tuple(s.shape)}"
+
+
+def layout_of_scale(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple:
+    """(layout, block) that a scale of `scale_shape` for data of `data_shape` stands for, where no quantizer
+    says so (a Float8Tensor built from its parts): (TENSOR, None), (ROW, None), (BLOCK, (1, 128)) or
+    (BLOCK, (128, 128)). ValueError for scales running along the columns (a transposed per-row tensor) and
+    for any other shape."""
+    if len(scale_shape) == 0:
+        return ScaleLayout.TENSOR, None
+    blocks = block_shape(data_shape, scale_shape)
+    if scale_shape[-1] == 1 and all(b == 1 for b in blocks[:-1]):
+        return ScaleLayout.ROW, None
+    if blocks[-1] == 128 and all(b == 1 for b in blocks[:-1]):
+        return ScaleLayout.BLOCK, (1, 128)
+    if blocks == (128, 128):
+        return ScaleLayout.BLOCK, (128, 128)
+    shapes = f"scale_inv {tuple(scale_shape)} for data {tuple(data_shape)}"
+    if len(data_shape) >= 2 and blocks[-1] == 1 and (len(blocks) < 2 or blocks[-2] > 1):
+        raise ValueError(
+            f"in-place op on a transposed row-wise or block-scaled Float8Tensor ({shapes}): its scales run along "
+            "the columns, and re-quantizing would change its layout. Write the untransposed tensor, or work on "
+            "t.dequantize()"
+        )
+    raise ValueError(f"no quantizer writes a {shapes}")
 
 
 def block_shape(data_shape: Sequence[int], scale_shape: Sequence[int]) -> tuple:
@@ -150,3 +177,35 @@ def is_whole(t: torch.Tensor) -> bool:
     part would share)."""
     d = t._data
     return d.numel() * d.element_size() == d.untyped_storage().nbytes()
+
+
+def static_scale(
+    scale: Union[torch.Tensor, float], fp8_dtype: torch.dtype, device: Optional[torch.device]
+) -> torch.Tensor:
+    """A static scale checked (see StaticQuantizer, float8/tensor.py), as the quantizer's own float32 0-d tensor."""
+    lo = min_scale(fp8_dtype)
+    valid = f"a finite positive float32 value in [{lo:.3g}, {FLOAT32_MAX:.3g}] for {fp8_dtype}"
+    if isinstance(scale, torch.Tensor):
+        if is_traceable_wrapper_subclass(scale) or scale.numel() != 1:  # e.g. a Float8Tensor
+            raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"scale must be float32, got {scale.dtype}")
+        s = scale.detach().reshape(())
+        if s.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not lo <= float(s) <= FLOAT32_MAX:  # NaN fails too
+                raise ValueError(f"scale must be {valid}, got {float(s)!r}")
+            return s.clone()  # the quantizer's own: a later write into the caller's tensor cannot unvalidate it
+        # Not read on the host (a CUDA tensor: no sync; under torch.compile: no guard on its value): an
+        # invalid value turns the output NaN, never finite, never silent.
+        ok = (s >= lo) & (s <= FLOAT32_MAX)
+        return torch.where(ok, s, torch.full_like(s, float("nan")))
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        try:
+            value = float(scale)
+        except OverflowError:
+            value = math.inf
+        f32 = torch.tensor(value, dtype=torch.float32)  # 1e-45 -> a subnormal, 1e39 -> inf
+        if not (math.isfinite(value) and value > 0 and lo <= float(f32) <= FLOAT32_MAX):
+            raise ValueError(f"scale must be {valid}, got {scale!r} (float32: {float(f32)!r})")
+        return f32.to(device) if device is not None else f32
+    raise TypeError(f"scale must be a float32 tensor or a number, got {type(scale).__name__}")

@@ -45,8 +45,8 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers the f
 from float8 import dispatch
 from float8.checks import block_shape, is_whole, storage_address
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _is_float8, layout_quantizer
-from float8.writes import mark_written, share_writes
+from float8.tensor import Float8Tensor, _is_float8
+from float8.writes import mark_written, requantized, share_writes
 
 c10d = torch.ops.c10d
 MAX_DIMS = 8
@@ -334,7 +334,7 @@ def _all_reduce(func, args, kwargs):
     work.wait()
     with torch.no_grad():
         for t, w in zip(tensors, wides):
-            fresh = layout_quantizer(t)._quantize(w.to(t.dtype), False)
+            fresh = requantized(t, w)
             t._data.copy_(fresh._data)
             t._scale_inv.copy_(fresh._scale_inv)
     _received(tensors)
@@ -477,14 +477,17 @@ if _functional is not None:
             scale = _functional.wait_tensor(scale)
             if bool((scale == scale.reshape(-1)[0]).all()):
                 scale = scale.reshape(-1)[0].clone()
-        return Float8Tensor(data, scale, x.dtype)
+        # Per-tensor scales that differ by rank become blocks: the result's layout is read from its scale.
+        kept = (scale.dim() == 0) == (x._scale_inv.dim() == 0)
+        return Float8Tensor(data, scale, x.dtype, quantizer_id=x._quantizer_id if kept else None)
 
     @dispatch.implements([_functional.broadcast.default])
     def _f_broadcast(func, args, kwargs):
         x, src, group_name = args
         _check_float8([x], "broadcast")
         data = func(_bits(x).contiguous(), src, group_name).view(x.fp8_dtype)
-        return Float8Tensor(data, func(x._scale_inv.contiguous(), src, group_name), x.dtype)
+        scale = func(x._scale_inv.contiguous(), src, group_name)
+        return Float8Tensor(data, scale, x.dtype, quantizer_id=x._quantizer_id)
 
     @dispatch.implements([_functional.all_reduce.default])
     def _f_all_reduce(func, args, kwargs):
@@ -493,7 +496,7 @@ if _functional is not None:
         x, reduce_op, group_name = args
         _check_float8([x], "all_reduce")
         total = _functional.wait_tensor(func(x.dequantize(torch.float32), reduce_op, group_name))
-        return layout_quantizer(x)._quantize(total.to(x.dtype), False)
+        return requantized(x, total)
 
     def _f_wrap(func, args, kwargs):
         # In eager, torch wraps a functional collective's output in an AsyncCollectiveTensor that waits on
@@ -501,7 +504,8 @@ if _functional is not None:
         # comes here), and an alias of the same bits comes back.
         (t,) = args
         _f_wait(_functional.wait_tensor.default, (t,), {})
-        return share_writes(Float8Tensor(t._data, t._scale_inv, t.dtype, t._transpose_raw), t)
+        alias = Float8Tensor(t._data, t._scale_inv, t.dtype, t._transpose_raw, quantizer_id=t._quantizer_id)
+        return share_writes(alias, t)
 
     if hasattr(_functional, "_wrap_tensor_autograd"):  # not in every torch version
         dispatch.implements([_functional._wrap_tensor_autograd.default])(_f_wrap)

@@ -10,6 +10,9 @@ on every device so a CPU test catches what the GPU would refuse:
 - not both operands E5M2 (the tensor cores need one E4M3 operand);
 - scales constant along K: per-tensor (0-d) or per-row of A (M, 1) and per-column of B (1, N). Block
   scales, or per-row scales along K, go to the high-precision fallback (with a warning).
+What an operand's scales are is the layout its quantizer declares (`Float8Tensor.requantizer.layout`):
+TENSOR and ROW take the FP8 GEMM where the scales run as above, BLOCK and OTHER never do; a tensor built
+from its parts without a quantizer is taken by its scale's shape alone.
 The output has the nominal dtype of the operands.
 """
 
@@ -21,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from float8 import dispatch
+from float8.checks import ScaleLayout, dequantized_gemms
 from float8.kernels.reference import dequantize_ref
 from float8.kernels.transpose import transpose_fp8
-from float8.tensor import Float8Tensor, _is_float8, _requantize_into
+from float8.tensor import Float8Tensor, _is_float8
+from float8.writes import requantize_into
 
 aten = torch.ops.aten
 
@@ -35,6 +40,7 @@ class Operand(NamedTuple):
     scale_inv: torch.Tensor
     transpose: Optional[torch.Tensor]
     dtype: torch.dtype
+    layout: Optional[ScaleLayout] = None  # the quantizer's; None: a tensor built from its parts
 
     @property
     def shape(self) -> torch.Size:
@@ -54,12 +60,14 @@ class Operand(NamedTuple):
 
 def operand(t: Float8Tensor, transposed: bool = False) -> Operand:
     """t, or t.t() without building a tensor (no dispatch: this is on every Linear's hot path)."""
+    qid = t._quantizer_id
+    layout = None if qid is None else qid[0]
     if not transposed:
-        return Operand(t._data, t._scale_inv, t._transpose, t.dtype)
+        return Operand(t._data, t._scale_inv, t._transpose, t.dtype, layout)
     s = t._scale_inv if t._scale_inv.dim() == 0 else t._scale_inv.mT
     if t._transpose is not None:
-        return Operand(t._transpose, s, t._data, t.dtype)
-    return Operand(t._data.mT, s, None, t.dtype)
+        return Operand(t._transpose, s, t._data, t.dtype, layout)
+    return Operand(t._data.mT, s, None, t.dtype, layout)
 
 
 def column_major_only(t: Float8Tensor) -> Operand:
@@ -70,7 +78,7 @@ def column_major_only(t: Float8Tensor) -> Operand:
     Linear keeps for backward. Same bits, same GEMM call."""
     if t._transpose is None:
         return operand(t)
-    return Operand(t._transpose.mT, t._scale_inv, None, t.dtype)
+    return operand(t)._replace(data=t._transpose.mT, transpose=None)
 
 
 def _aligned(d: torch.Tensor, unit: int = 16) -> bool:
@@ -117,7 +125,10 @@ def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm_scales(a: Operand, b: Operand):
-    """(scale_a, scale_b, rowwise) in the layout _scaled_mm takes, or None if the blocks don't fit."""
+    """(scale_a, scale_b, rowwise) in the layout _scaled_mm takes, or None where an operand's layout is not
+    one an FP8 GEMM reads, or its scales do not run along the GEMM's outer dims."""
+    if dequantized_gemms(a.layout) or dequantized_gemms(b.layout):
+        return None
     sa, sb = _aligned_scale(a.scale_inv), _aligned_scale(b.scale_inv)
     m, n = a.shape[0], b.shape[1]
     a_ok = sa.dim() == 0 or tuple(sa.shape) == (m, 1)
@@ -259,7 +270,7 @@ def _gemm(mat_a, mat_b, sa, sb, rowwise, bias, out_dtype, device, fp8_a, fp8_b, 
 
 
 def _fallback(func, args, kwargs):
-    return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
+    return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
 
 
 def _mixed(a, b) -> bool:

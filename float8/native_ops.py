@@ -18,8 +18,8 @@ import torch
 from float8 import dispatch
 from float8.checks import block_shape, storage_address
 from float8.kernels.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
-from float8.tensor import Float8Tensor, _is_float8, _requantize_into, check_whole
-from float8.writes import mark_written, share_writes
+from float8.tensor import Float8Tensor, _is_float8
+from float8.writes import check_whole, mark_written, requantize_into, share_writes
 
 aten = torch.ops.aten
 
@@ -51,7 +51,7 @@ def transpose_cache_after(
 
 
 def _wrap(src: Float8Tensor, data, scale_inv, transpose=None, dtype=None) -> Float8Tensor:
-    out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose)
+    out = Float8Tensor(data, scale_inv, dtype or src.dtype, transpose, quantizer_id=src._quantizer_id)
     out._gathered_master = src._gathered_master
     if _aliases(data, src):
         share_writes(out, src)  # a view: writes through it must reach src's cache check, and back
@@ -69,7 +69,7 @@ def _aliases(data: torch.Tensor, src: Float8Tensor) -> bool:
 
 
 def _fallback(func, args, kwargs):
-    return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
+    return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
 
 
 def _shares_versions(handler):
@@ -157,7 +157,7 @@ def _copy_(func, args, kwargs):
                 dst._transpose_raw.copy_(bits.transpose(-2, -1))
         mark_written(dst)
         return dst
-    _requantize_into(dst, src.dequantize() if _is_float8(src) else src)
+    requantize_into(dst, src.dequantize() if _is_float8(src) else src)
     return dst
 
 
@@ -169,7 +169,7 @@ def _like(func, args, kwargs):
     if dtype is not None and dtype != src.dtype:
         return func(src._data, dtype=dtype, device=device)
     data = func(src._data, device=device, memory_format=torch.contiguous_format)
-    return Float8Tensor(data, torch.ones_like(src._scale_inv, device=device), src.dtype)
+    return Float8Tensor(data, torch.ones_like(src._scale_inv, device=device), src.dtype, quantizer_id=src._quantizer_id)
 
 
 # ---- views -------------------------------------------------------------------------------------------
@@ -369,13 +369,13 @@ def _new_like(func, args, kwargs):
     data = func(src._data, size, dtype=src.fp8_dtype, device=device)
     s = src._scale_inv
     if s.dim() == 0:
-        return Float8Tensor(data, s if s.device == data.device else s.to(data.device), src.dtype)
+        s = s if s.device == data.device else s.to(data.device)
+        return Float8Tensor(data, s, src.dtype, quantizer_id=src._quantizer_id)
     blocks = block_shape(src._data.shape, s.shape)
     if len(size) == len(blocks) and all(n % b == 0 for n, b in zip(size, blocks)) and size[-1] == src.shape[-1]:
         scale = torch.ones([n // b for n, b in zip(size, blocks)], dtype=torch.float32, device=device)
-    else:
-        scale = torch.ones((), dtype=torch.float32, device=device)
-    return Float8Tensor(data, scale, src.dtype)
+        return Float8Tensor(data, scale, src.dtype, quantizer_id=src._quantizer_id)
+    return Float8Tensor(data, torch.ones((), dtype=torch.float32, device=device), src.dtype)
 
 
 # ---- padding -----------------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def _pad(func, args, kwargs):
     data = func(src._data.view(torch.uint8), pad, 0).view(src.fp8_dtype)
     s = src._scale_inv
     if s.dim() == 0:
-        return Float8Tensor(data, s, src.dtype)
+        return Float8Tensor(data, s, src.dtype, quantizer_id=src._quantizer_id)
     blocks = block_shape(src._data.shape, s.shape)
     scale_pad = []
     for i in range(0, len(pad), 2):
@@ -403,7 +403,7 @@ def _pad(func, args, kwargs):
                 "would cut a scale block; dequantize first"
             )
         scale_pad += [lo // blocks[dim], hi // blocks[dim]]
-    return Float8Tensor(data, func(s, scale_pad, 1.0), src.dtype)
+    return Float8Tensor(data, func(s, scale_pad, 1.0), src.dtype, quantizer_id=src._quantizer_id)
 
 
 # ---- cat ---------------------------------------------------------------------------------------------
@@ -441,4 +441,6 @@ def _cat(func, args, kwargs):
             scale = torch.cat([t._scale_inv for t in tensors], dim)
     if data is None:
         return _fallback(func, args, kwargs)
-    return Float8Tensor(data, scale, first.dtype)
+    # The quantizer all carry, if they carry one; otherwise the result's layout is read from its scale.
+    same = all(t._quantizer_id == first._quantizer_id for t in tensors)
+    return Float8Tensor(data, scale, first.dtype, quantizer_id=first._quantizer_id if same else None)

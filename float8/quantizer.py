@@ -45,6 +45,7 @@ from float8.checks import (  # ScaleLayout and the checks: exported from here to
     check_amax_group,
     check_dense,
     dequantized_gemms,
+    static_scale,
 )
 from float8.kernels import quantize_tensorwise
 from float8.kernels.reference import FLOAT32_MAX, check_fp8_dtype, min_scale, quantize_tensorwise_ref, scale_from_amax
@@ -52,12 +53,12 @@ from float8.scaling import DelayedScaling, Scaling
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
     Float8Tensor,
+    PerTensorWrites,
     Quantizer,
     RowwiseQuantizer,
     StaticQuantizer,
     TensorwiseQuantizer,
     _quantizer_for,
-    _static_scale,
 )
 
 
@@ -88,7 +89,7 @@ class StaticScalingState(torch.nn.Module, StaticQuantizer):
         check_fp8_dtype(fp8_dtype)
         self.fp8_dtype = fp8_dtype
         self.amax_group = check_amax_group(amax_group)
-        s = _static_scale(scale, fp8_dtype, device)
+        s = static_scale(scale, fp8_dtype, device)
         self.register_buffer("static_scale", s if device is None else s.to(device))
 
     @property
@@ -109,7 +110,7 @@ class StaticScalingState(torch.nn.Module, StaticQuantizer):
         key = prefix + "static_scale"
         loaded = state_dict.get(key)
         if isinstance(loaded, torch.Tensor):
-            state_dict[key] = _static_scale(loaded, self.fp8_dtype, None)
+            state_dict[key] = static_scale(loaded, self.fp8_dtype, None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_extra_state(self) -> dict[str, str]:
@@ -136,7 +137,7 @@ def _apply_keeping_float32(module: torch.nn.Module, fn) -> torch.nn.Module:
     return module
 
 
-class DelayedScalingState(torch.nn.Module, Quantizer):
+class DelayedScalingState(torch.nn.Module, PerTensorWrites):
     """Delayed scaling: the scale of step t comes from the amaxes of earlier steps (its history).
 
     The cast needs no amax pass first: it uses `scale`, and the kernel returns this tensor's amax, which

@@ -115,7 +115,7 @@ def nan_unless(ok: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     pass over its bytes)."""
     if isinstance(y, Float8Tensor):
         scale_inv = torch.where(ok, y._scale_inv, torch.full_like(y._scale_inv, float("nan")))
-        return Float8Tensor(y._data, scale_inv, y.dtype, transpose=y._transpose)
+        return Float8Tensor(y._data, scale_inv, y.dtype, transpose=y._transpose, quantizer_id=y._quantizer_id)
     return torch.where(ok, y, torch.full_like(y, float("nan")))
 
 
@@ -161,7 +161,7 @@ def gather_rows(
     transpose = None
     if with_transpose and torch.is_grad_enabled() and bits.dim() == 2:
         transpose = bits.t().contiguous()
-    return Float8Tensor(bits, scale_inv, x.dtype, transpose=transpose)
+    return Float8Tensor(bits, scale_inv, x.dtype, transpose=transpose, quantizer_id=x._quantizer_id)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:

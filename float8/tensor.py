@@ -11,9 +11,7 @@ docs/design.md §2. The quantizers that keep state are in float8/quantizer.py, w
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -25,22 +23,21 @@ from float8.checks import (
     _describe_scale,
     _poison_if_non_finite,
     _reduced_amax,
-    block_shape,
     check_amax_group,
     check_dense,
-    is_whole,
+    layout_of_scale,
+    static_scale,
 )
 from float8.kernels import dequantize as dequantize_kernel
 from float8.kernels import quantize_blockwise, quantize_rowwise, quantize_tensorwise
 from float8.kernels.reference import (
-    FLOAT32_MAX,
     HIGH_PRECISION_DTYPES,
     check_fp8_dtype,
-    min_scale,
     scale_from_amax,
 )
+from float8.quantizer_id import check_quantizer_id, quantizer_id, rebuild_quantizer
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
-from float8.writes import _stamp, mark_written, transpose_in_step
+from float8.writes import _stamp, requantize_into, transpose_in_step
 
 Float8FallbackWarning = dispatch.Float8FallbackWarning
 
@@ -60,6 +57,7 @@ class Float8Tensor(torch.Tensor):
         nominal_dtype: torch.dtype,
         transpose: Optional[torch.Tensor] = None,
         requires_grad: bool = False,
+        quantizer_id: Optional[tuple] = None,
     ):
         _check_parts(data, scale_inv, nominal_dtype, transpose)
         if torch.is_inference_mode_enabled() and not data.is_inference():
@@ -73,6 +71,7 @@ class Float8Tensor(torch.Tensor):
         self._data = data
         self._scale_inv = scale_inv
         self._transpose_raw = transpose
+        self._quantizer_id = quantizer_id  # float8/quantizer_id.py; None: laid out as its scale's shape says
         self._writes = [0]  # shared by the Float8Tensors that alias these bits (share_writes); see below
         # An FSDP2 all-gather of a trainable high-precision master (float8/fsdp.py): a Linear computes its
         # weight gradient, which FSDP reduce-scatters into the master's.
@@ -138,6 +137,17 @@ class Float8Tensor(torch.Tensor):
         return self._transpose
 
     @property
+    def requantizer(self) -> Quantizer:
+        """The stateless quantizer of this tensor's format and scale layout (`Quantizer.requantizer` of the
+        quantizer that made it, whose identity the tensor carries): in-place writes re-quantize through it
+        with a fresh scale, and its `layout` tells an FP8 GEMM what the scales are. A tensor built from its
+        parts without `quantizer_id` is read from its scale's shape (0-d: per tensor; one per row; (1, 128)
+        or (128, 128) blocks)."""
+        if self._quantizer_id is None:
+            return _requantizer_from_scale(self)
+        return rebuild_quantizer(self._quantizer_id, Quantizer)
+
+    @property
     def _transpose(self) -> Optional[torch.Tensor]:
         """The transpose cache if it still matches the data; a stale one is dropped here (`transpose_in_step`)."""
         return transpose_in_step(self)
@@ -166,24 +176,29 @@ class Float8Tensor(torch.Tensor):
         handler = dispatch.lookup(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        return dispatch.fallback(func, args, kwargs, _is_float8, _requantize_into)
+        return dispatch.fallback(func, args, kwargs, _is_float8, requantize_into)
 
     # ---- torch.compile / FSDP / serialization -------------------------------------------------
     def __tensor_flatten__(self):
         # Called twice per Float8Tensor parameter on every call of a compiled graph (guards, then the
         # unwrapping of its inputs): no cache, the common case, answers without the staleness check.
+        # The quantizer's identity (constants) rides in the context: traced code writes what eager code writes.
         if self._transpose_raw is None:
-            return ["_data", "_scale_inv"], (self.dtype,)
+            return ["_data", "_scale_inv"], (self.dtype, self._quantizer_id)
         inner = ["_data", "_scale_inv"]
         if self._transpose is not None:
             inner.append("_transpose")
-        return inner, (self.dtype,)
+        return inner, (self.dtype, self._quantizer_id)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        (nominal_dtype,) = ctx
+        nominal_dtype, quantizer_id = ctx
         return Float8Tensor(
-            inner_tensors["_data"], inner_tensors["_scale_inv"], nominal_dtype, inner_tensors.get("_transpose")
+            inner_tensors["_data"],
+            inner_tensors["_scale_inv"],
+            nominal_dtype,
+            inner_tensors.get("_transpose"),
+            quantizer_id=quantizer_id,
         )
 
     def __deepcopy__(self, memo):
@@ -196,6 +211,7 @@ class Float8Tensor(torch.Tensor):
             self.dtype,
             None if cache is None else cache.clone(),
             self.requires_grad,
+            self._quantizer_id,
         )
         memo[id(self)] = out
         return out
@@ -207,33 +223,29 @@ class Float8Tensor(torch.Tensor):
         t = None if cache is None else cache.view(torch.uint8)
         return (
             _rebuild_float8_tensor,
-            (self._data.view(torch.uint8), self.fp8_dtype, self._scale_inv, self.dtype, t, self.requires_grad),
+            (
+                self._data.view(torch.uint8),
+                self.fp8_dtype,
+                self._scale_inv,
+                self.dtype,
+                t,
+                self.requires_grad,
+                self._quantizer_id,
+            ),
         )
 
 
-def _rebuild_float8_tensor(bits, fp8_dtype, scale_inv, nominal_dtype, transpose_bits, requires_grad):
+def _rebuild_float8_tensor(bits, fp8_dtype, scale_inv, nominal_dtype, transpose_bits, requires_grad, quantizer_id=None):
+    # quantizer_id: absent from files saved before tensors carried one (their layout is read from the scale).
     check_fp8_dtype(fp8_dtype)
+    if quantizer_id is not None:
+        check_quantizer_id(quantizer_id)
     t = None if transpose_bits is None else transpose_bits.view(fp8_dtype)
-    return Float8Tensor(bits.view(fp8_dtype), scale_inv, nominal_dtype, t, requires_grad)
-
-
-# torch.load(weights_only=True) refuses unknown callables; this one only builds from tensors and dtypes.
-torch.serialization.add_safe_globals([_rebuild_float8_tensor, Float8Tensor])
+    return Float8Tensor(bits.view(fp8_dtype), scale_inv, nominal_dtype, t, requires_grad, quantizer_id)
 
 
 def _is_float8(t) -> bool:
     return isinstance(t, Float8Tensor)
-
-
-def check_whole(dst: Float8Tensor) -> None:
-    """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
-    base's transpose) with the rest, which a write through the part would silently corrupt."""
-    if not is_whole(dst):
-        raise ValueError(
-            f"in-place write into a view of a Float8Tensor (shape {tuple(dst.shape)} of a larger tensor): the "
-            "view shares its scale and transpose with the whole tensor. Write the whole tensor (e.g. "
-            "t.copy_(new_values)), or work on t.dequantize()"
-        )
 
 
 class _DequantizeSTE(torch.autograd.Function):
@@ -318,13 +330,31 @@ class Quantizer:
         """The Float8Tensor from a kernel's outputs, after the amax bookkeeping (`record`)."""
         scale_inv = self._after_kernel(scale_inv, amax)
         t = data_t if with_transpose and data_t.numel() == data.numel() and data.dim() >= 2 else None
-        return Float8Tensor(data, scale_inv, nominal_dtype, t)
+        return Float8Tensor(data, scale_inv, nominal_dtype, t, quantizer_id=self.requantizer_id)
 
     def _after_kernel(self, scale_inv, amax):
         return scale_inv
 
     def record(self, amax: torch.Tensor) -> None:
         """Bookkeeping of one amax written by a kernel (delayed scaling keeps a history); device ops only."""
+
+    @property
+    def requantizer(self) -> "Quantizer":
+        """The stateless quantizer of this one's format and layout, which the tensors it makes carry
+        (`Float8Tensor.requantizer`): an in-place write re-quantizes through it with a fresh scale (no static
+        scale, amax history, amax group, margin or power-of-2 rounding: a written value is never clipped).
+        A stateless quantizer of one's own is its own, by default."""
+        return self
+
+    @property
+    def requantizer_id(self) -> tuple:
+        """The identity of `requantizer`, as the tensors this quantizer makes carry it (float8/quantizer_id.py)."""
+        return quantizer_id(self.requantizer)
+
+    def constructor_arguments(self) -> Tuple[tuple, dict]:
+        """(args, kwargs) with which this quantizer's class builds it again: by default its format alone.
+        A quantizer of one's own whose constructor takes more says so here."""
+        return (self.fp8_dtype,), {}
 
     def _for_format(self, fp8_dtype) -> "Quantizer":
         """This quantizer, to write `fp8_dtype` (None: its own format); another format is an error."""
@@ -348,7 +378,23 @@ class _QuantizeSTE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-class TensorwiseQuantizer(Quantizer):
+class PerTensorWrites(Quantizer):
+    """A per-tensor quantizer (current, static or delayed scaling) whose tensors are re-quantized after an
+    in-place write with current scaling of the same format: a fresh scale, never the given or delayed one,
+    which could clip the written values."""
+
+    @property
+    def requantizer(self) -> "TensorwiseQuantizer":
+        """Current per-tensor scaling of the same format (one shared instance per format)."""
+        return _PER_TENSOR[self.fp8_dtype]
+
+    @property
+    def requantizer_id(self) -> tuple:
+        """The identity of `requantizer` (one constant per format)."""
+        return _PER_TENSOR_ID[self.fp8_dtype]
+
+
+class TensorwiseQuantizer(PerTensorWrites):
     """One scale for the whole tensor from its own amax (current scaling): scale = fp8_max / amax.
 
     amax_group: a process group over which the amax is reduced (MAX) first, so all ranks share one scale;
@@ -382,7 +428,7 @@ class TensorwiseQuantizer(Quantizer):
         return f"TensorwiseQuantizer({self.fp8_dtype}, margin={self.margin}, power_of_2={self.power_of_2})"
 
 
-class StaticQuantizer(Quantizer):
+class StaticQuantizer(PerTensorWrites):
     """One given scale (static scaling). The cast kernel writes scale_inv = 1 / scale.
 
     A number, or a CPU tensor, is checked when the quantizer is made: it must be a float32 value in
@@ -396,7 +442,7 @@ class StaticQuantizer(Quantizer):
     def __init__(self, scale: Union[torch.Tensor, float], fp8_dtype=torch.float8_e4m3fn, *, device=None):
         check_fp8_dtype(fp8_dtype)
         self.fp8_dtype = fp8_dtype
-        self.scale = _static_scale(scale, fp8_dtype, device)
+        self.scale = static_scale(scale, fp8_dtype, device)
 
     @property
     def fuses(self) -> bool:
@@ -418,36 +464,25 @@ class StaticQuantizer(Quantizer):
         return _poison_if_non_finite(scale_inv, amax)
 
 
-def _static_scale(scale, fp8_dtype, device) -> torch.Tensor:
-    lo = min_scale(fp8_dtype)
-    valid = f"a finite positive float32 value in [{lo:.3g}, {FLOAT32_MAX:.3g}] for {fp8_dtype}"
-    if isinstance(scale, torch.Tensor):
-        if isinstance(scale, Float8Tensor) or scale.numel() != 1:
-            raise ValueError(f"scale must hold one value (per-tensor scaling), got shape {tuple(scale.shape)}")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"scale must be float32, got {scale.dtype}")
-        s = scale.detach().reshape(())
-        if s.device.type == "cpu" and not torch.compiler.is_compiling():
-            if not lo <= float(s) <= FLOAT32_MAX:  # NaN fails too
-                raise ValueError(f"scale must be {valid}, got {float(s)!r}")
-            return s.clone()  # the quantizer's own: a later write into the caller's tensor cannot unvalidate it
-        # Not read on the host (a CUDA tensor: no sync; under torch.compile: no guard on its value): an
-        # invalid value turns the output NaN, never finite, never silent.
-        ok = (s >= lo) & (s <= FLOAT32_MAX)
-        return torch.where(ok, s, torch.full_like(s, float("nan")))
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        try:
-            value = float(scale)
-        except OverflowError:
-            value = math.inf
-        f32 = torch.tensor(value, dtype=torch.float32)  # 1e-45 -> a subnormal, 1e39 -> inf
-        if not (math.isfinite(value) and value > 0 and lo <= float(f32) <= FLOAT32_MAX):
-            raise ValueError(f"scale must be {valid}, got {scale!r} (float32: {float(f32)!r})")
-        return f32.to(device) if device is not None else f32
-    raise TypeError(f"scale must be a float32 tensor or a number, got {type(scale).__name__}")
+class _RequantizerMadeOnce(Quantizer):
+    """A quantizer whose requantizer (itself, or the same without margin and power-of-2 rounding) and its
+    identity are made with it, once."""
+
+    def _keep_requantizer(self, requantizer: Quantizer) -> None:
+        self._requantizer, self._requantizer_id = requantizer, quantizer_id(requantizer)
+
+    @property
+    def requantizer(self) -> Quantizer:
+        """The same layout and format, without margin or power-of-2 rounding."""
+        return self._requantizer
+
+    @property
+    def requantizer_id(self) -> tuple:
+        """The identity of `requantizer`."""
+        return self._requantizer_id
 
 
-class RowwiseQuantizer(Quantizer):
+class RowwiseQuantizer(_RequantizerMadeOnce):
     """One scale per row (per slice along the last dim): scale_inv has shape x.shape[:-1] + (1,)."""
 
     layout = ScaleLayout.ROW
@@ -457,13 +492,15 @@ class RowwiseQuantizer(Quantizer):
         RowwiseScaling(margin, power_of_2)
         _check_margin_for(fp8_dtype, margin)
         self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
+        self._keep_requantizer(self if margin == 0 and not power_of_2 else RowwiseQuantizer(fp8_dtype))
 
     def _quantize(self, x, with_transpose):
         data, scale_inv = quantize_rowwise(x, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+        t = _transpose_copy(data, with_transpose)
+        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self._requantizer_id)
 
 
-class BlockwiseQuantizer(Quantizer):
+class BlockwiseQuantizer(_RequantizerMadeOnce):
     """One scale per block: (1, 128) for activations and gradients, (128, 128) for 2-D weights."""
 
     layout = ScaleLayout.BLOCK
@@ -473,11 +510,28 @@ class BlockwiseQuantizer(Quantizer):
         self.block = BlockwiseScaling(block, margin, power_of_2).block
         _check_margin_for(fp8_dtype, margin)
         self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
+        plain = margin == 0 and not power_of_2
+        self._keep_requantizer(self if plain else BlockwiseQuantizer(fp8_dtype, block=self.block))
+
+    def constructor_arguments(self) -> Tuple[tuple, dict]:
+        """Its format and block shape (a margin or power-of-2 rounding makes a requantizer without them)."""
+        return (self.fp8_dtype,), {"block": self.block}
 
     def _quantize(self, x, with_transpose):
         rows, cols = self.block
         data, scale_inv = quantize_blockwise(x, rows, cols, self.fp8_dtype, self.margin, self.power_of_2)
-        return Float8Tensor(data, scale_inv, x.dtype, _transpose_copy(data, with_transpose))
+        t = _transpose_copy(data, with_transpose)
+        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self._requantizer_id)
+
+
+# The requantizer of every per-tensor quantizer: one instance per format, so tensors made by any of them
+# carry the same object (a compiled graph's guard then compares them by identity).
+_PER_TENSOR = {fmt: TensorwiseQuantizer(fmt) for fmt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+_PER_TENSOR_ID = {fmt: quantizer_id(q) for fmt, q in _PER_TENSOR.items()}
+
+# torch.load(weights_only=True) refuses unknown callables and classes: these build only from tensors,
+# dtypes, strings and numbers (a carried quantizer identity holds a ScaleLayout).
+torch.serialization.add_safe_globals([_rebuild_float8_tensor, Float8Tensor, ScaleLayout])
 
 
 def _transpose_copy(data, with_transpose):
@@ -516,41 +570,11 @@ def _quantizer_for(scaling, fp8_dtype=None, *, amax_group=None) -> Quantizer:
     )
 
 
-def layout_quantizer(t: Float8Tensor) -> Quantizer:
-    """The quantizer that reproduces t's own scale layout (for in-place writes that re-quantize t)."""
-    s, shape, fp8 = t._scale_inv, t._data.shape, t.fp8_dtype
-    if s.dim() == 0:
-        return TensorwiseQuantizer(fp8)
-    blocks = block_shape(shape, s.shape)
-    if s.shape[-1] == 1 and all(b == 1 for b in blocks[:-1]):
-        return RowwiseQuantizer(fp8)
-    if blocks[-1] == 128 and all(b == 1 for b in blocks[:-1]):
-        return BlockwiseQuantizer(fp8, block=(1, 128))
-    if blocks == (128, 128):
-        return BlockwiseQuantizer(fp8, block=(128, 128))
-    if len(shape) >= 2 and blocks[-1] == 1 and (len(blocks) < 2 or blocks[-2] > 1):
-        raise ValueError(
-            f"in-place op on a transposed row-wise or block-scaled Float8Tensor (scale_inv {tuple(s.shape)} for "
-            f"data {tuple(shape)}): its scales run along the columns, and re-quantizing would change its layout. "
-            "Write the untransposed tensor, or work on t.dequantize()"
-        )
-    raise ValueError(f"no quantizer writes a scale_inv of shape {tuple(s.shape)} for data {tuple(shape)}")
-
-
-def _requantize_into(dst: Float8Tensor, src: torch.Tensor) -> None:
-    """Write high-precision `src` into FP8 `dst` in place: same format and layout, fresh scale.
-
-    dst's buffers are written, not replaced, so views and optimizer references stay valid; a cached
-    transpose is re-derived from the new bits. dst must be a whole tensor, not a slice of one.
-    """
-    check_whole(dst)
-    quantizer = layout_quantizer(dst)
-    if tuple(src.shape) != tuple(dst.shape):
-        src = src.expand(dst.shape)
-    with torch.no_grad():
-        fresh = quantizer._quantize(src.to(dst.dtype), False)
-        dst._data.copy_(fresh._data)
-        dst._scale_inv.copy_(fresh._scale_inv)
-        if dst._transpose_raw is not None:
-            dst._transpose_raw.copy_(fresh._data.transpose(-2, -1))
-    mark_written(dst)
+def _requantizer_from_scale(t: Float8Tensor) -> Quantizer:
+    """The requantizer of a tensor built from its parts without one: read from its scale's shape."""
+    layout, block = layout_of_scale(t._data.shape, t._scale_inv.shape)
+    if layout is ScaleLayout.TENSOR:
+        return _PER_TENSOR[t.fp8_dtype]
+    if layout is ScaleLayout.ROW:
+        return RowwiseQuantizer(t.fp8_dtype)
+    return BlockwiseQuantizer(t.fp8_dtype, block=block)

@@ -1,7 +1,12 @@
-"""The transpose cache of a Float8Tensor kept in step with writes into its bits, or dropped.
+"""In-place writes into a Float8Tensor: re-quantized through the tensor's requantizer, with its transpose
+cache kept in step with writes into its bits, or dropped.
 
+    requantize_into(dst, src); requantized(t, values) -> Float8Tensor; check_whole(dst)
     transpose_in_step(t) -> the cache, or None after dropping a stale one
     share_writes(view, src) -> view (counting writes with src); mark_written(t) after the library wrote t
+
+A write means: dequantize, modify, quantize again with a fresh scale in the tensor's own format and layout
+(tests/float8/test_inplace_consistency.py), the same way eagerly and compiled, through any alias.
 
 The cache is stamped, when it is made or re-derived, with (writes, version of the bits, version of the
 cache); a read that finds any of them moved drops it, and the GEMM that needs the other layout makes it
@@ -20,6 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from float8.checks import is_whole
 
 
 def _stamp(t: torch.Tensor):
@@ -53,3 +60,48 @@ def mark_written(t: torch.Tensor) -> None:
     t's own is in step."""
     t._writes[0] += 1
     t._t_stamp = _stamp(t)
+
+
+def check_whole(dst: torch.Tensor) -> None:
+    """In-place writes must cover the whole FP8 storage: a part of a tensor shares its scale (and the
+    base's transpose) with the rest, which a write through the part would silently corrupt."""
+    if not is_whole(dst):
+        raise ValueError(
+            f"in-place write into a view of a Float8Tensor (shape {tuple(dst.shape)} of a larger tensor): the "
+            "view shares its scale and transpose with the whole tensor. Write the whole tensor (e.g. "
+            "t.copy_(new_values)), or work on t.dequantize()"
+        )
+
+
+def requantized(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (t's shape, any float dtype) quantized by t's requantizer: t's format and scale layout, a
+    fresh scale. ValueError where the requantizer would lay the scales out otherwise than t has them (a
+    transposed view of a per-row tensor, whose scales run along its columns)."""
+    q = t.requantizer
+    fresh = q._quantize(values.to(t.dtype), False)
+    if fresh._scale_inv.shape != t._scale_inv.shape:
+        raise ValueError(
+            f"in-place write into a Float8Tensor whose scales (scale_inv {tuple(t._scale_inv.shape)} for data "
+            f"{tuple(t.shape)}) are not laid out as its quantizer {type(q).__name__} lays them out "
+            f"({tuple(fresh._scale_inv.shape)}): a transposed row-wise or block-scaled tensor, whose scales run "
+            "along its columns. Write the tensor it is a view of, or work on t.dequantize()"
+        )
+    return fresh
+
+
+def requantize_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Write high-precision `src` into FP8 `dst` in place: same format and layout, fresh scale.
+
+    dst's buffers are written, not replaced, so views and optimizer references stay valid; a cached
+    transpose is re-derived from the new bits. dst must be a whole tensor, not a slice of one.
+    """
+    check_whole(dst)
+    if tuple(src.shape) != tuple(dst.shape):
+        src = src.expand(dst.shape)
+    with torch.no_grad():
+        fresh = requantized(dst, src)
+        dst._data.copy_(fresh._data)
+        dst._scale_inv.copy_(fresh._scale_inv)
+        if dst._transpose_raw is not None:
+            dst._transpose_raw.copy_(fresh._data.transpose(-2, -1))
+    mark_written(dst)

@@ -137,7 +137,7 @@ class AllGather(_RowCollective):
             # same amax; the Linear makes the transpose it needs from the gathered bits.
             x8 = out_request.quantizer._quantize(x, False)
             bits = gather_rows(x8._data.view(torch.uint8), self.group)
-            y = Float8Tensor(bits.view(x8.fp8_dtype), x8._scale_inv, x8.dtype)
+            y = Float8Tensor(bits.view(x8.fp8_dtype), x8._scale_inv, x8.dtype, quantizer_id=x8._quantizer_id)
         else:
             y = gather_rows(x, self.group)
         if not isinstance(y, Float8Tensor):

@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 
-from float8 import Float8Tensor, TensorwiseScaling
+from float8 import DelayedScaling, DelayedScalingState, Float8Tensor, TensorwiseScaling
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -24,6 +24,10 @@ X = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
 def _made(kind: str) -> Float8Tensor:
     if kind == "static":
         return Float8Tensor.quantize(X, scale=1.0)
+    if kind == "delayed":
+        state = DelayedScalingState(DelayedScaling(history_len=4))
+        Float8Tensor.quantize(X / 1000, scaling=state)  # a history whose scale would clip X * 1000
+        return Float8Tensor.quantize(X, scaling=state)
     return Float8Tensor.quantize(X, scaling=TensorwiseScaling(margin=1, power_of_2=True))
 
 
@@ -33,7 +37,7 @@ def _same(a: Float8Tensor, b: Float8Tensor) -> bool:
     )
 
 
-@pytest.mark.parametrize("kind", ["static", "margin and power of 2"])
+@pytest.mark.parametrize("kind", ["static", "delayed", "margin and power of 2"])
 def test_a_write_takes_a_fresh_scale_so_no_written_value_is_clipped(kind):
     t = _made(kind)
     big = X * 1000  # far beyond what a static scale of 1 represents (E4M3's max is 448)
@@ -43,7 +47,7 @@ def test_a_write_takes_a_fresh_scale_so_no_written_value_is_clipped(kind):
     assert rel < 0.05, rel  # E4M3 rounding (3 mantissa bits), not clipping
 
 
-@pytest.mark.parametrize("kind", ["static", "margin and power of 2"])
+@pytest.mark.parametrize("kind", ["static", "delayed", "margin and power of 2"])
 def test_eager_and_compiled_writes_give_the_same_bits(kind):
     def write(p):
         p.mul_(3.0)  # the in-place fallback (its warning is filtered for the module)

@@ -43,7 +43,10 @@ class PerChannelQuantizer(Quantizer):
         self.fp8_dtype = fp8_dtype
 
     def _quantize(self, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
-        return per_channel_quantize_ref(x, self.fp8_dtype)
+        ref = per_channel_quantize_ref(x, self.fp8_dtype)
+        # The tensor carries this quantizer's identity: an in-place write re-quantizes through it
+        # (tests/float8/test_quantizer_identity.py).
+        return Float8Tensor(ref.fp8_data, ref.scale_inv, x.dtype, quantizer_id=self.requantizer_id)
 
 
 def per_channel_recipe() -> Recipe:
