@@ -308,6 +308,20 @@ class Quantizer:
         own autograd Function (grad mode off) and know whether a backward pass will read the transpose."""
         raise NotImplementedError
 
+    def operands(
+        self, x: torch.Tensor, rows: bool, columns: bool
+    ) -> Tuple[Optional[Float8Tensor], Optional[Float8Tensor]]:
+        """x (2-D) as the GEMM operands a consumer asks for, each made as this layout needs (None where not
+        asked): `rows` for a GEMM that reduces along x's last dim (x @ w.t()), `columns` for one that
+        reduces along its first (x.t() @ dy: a weight gradient; the weight in an input gradient). Per
+        tensor, one kernel writes both (the columns are the same bits' transpose cache); per row, x is
+        quantized again along its columns; layouts whose GEMMs dequantize serve both with one tensor."""
+        if self.layout is ScaleLayout.ROW:
+            cols = self._quantize(x.t(), False).t() if columns else None
+            return (self._quantize(x, False) if rows else None), cols
+        x8 = self._quantize(x, columns and self.layout is ScaleLayout.TENSOR)
+        return (x8 if rows else None), (x8 if columns else None)
+
     # ---- the request a fused kernel honours (per-tensor quantizers only) -----------------------------
     @property
     def fuses(self) -> bool:

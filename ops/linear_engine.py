@@ -72,21 +72,13 @@ def quantize_weight(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
 
-    Per-tensor: one kernel writes both layouts. Per-row: the transposed operand is quantized along its own
-    rows. Blocks and other granularities: the forward copy serves both (their GEMMs dequantize)."""
+    The quantizer makes them (`Quantizer.operands`): per tensor one kernel writes both layouts, per row the
+    transposed operand is quantized along its own rows, blocks and other granularities serve both with the
+    forward copy (their GEMMs dequantize)."""
     if isinstance(weight, Float8Tensor):
         return weight, (weight if for_backward else None)
     with torch.no_grad():
-        w = weight.detach()
-        if quantizer.layout is ScaleLayout.TENSOR:
-            w8 = quantizer._quantize(w, for_backward)
-            return w8, (w8 if for_backward else None)
-        w8 = quantizer._quantize(w, False)
-        if not for_backward:
-            return w8, None
-        if dequantized_gemms(quantizer.layout):
-            return w8, w8
-        return w8, quantizer._quantize(w.t(), False).t()
+        return quantizer.operands(weight.detach(), rows=True, columns=for_backward)
 
 
 def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
@@ -190,10 +182,8 @@ def linear_fwd(
         # high-precision input itself, which the backward quantizes again (`source`).
         saved_x = (x2 if source else column_major_only(x8)) if need_wgrad else None
     else:
-        xh = plain(x2)
-        x8 = qi._quantize(xh, False)
+        x8, saved_x = qi.operands(plain(x2), rows=True, columns=need_wgrad)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
-        saved_x = qi._quantize(xh.t(), False).t() if need_wgrad else None
     saved_w = rebuild = None
     if need_dgrad and rebuild_weight is not None:
         if layout is not ScaleLayout.TENSOR:
@@ -274,12 +264,12 @@ def linear_bwd(
             w = saved.w if saved.rebuild is None else _rebuilt_weight(saved, quantizers.weight)
             dx = _mm(dy8, w, out_dtype=saved.x_dtype, pad=True)
     else:
-        dyh = plain(dy2)
+        dy_rows, dy_columns = qg.operands(plain(dy2), rows=saved.need_dgrad, columns=saved.need_wgrad)
         if saved.need_wgrad:
-            dw = _mm(qg._quantize(dyh.t(), False), x, out_dtype=weight_dtype, pad=True)
+            dw = _mm(dy_columns.t(), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:
-            dx = _mm(qg._quantize(dyh, False), saved.w, out_dtype=saved.x_dtype, pad=True)
+            dx = _mm(dy_rows, saved.w, out_dtype=saved.x_dtype, pad=True)
     return dx, dw
 
 
