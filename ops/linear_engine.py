@@ -118,7 +118,8 @@ def requantizes_input(quantizers: LinearQuantizers) -> bool:
 def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
     """A kept high-precision input quantized (`requantize_input`): in torch operations under compile, which
     inductor fuses into the code that makes x and its partitioner recomputes in a backward; else the kernel.
-    The same bits either way."""
+    The same bits for the same x (tests/ops/test_lean_activations.py); fused by inductor with x's producer,
+    whose bf16 rounding it does not emulate, within the FP8 bound (README "Same results")."""
     if torch.compiler.is_compiling():
         return quantize_in_torch_ops(q, x, with_transpose)
     return q._quantize(x, with_transpose)
