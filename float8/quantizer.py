@@ -53,7 +53,6 @@ from float8.scaling import DelayedScaling, Scaling
 from float8.tensor import (  # the protocol and the quantizers without state, exported from here too
     BlockwiseQuantizer,
     Float8Tensor,
-    PerTensorWrites,
     Quantizer,
     RowwiseQuantizer,
     StaticQuantizer,
@@ -137,7 +136,7 @@ def _apply_keeping_float32(module: torch.nn.Module, fn) -> torch.nn.Module:
     return module
 
 
-class DelayedScalingState(torch.nn.Module, PerTensorWrites):
+class DelayedScalingState(torch.nn.Module, Quantizer):
     """Delayed scaling: the scale of step t comes from the amaxes of earlier steps (its history).
 
     The cast needs no amax pass first: it uses `scale`, and the kernel returns this tensor's amax, which

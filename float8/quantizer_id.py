@@ -14,7 +14,7 @@ checkpoint never imports code.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from float8.checks import ScaleLayout
 
@@ -29,14 +29,16 @@ def quantizer_id(q: Any) -> tuple:
 
 def rebuild_quantizer(qid: tuple, base: type) -> Any:
     """The quantizer that `qid` names, built again from its arguments. ValueError where its class cannot be
-    found among the imported modules (a class defined inside a function, or its module not imported), or
-    is not a subclass of `base`: an identity read from a file calls nothing but a quantizer class."""
+    found among the imported modules (a class defined inside a function, or its module not imported), is
+    not a subclass of `base`, or builds a quantizer that is not its own requantizer (a static scale, a
+    margin): an identity read from a file calls nothing but a requantizer's class, and imports nothing."""
     check_quantizer_id(qid)
     _, path, args, kwargs = qid
     module_name, _, qualname = path.partition(":")
     found = sys.modules.get(module_name)
     for part in qualname.split("."):
-        found = getattr(found, part, None)
+        # The namespace itself, not getattr: a module's __getattr__ may import (a lazy submodule).
+        found = vars(found).get(part) if found is not None and hasattr(found, "__dict__") else None
     if found is None:
         raise ValueError(
             f"cannot find the quantizer class {path} to re-quantize a Float8Tensor it made: define it at the top "
@@ -44,7 +46,37 @@ def rebuild_quantizer(qid: tuple, base: type) -> Any:
         )
     if not (isinstance(found, type) and issubclass(found, base)):
         raise ValueError(f"{path} names {found!r}, not a subclass of {base.__name__}: refusing to call it")
-    return found(*args, **dict(kwargs))
+    q = found(*args, **dict(kwargs))
+    if q.requantizer_id != qid:
+        raise ValueError(
+            f"{path}{args} is not its own requantizer (its writes would use {q.requantizer_id[1]}): a "
+            "quantizer whose constructor takes other arguments than its format says so in "
+            "constructor_arguments()"
+        )
+    return q
+
+
+def lays_out(qid: tuple, data_shape: Sequence[int], scale_shape: Sequence[int]) -> bool:
+    """Whether a scale of `scale_shape` for data of `data_shape` is laid out as the quantizer `qid` names
+    lays out its own: one scale per tensor, one per row, or blocks of its block shape. Other layouts (a
+    granularity of one's own): True, its write checks the scales it makes."""
+    layout = qid[0]
+    if layout is ScaleLayout.TENSOR:
+        return len(scale_shape) == 0
+    if layout is ScaleLayout.ROW:
+        return len(scale_shape) == len(data_shape) >= 1 and tuple(scale_shape) == (*data_shape[:-1], 1)
+    block = dict(qid[3]).get("block")
+    if (
+        layout is ScaleLayout.BLOCK
+        and block is not None
+        and len(data_shape) >= 2
+        and len(scale_shape) == len(data_shape)
+    ):
+        rows, cols = block
+        lead = tuple(data_shape[:-2])
+        want = (*lead, -(-data_shape[-2] // rows), -(-data_shape[-1] // cols))
+        return tuple(scale_shape) == want
+    return True
 
 
 def check_quantizer_id(qid: object) -> None:

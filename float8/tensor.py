@@ -35,7 +35,7 @@ from float8.kernels.reference import (
     check_fp8_dtype,
     scale_from_amax,
 )
-from float8.quantizer_id import check_quantizer_id, quantizer_id, rebuild_quantizer
+from float8.quantizer_id import check_quantizer_id, lays_out, quantizer_id, rebuild_quantizer
 from float8.scaling import BlockwiseScaling, DelayedScaling, RowwiseScaling, TensorwiseScaling
 from float8.writes import _stamp, requantize_into, transpose_in_step
 
@@ -143,9 +143,12 @@ class Float8Tensor(torch.Tensor):
         with a fresh scale, and its `layout` tells an FP8 GEMM what the scales are. A tensor built from its
         parts without `quantizer_id` is read from its scale's shape (0-d: per tensor; one per row; (1, 128)
         or (128, 128) blocks)."""
-        if self._quantizer_id is None:
+        qid = self._quantizer_id
+        if qid is None or not lays_out(qid, self._data.shape, self._scale_inv.shape):
+            # None, or a view or cat whose scales are no longer laid out as the quantizer lays them out (the
+            # rows of per-row tensors concatenated side by side): what the scales are now.
             return _requantizer_from_scale(self)
-        return rebuild_quantizer(self._quantizer_id, Quantizer)
+        return rebuild_quantizer(qid, Quantizer)
 
     @property
     def _transpose(self) -> Optional[torch.Tensor]:
@@ -357,13 +360,24 @@ class Quantizer:
         """The stateless quantizer of this one's format and layout, which the tensors it makes carry
         (`Float8Tensor.requantizer`): an in-place write re-quantizes through it with a fresh scale (no static
         scale, amax history, amax group, margin or power-of-2 rounding: a written value is never clipped).
-        A stateless quantizer of one's own is its own, by default."""
+        Per-tensor and per-row layouts: the library's current scaling of that layout and format. Other
+        layouts: the quantizer itself, by default (so a granularity of one's own must be stateless, defined
+        at the top level of a module, and built again by `constructor_arguments()`)."""
+        if self.layout is ScaleLayout.TENSOR:
+            return _PER_TENSOR[self.fp8_dtype]
+        if self.layout is ScaleLayout.ROW:
+            return _PER_ROW[self.fp8_dtype]
         return self
 
     @property
     def requantizer_id(self) -> tuple:
         """The identity of `requantizer`, as the tensors this quantizer makes carry it (float8/quantizer_id.py)."""
-        return quantizer_id(self.requantizer)
+        q = self.requantizer
+        if q is _PER_TENSOR.get(self.fp8_dtype):
+            return _PER_TENSOR_ID[self.fp8_dtype]
+        if q is _PER_ROW.get(self.fp8_dtype):
+            return _PER_ROW_ID[self.fp8_dtype]
+        return quantizer_id(q)
 
     def constructor_arguments(self) -> Tuple[tuple, dict]:
         """(args, kwargs) with which this quantizer's class builds it again: by default its format alone.
@@ -392,23 +406,7 @@ class _QuantizeSTE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-class PerTensorWrites(Quantizer):
-    """A per-tensor quantizer (current, static or delayed scaling) whose tensors are re-quantized after an
-    in-place write with current scaling of the same format: a fresh scale, never the given or delayed one,
-    which could clip the written values."""
-
-    @property
-    def requantizer(self) -> "TensorwiseQuantizer":
-        """Current per-tensor scaling of the same format (one shared instance per format)."""
-        return _PER_TENSOR[self.fp8_dtype]
-
-    @property
-    def requantizer_id(self) -> tuple:
-        """The identity of `requantizer` (one constant per format)."""
-        return _PER_TENSOR_ID[self.fp8_dtype]
-
-
-class TensorwiseQuantizer(PerTensorWrites):
+class TensorwiseQuantizer(Quantizer):
     """One scale for the whole tensor from its own amax (current scaling): scale = fp8_max / amax.
 
     amax_group: a process group over which the amax is reduced (MAX) first, so all ranks share one scale;
@@ -442,7 +440,7 @@ class TensorwiseQuantizer(PerTensorWrites):
         return f"TensorwiseQuantizer({self.fp8_dtype}, margin={self.margin}, power_of_2={self.power_of_2})"
 
 
-class StaticQuantizer(PerTensorWrites):
+class StaticQuantizer(Quantizer):
     """One given scale (static scaling). The cast kernel writes scale_inv = 1 / scale.
 
     A number, or a CPU tensor, is checked when the quantizer is made: it must be a float32 value in
@@ -478,25 +476,7 @@ class StaticQuantizer(PerTensorWrites):
         return _poison_if_non_finite(scale_inv, amax)
 
 
-class _RequantizerMadeOnce(Quantizer):
-    """A quantizer whose requantizer (itself, or the same without margin and power-of-2 rounding) and its
-    identity are made with it, once."""
-
-    def _keep_requantizer(self, requantizer: Quantizer) -> None:
-        self._requantizer, self._requantizer_id = requantizer, quantizer_id(requantizer)
-
-    @property
-    def requantizer(self) -> Quantizer:
-        """The same layout and format, without margin or power-of-2 rounding."""
-        return self._requantizer
-
-    @property
-    def requantizer_id(self) -> tuple:
-        """The identity of `requantizer`."""
-        return self._requantizer_id
-
-
-class RowwiseQuantizer(_RequantizerMadeOnce):
+class RowwiseQuantizer(Quantizer):
     """One scale per row (per slice along the last dim): scale_inv has shape x.shape[:-1] + (1,)."""
 
     layout = ScaleLayout.ROW
@@ -506,15 +486,14 @@ class RowwiseQuantizer(_RequantizerMadeOnce):
         RowwiseScaling(margin, power_of_2)
         _check_margin_for(fp8_dtype, margin)
         self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
-        self._keep_requantizer(self if margin == 0 and not power_of_2 else RowwiseQuantizer(fp8_dtype))
 
     def _quantize(self, x, with_transpose):
         data, scale_inv = quantize_rowwise(x, self.fp8_dtype, self.margin, self.power_of_2)
         t = _transpose_copy(data, with_transpose)
-        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self._requantizer_id)
+        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self.requantizer_id)
 
 
-class BlockwiseQuantizer(_RequantizerMadeOnce):
+class BlockwiseQuantizer(Quantizer):
     """One scale per block: (1, 128) for activations and gradients, (128, 128) for 2-D weights."""
 
     layout = ScaleLayout.BLOCK
@@ -524,8 +503,20 @@ class BlockwiseQuantizer(_RequantizerMadeOnce):
         self.block = BlockwiseScaling(block, margin, power_of_2).block
         _check_margin_for(fp8_dtype, margin)
         self.fp8_dtype, self.margin, self.power_of_2 = fp8_dtype, margin, power_of_2
-        plain = margin == 0 and not power_of_2
-        self._keep_requantizer(self if plain else BlockwiseQuantizer(fp8_dtype, block=self.block))
+        # Writes take blocks of the same shape and format from the library's own class (not a subclass).
+        plain = type(self) is BlockwiseQuantizer and margin == 0 and not power_of_2
+        self._requantizer = self if plain else BlockwiseQuantizer(fp8_dtype, block=self.block)
+        self._requantizer_id = quantizer_id(self._requantizer)
+
+    @property
+    def requantizer(self) -> "BlockwiseQuantizer":
+        """Blocks of the same shape and format, without margin or power-of-2 rounding."""
+        return self._requantizer
+
+    @property
+    def requantizer_id(self) -> tuple:
+        """The identity of `requantizer`, made once with the quantizer."""
+        return self._requantizer_id
 
     def constructor_arguments(self) -> Tuple[tuple, dict]:
         """Its format and block shape (a margin or power-of-2 rounding makes a requantizer without them)."""
@@ -535,13 +526,16 @@ class BlockwiseQuantizer(_RequantizerMadeOnce):
         rows, cols = self.block
         data, scale_inv = quantize_blockwise(x, rows, cols, self.fp8_dtype, self.margin, self.power_of_2)
         t = _transpose_copy(data, with_transpose)
-        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self._requantizer_id)
+        return Float8Tensor(data, scale_inv, x.dtype, t, quantizer_id=self.requantizer_id)
 
 
-# The requantizer of every per-tensor quantizer: one instance per format, so tensors made by any of them
-# carry the same object (a compiled graph's guard then compares them by identity).
+# The requantizers of every per-tensor and per-row quantizer: one instance per format, whose identities are
+# made once (tensors made by any of them carry the same tuple, which a compiled graph's guard compares by
+# identity).
 _PER_TENSOR = {fmt: TensorwiseQuantizer(fmt) for fmt in (torch.float8_e4m3fn, torch.float8_e5m2)}
 _PER_TENSOR_ID = {fmt: quantizer_id(q) for fmt, q in _PER_TENSOR.items()}
+_PER_ROW = {fmt: RowwiseQuantizer(fmt) for fmt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+_PER_ROW_ID = {fmt: quantizer_id(q) for fmt, q in _PER_ROW.items()}
 
 # torch.load(weights_only=True) refuses unknown callables and classes: these build only from tensors,
 # dtypes, strings and numbers (a carried quantizer identity holds a ScaleLayout).
@@ -590,5 +584,5 @@ def _requantizer_from_scale(t: Float8Tensor) -> Quantizer:
     if layout is ScaleLayout.TENSOR:
         return _PER_TENSOR[t.fp8_dtype]
     if layout is ScaleLayout.ROW:
-        return RowwiseQuantizer(t.fp8_dtype)
+        return _PER_ROW[t.fp8_dtype]
     return BlockwiseQuantizer(t.fp8_dtype, block=block)

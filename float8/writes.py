@@ -79,6 +79,12 @@ def requantized(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     transposed view of a per-row tensor, whose scales run along its columns)."""
     q = t.requantizer
     fresh = q._quantize(values.to(t.dtype), False)
+    if fresh.fp8_dtype != t.fp8_dtype:
+        raise ValueError(
+            f"in-place write into a {t.fp8_dtype} Float8Tensor: its quantizer {type(q).__name__} writes "
+            f"{fresh.fp8_dtype} (a quantizer of one's own whose constructor takes more than its format says so "
+            "in constructor_arguments())"
+        )
     if fresh._scale_inv.shape != t._scale_inv.shape:
         raise ValueError(
             f"in-place write into a Float8Tensor whose scales (scale_inv {tuple(t._scale_inv.shape)} for data "

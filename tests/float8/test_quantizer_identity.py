@@ -199,3 +199,84 @@ def test_an_identity_read_from_a_file_calls_nothing_but_a_quantizer_class():
         _rebuild_float8_tensor(
             torch.zeros(4, 16, dtype=torch.uint8), E4M3, torch.ones(()), torch.float32, None, False, ("os:system",)
         )
+
+
+class TaggedRowwise(RowwiseQuantizer):
+    """A subclass whose constructor takes something before the format (review finding)."""
+
+    def __init__(self, tag: str = "", fp8_dtype: torch.dtype = E4M3) -> None:
+        super().__init__(fp8_dtype)
+        self.tag = tag
+
+
+def test_subclasses_of_the_librarys_quantizers_write_with_the_librarys_requantizer():
+    """A per-row subclass, one defined inside a function, and one whose constructor takes other arguments
+    all write as per-row scaling of their format (what their layout is), with no class to find again."""
+
+    class Local(RowwiseQuantizer):
+        pass
+
+    new = X.flip(0) * 3
+    for q, fmt in ((TaggedRowwise("grad", E5M2), E5M2), (Local(), E4M3)):
+        t = q.quantize(X)
+        t.copy_(new)
+        assert _same(t, RowwiseQuantizer(fmt).quantize(new))
+
+
+def test_a_granularity_whose_constructor_is_not_described_is_refused_not_written_wrong():
+    class_path = f"{__name__}:MisdescribedChannels"
+    t = MisdescribedChannels("tag", E5M2).quantize(X)
+    assert t._quantizer_id[1] == class_path
+    with pytest.raises(ValueError, match="constructor_arguments"):
+        t.copy_(X * 2)
+
+
+class MisdescribedChannels(PerChannelQuantizer):
+    """Its constructor takes a tag first, but it does not override constructor_arguments."""
+
+    def __init__(self, tag: str = "", fp8_dtype: torch.dtype = E4M3) -> None:
+        super().__init__(fp8_dtype)
+        self.tag = tag
+
+
+def test_per_row_tensors_concatenated_side_by_side_are_written_as_their_scales_now_are():
+    """cat along the last dim gives two scales per row: the write takes 1 x 128 blocks, as before the
+    identity was carried, rather than failing on the per-row quantizer."""
+    q = RowwiseQuantizer()
+    a, b = X[:, :64].contiguous(), X[:, 64:].contiguous()
+    c = torch.cat([q.quantize(torch.cat([a, a], 1)), q.quantize(torch.cat([b, b], 1))], dim=1)
+    assert c.scale_inv.shape == (64, 2)
+    c.copy_(X.repeat(1, 2))
+    assert _same(c, BlockwiseQuantizer(block=(1, 128)).quantize(X.repeat(1, 2)))
+
+
+def test_an_identity_from_a_file_imports_nothing_and_builds_only_its_own_requantizer():
+    import sys
+
+    pytest.importorskip("numpy")
+    if "numpy.f2py" in sys.modules:
+        pytest.skip("numpy.f2py already imported: nothing left to show")
+    lazy = (ScaleLayout.TENSOR, "numpy:f2py.Nope", (), ())  # numpy's module __getattr__ imports f2py
+    t = Float8Tensor(torch.zeros(4, 16, dtype=E4M3), torch.ones(()), torch.float32, quantizer_id=lazy)
+    with pytest.raises(ValueError, match="cannot find the quantizer class"):
+        t.copy_(torch.ones(4, 16))
+    assert "numpy.f2py" not in sys.modules
+    static = (ScaleLayout.TENSOR, "float8.tensor:StaticQuantizer", (1.0,), ())  # would clip written values
+    t = Float8Tensor(torch.zeros(4, 16, dtype=E4M3), torch.ones(()), torch.float32, quantizer_id=static)
+    with pytest.raises(ValueError, match="not its own requantizer"):
+        t.copy_(torch.ones(4, 16) * 1000)
+
+
+def test_a_delayed_gradient_beside_per_row_inputs_records_one_amax_per_backward():
+    """The per-row GEMMs ask the gradient quantizer for both operands at once (`Quantizer.operands`): a
+    delayed state records the gradient's amax once per backward, not once per operand."""
+    from float8 import DelayedScaling, RowwiseScaling
+
+    recipe = Recipe(Format.HYBRID, RowwiseScaling(), RowwiseScaling(), DelayedScaling(history_len=4))
+    torch.manual_seed(1)
+    lin = ops.Linear(128, 128, recipe=recipe).to(BF16)
+    for step in range(2):
+        x = torch.randn(64, 128, dtype=BF16, requires_grad=True)
+        (lin(x).square().sum() * 10**step).backward()
+    history = lin.quantizers.grad.amax_history
+    assert history[0] > 5 * history[1] > 0 and history[2] == 0, history  # two backwards, two amaxes
