@@ -1,8 +1,10 @@
 """Float8Tensor: FP8 bits that carry their own scale-inverse, and the quantizers without state.
 
     Float8Tensor.quantize(x, scaling=None, fp8_dtype=E4M3, with_transpose=False) -> Float8Tensor
-    Float8Tensor(data, scale_inv, nominal_dtype, transpose=None); .fp8_data, .scale_inv, .dequantize(dtype)
-    Quantizer (protocol), TensorwiseQuantizer, StaticQuantizer, RowwiseQuantizer, BlockwiseQuantizer
+    Float8Tensor(data, scale_inv, nominal_dtype, transpose=None, requires_grad=False, quantizer_id=None)
+    .fp8_data, .scale_inv, .dequantize(dtype), .requantizer (what an in-place write re-quantizes with)
+    Quantizer (protocol: quantize, operands, requantizer), TensorwiseQuantizer, StaticQuantizer,
+    RowwiseQuantizer, BlockwiseQuantizer
 
 Numerics: hp ≈ fp8_data.float() * scale_inv (scale_inv 0-d or one per block); non-finite values never
 come out finite. The whole contract (scale layouts, the transpose cache, views, in-place writes, .to):
