@@ -267,7 +267,7 @@ def linear_bwd(
     else:
         dy_rows, dy_columns = qg.operands(plain(dy2), rows=saved.need_dgrad, columns=saved.need_wgrad)
         if saved.need_wgrad:
-            dw = _mm(dy_columns.t(), x, out_dtype=weight_dtype, pad=True)
+            dw = _mm(operand(dy_columns, transposed=True), x, out_dtype=weight_dtype, pad=True)  # no view built
         del x
         if saved.need_dgrad:
             dx = _mm(dy_rows, saved.w, out_dtype=saved.x_dtype, pad=True)
