@@ -477,9 +477,9 @@ if _functional is not None:
             scale = _functional.wait_tensor(scale)
             if bool((scale == scale.reshape(-1)[0]).all()):
                 scale = scale.reshape(-1)[0].clone()
-        # Per-tensor scales that differ by rank become blocks: the result's layout is read from its scale.
-        kept = (scale.dim() == 0) == (x._scale_inv.dim() == 0)
-        return Float8Tensor(data, scale, x.dtype, quantizer_id=x._quantizer_id if kept else None)
+        # Per-tensor scales that differ by rank become blocks, which the identity does not lay out: a write
+        # then reads the layout from the scale (Float8Tensor.requantizer), the GEMM its shape.
+        return Float8Tensor(data, scale, x.dtype, quantizer_id=x._quantizer_id)
 
     @dispatch.implements([_functional.broadcast.default])
     def _f_broadcast(func, args, kwargs):
