@@ -5,7 +5,8 @@ quantize_tensorwise (a given scale or current scaling, with or without the trans
 quantize_blockwise, dequantize, and norm_fwd / norm_fp8 / norm_bwd (`norm.py`) and act_fwd / act_fp8 /
 act_bwd / dact_fp8 (`activation.py`), pack_heads_fp8 (`pack_heads.py`: attention's q/k/v gradients
 packed into tokens x features, in FP8), fp8_block_mm (`block_gemm.py`: block-scaled FP8 x FP8), and fp8_weight_mm (`weight_only.py`: few-token activations times
-an FP8 weight, one launch, no activation cast). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
+an FP8 weight, one launch, no activation cast), fp8_rowwise_input_mm (`rowwise_input_mm.py`: x quantized per row,
+then FP8 x FP8 with an E4M3 weight, for 33-128 tokens). On a CUDA tensor each runs its Triton launcher (`*_triton`); on a
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
@@ -16,6 +17,7 @@ from .blockwise import quantize_blockwise, quantize_blockwise_ref
 from .dequantize import dequantize, dequantize_ref
 from .quantize import quantize_tensorwise, quantize_tensorwise_ref
 from .rowwise import quantize_rowwise, quantize_rowwise_ref
+from .rowwise_input_mm import fp8_rowwise_input_mm, fp8_rowwise_input_mm_ref
 from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "quantize_tensorwise",
     "quantize_tensorwise_ref",
     "quantize_rowwise",
+    "fp8_rowwise_input_mm",
+    "fp8_rowwise_input_mm_ref",
     "quantize_rowwise_ref",
     "quantize_blockwise",
     "quantize_blockwise_ref",

@@ -88,6 +88,28 @@ def _rowwise_kernel(
 _launch = FastLauncher(_rowwise_kernel)
 
 
+def rowwise_args(
+    x2: torch.Tensor,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    max_single_k: int = MAX_SINGLE_K,
+) -> tuple[tuple[int], tuple, int]:
+    """(grid, the kernel's arguments in its order, num_warps) of one launch writing x2's (R, K) rows, with
+    unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise, and for a caller that keeps
+    the compiled kernel and repeats the launch (kernels/rowwise_input_mm.py)."""
+    R, K = x2.shape
+    single = K <= max_single_k
+    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
+    rows = max(1, TILE // block_k) if single else 1
+    c = fp8_constants(fp8_dtype)
+    args = (x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"])
+    args += (power_of_2, rows, block_k, single)
+    return (cdiv(R, rows),), args, 8 if rows * block_k >= 4096 else 4
+
+
 def launch_rowwise(
     x2: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -103,27 +125,8 @@ def launch_rowwise(
     scale_inv = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R == 0:
         return data, scale_inv
-    single = K <= max_single_k
-    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
-    rows = max(1, TILE // block_k) if single else 1
-    c = fp8_constants(fp8_dtype)
-    _launch(
-        (cdiv(R, rows),),
-        x2,
-        data,
-        scale_inv,
-        R,
-        K,
-        x2.stride(0),
-        margin_div(margin),
-        FP8_MAX=c["FP8_MAX"],
-        MIN_SCALE=c["MIN_SCALE"],
-        POWER_OF_2=power_of_2,
-        ROWS=rows,
-        BLOCK_K=block_k,
-        SINGLE=single,
-        num_warps=8 if rows * block_k >= 4096 else 4,
-    )
+    grid, args, warps = rowwise_args(x2, data, scale_inv, fp8_dtype, margin, power_of_2, max_single_k)
+    _launch(grid, *args, num_warps=warps)
     return data, scale_inv
 
 

@@ -34,12 +34,11 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .common import cdiv, forward_ad_or_functorch_active, triton_op, use_triton
 from .launch import FastLauncher, run_compiled, runtime_settings
 from .reference import FP8_DTYPES
+from .weight_only_kernel import _fp8_weight_mm_kernel, _split_k_sum_kernel
 
 # Largest token count ops.Linear's inference forward sends here. On GPU time alone the activation's
 # quantization + cuBLASLt's FP8 GEMM wins above 16 tokens (benchmarks/weight_only.py on the H100, 2026-11-25,
@@ -84,138 +83,23 @@ WIDE_CONFIG = (128, 128, 64, 8, 3, False)
 DECODE_STEPS_PER_SPLIT = 16
 Config = tuple[int, int, int, int, int, bool]
 
-
-@triton.jit
-def _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) fp32 -> y: the weight's scale (block scales were applied per K step), the
-    bias, one rounding to y's dtype."""
-    if SCALE_MODE == 1:
-        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=1.0)[None, :]
-    elif SCALE_MODE == 0:
-        acc = acc * tl.load(s_ptr)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+# The tiles of the E4M3-x kernel (kernels/rowwise_input_mm.py), (max M, BLOCK_M, BLOCK_N, BLOCK_K, warps,
+# stages, SWAP): the least GPU time summed over the Llama-style and HF Llama layers in a sweep on the H100
+# (2026-11-26, Triton 3.6, weights read from memory; .scratch probe, figures in docs/inference.md): at 64
+# tokens 182 us against 289 for the weight-only kernel and 321 for bf16 F.linear, at 128 tokens 217 against
+# 362 and 337.
+FP8_X_CONFIGS = [
+    (64, 64, 64, 256, 4, 3, True),
+    (128, 128, 64, 128, 4, 4, True),
+]
 
 
-@triton.jit
-def _sum_partials(
-    part_ptr, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr
-):
-    """The SPLIT_K partial sums of the tile (rm, rn) added in split order, then the epilogue."""
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-    for i in range(1, SPLIT_K):
-        acc += tl.load(part_ptr + i * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
-    _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS)
-
-
-@triton.jit
-def _fp8_weight_mm_kernel(
-    x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1)
-    w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
-    s_ptr,  # () or (N,) or (N / s_rows, K / s_cols) fp32: scale_inv of the weight
-    b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
-    y_ptr,  # (M, N) x dtype, contiguous; with SPLIT_K > 1 (SPLIT_K, M, N) fp32 partial sums instead
-    out_ptr,  # FIXUP: (M, N) x dtype, contiguous, the output (y_ptr holds the partial sums); else not read
-    count_ptr,  # FIXUP: int32, one per output tile, 0 between launches; else not read
-    M,
-    N,
-    K,
-    k_per_split,  # a multiple of BLOCK_K: the K range of one split
-    stride_xm,
-    stride_wn,
-    stride_s,  # SCALE_MODE 2: the scale's row stride
-    s_rows,  # SCALE_MODE 2: rows of the weight per scale block
-    s_cols,  # SCALE_MODE 2: columns per scale block, a multiple of BLOCK_K
-    SCALE_MODE: tl.constexpr,  # 0: one scale, 1: one per row, 2: one per (s_rows, s_cols) block
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    FIXUP: tl.constexpr,  # SPLIT_K > 1: the last program of a tile sums its partials (no second launch)
-    SWAP: tl.constexpr,  # the widened weight as the MMA's A operand (registers), x as B: y's tile transposed
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = pid_k * k_per_split
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm[:, None] < M
-    n_ok = rn[None, :] < N
-    k_end = tl.minimum(K, k0 + k_per_split)
-    if SWAP:  # y.t()'s tile = w's (BLOCK_N, BLOCK_K) tile widened @ x.t()'s (BLOCK_K, BLOCK_M) tile
-        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(k0, k_end, BLOCK_K):
-            k_ok = rk < k_end - k
-            a = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
-            b = tl.load(x_ptrs, mask=(rm[None, :] < M) & k_ok[:, None], other=0.0)
-            if SCALE_MODE == 2:  # this K step lies in one block column: each weight row has one scale
-                s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
-                acc_t += tl.dot(a.to(b.dtype), b) * s[:, None]
-            else:
-                acc_t = tl.dot(a.to(b.dtype), b, acc_t)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)
-    else:
-        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
-        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None]  # (BLOCK_K, BLOCK_N) of w.t()
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k0, k_end, BLOCK_K):
-            k_ok = rk < k_end - k
-            a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-            if SCALE_MODE == 2:  # this K step lies in one block column: each output column has one scale
-                s = tl.load(s_ptr + (rn // s_rows).to(tl.int64) * stride_s + k // s_cols, mask=rn < N, other=1.0)
-                acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
-            else:
-                acc = tl.dot(a, b.to(a.dtype), acc)  # FP8 -> bf16/fp16 is exact; so are the products in fp32
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-    if SPLIT_K == 1:
-        _epilogue(acc, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS)
-    else:
-        part = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(part, acc, mask=m_ok & n_ok)
-        if FIXUP:
-            # Each program counts itself in after its partial is stored (release); the one that counts last
-            # (acquire: it sees every partial) adds them in split order, as _split_k_sum_kernel does, so the
-            # bits do not depend on which program finished last, and resets the counter for the next launch
-            # on this stream. Loads bypass L1 (.cg), which another SM's stores do not update.
-            tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
-            tl.debug_barrier()  # every thread's part of the partial stored before the count (one thread's)
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                tl.debug_barrier()
-                _sum_partials(y_ptr, s_ptr, b_ptr, out_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS, SPLIT_K)
-                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _split_k_sum_kernel(
-    part_ptr,  # (SPLIT_K, M, N) fp32
-    s_ptr,
-    b_ptr,
-    y_ptr,  # (M, N) x dtype
-    M,
-    N,
-    SCALE_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # The partial sums in split order, always: the result does not depend on which program ran first.
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _sum_partials(part_ptr, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS, SPLIT_K)
+def fp8_x_config_for(m: int | torch.SymInt) -> Config:
+    """The E4M3-x tile for m tokens (FP8_X_CONFIGS; the last row above its bound)."""
+    for row in FP8_X_CONFIGS:
+        if m <= row[0]:
+            return row[1:]
+    return FP8_X_CONFIGS[-1][1:]
 
 
 _launch = FastLauncher(_fp8_weight_mm_kernel)
@@ -260,7 +144,7 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, programs: int, steps
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, split_k=None, s_cols=None):
+def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, split_k=None, s_cols=None, x_fp8=False):
     """What a call of this shape launches: (config, split_k, k_per_split, grid, sum_grid), worked out once
     per shape (a bounded cache: the shapes of a model's Linears at each token count it serves). device_index
     None: not a CUDA device (the interpreter), which never splits K. s_cols: the columns of a block scale,
@@ -268,7 +152,7 @@ def _plan(m: int, n: int, k: int, device_index: Optional[int], config=None, spli
     two dividing it. At decode sizes a long K is split too (DECODE_STEPS_PER_SPLIT), on every path, so that
     eager, graphed and compiled calls add the same partials in the same order."""
     programs = _sm_count(device_index) if device_index is not None else 0
-    config = config or config_for(m, n, programs)
+    config = config or (fp8_x_config_for(m) if x_fp8 else config_for(m, n, programs))
     if s_cols is not None:
         config = (*config[:2], min(config[2], s_cols & -s_cols), *config[3:])
     block_m, block_n, block_k = config[:3]
@@ -288,13 +172,14 @@ def plan(
     config: Optional[Config] = None,
     split_k: Optional[int] = None,
     s_cols: Optional[int] = None,
+    x_fp8: bool = False,
 ) -> tuple[Config, int, int, tuple[int, int, int], tuple[int, int]]:
-    """_plan, cached for int sizes. A size traced as a symbol (torch.compile with dynamic shapes, after a
+    """_plan, cached for int sizes (x_fp8: x is E4M3, kernels/rowwise_input_mm.py's tile table). A size traced as a symbol (torch.compile with dynamic shapes, after a
     second token count) cannot key the cache (a SymInt is unhashable: 'unhashable type: non-nested SymInt'
     failed the compiled model on its second shape): worked out afresh, into the traced graph."""
     if type(m) is int and type(n) is int and type(k) is int:
-        return _plan(m, n, k, device_index, config, split_k, s_cols)
-    return _plan.__wrapped__(m, n, k, device_index, config, split_k, s_cols)
+        return _plan(m, n, k, device_index, config, split_k, s_cols, x_fp8)
+    return _plan.__wrapped__(m, n, k, device_index, config, split_k, s_cols, x_fp8)
 
 
 def scale_mode(w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> tuple:
@@ -321,23 +206,28 @@ class _Launch(NamedTuple):
     sum_grid: tuple
 
 
-def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_launch=False) -> _Launch:
+def _launch_plan(
+    x, w_data, w_scale_inv, bias, config=None, split_k=None, one_launch=False, sx=None, out_dtype=None
+) -> _Launch:
     """one_launch: a split K sums its partials in the main kernel (FIXUP), counting into a fresh zeroed
-    int32 tensor of one counter per output tile (args[6]); else by a second launch (sum_args)."""
+    int32 tensor of one counter per output tile (args[7]); else by a second launch (sum_args). sx: x is E4M3
+    with these (M,) row scales (kernels/rowwise_input_mm.py; the tile table FP8_X_CONFIGS, y in out_dtype)."""
     m, k = x.shape
     n = w_data.shape[0]
     mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
+    x_fp8 = sx is not None
     config, split_k, k_per_split, grid, sum_grid = plan(
-        m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None
+        m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None, x_fp8
     )
     block_m, block_n, block_k, warps, stages, swap = config
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype if x_fp8 else x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg, has_bias = (x, False) if bias is None else (bias, True)
     fixup = one_launch and split_k > 1
     counts = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device) if fixup else y
     args = (
         x,
+        x if sx is None else sx,
         w_data,
         w_scale_inv,
         bias_arg,
@@ -361,10 +251,12 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_la
         split_k,
         fixup,
         swap,
+        x_fp8,
     )
     sum_args = None
     if split_k > 1 and not fixup:
-        sum_args = (out, w_scale_inv, bias_arg, y, m, n, mode, has_bias, split_k, block_m, SUM_BLOCK_N)
+        sx_arg = x if sx is None else sx
+        sum_args = (out, sx_arg, w_scale_inv, bias_arg, y, m, n, mode, has_bias, split_k, x_fp8, block_m, SUM_BLOCK_N)
     return _Launch(y, out, args, grid, {"num_warps": warps, "num_stages": stages}, sum_args, sum_grid)
 
 
@@ -431,8 +323,19 @@ class PreparedMM:
         if out.data_ptr() % 16 or y.data_ptr() % 16:
             return None  # not from torch's caching allocator (a pluggable one): Triton's own path
         bias_arg = x if bias is None else bias
-        run_compiled(self.main, self.grid, device, (x, w_data, w_scale_inv, bias_arg, out, y, counts, *self.tail))
+        operands = self.operands(x)
+        if operands is None:
+            return None
+        x_arg, sx_arg = operands
+        run_compiled(
+            self.main, self.grid, device, (x_arg, sx_arg, w_data, w_scale_inv, bias_arg, out, y, counts, *self.tail)
+        )
         return y
+
+    def operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The kernel's x and sx arguments for this call's x (None: the caller's checked path): x itself
+        here (sx is not read)."""
+        return x, x
 
     def _counts(self, device: int) -> Optional[torch.Tensor]:
         if torch._C._cuda_isCurrentStreamCapturing():
@@ -454,39 +357,44 @@ def prepare(
     w_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_shape: Optional[tuple[int, ...]] = None,
+    sx: Optional[torch.Tensor] = None,
+    into: Optional[PreparedMM] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
     where a later call could not skip Triton's own launch path (the interpreter, another current device), and
     for a call made while a CUDA graph is captured (the graph repeats it).
     out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the caller's leading dims:
-    the caller then passes x with its own leading dims too, and no view is made on either side)."""
+    the caller then passes x with its own leading dims too, and no view is made on either side).
+    sx, into: kernels/rowwise_input_mm.py's call (x already E4M3 with these row scales, y in out_shape's
+    caller's dtype: `into.dtype`), filled into its own PreparedMM subclass."""
     settings = runtime_settings()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here. In a
     # CUDA graph capture that tensor is graph memory and its zero fill a node of the graph: each replay
     # zeroes the counters before the kernel reads them, whatever used that memory in between; it is never
     # kept as the eager calls' counters (the plan is not returned).
-    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True)
+    out_dtype = None if into is None else into.dtype
+    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True, sx=sx, out_dtype=out_dtype)
     main = _launch.launch_and_keep(call.grid, *call.args, **call.options)
     if capturing:
         return call.y, None
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*call.args[:7], call.y))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*call.args[:8], call.y))
     if main is None or not aligned:
         return call.y, None
-    p = PreparedMM()
+    p = PreparedMM() if into is None else into
     p.w_data, p.w_scale_inv, p.bias, p.device, p.device_index = w_data, w_scale_inv, bias, x.device, x.device.index
     p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = (
-        x.dtype,
+        call.y.dtype,
         tuple(call.y.shape) if out_shape is None else tuple(out_shape),
         settings,
         main,
         call.grid,
-        call.args[7:],
+        call.args[8:],
     )
     split = call.out is not call.y
-    p.split_shape, p.tiles = (tuple(call.out.shape), call.args[6].numel()) if split else (None, 0)
-    p.counts = {torch._C._cuda_getCurrentRawStream(x.device.index): call.args[6]} if split else {}
+    p.split_shape, p.tiles = (tuple(call.out.shape), call.args[7].numel()) if split else (None, 0)
+    p.counts = {torch._C._cuda_getCurrentRawStream(x.device.index): call.args[7]} if split else {}
     return call.y, p
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import DelayedScalingState, Float8Tensor
-from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, weight_only
+from float8.kernels import block_gemm, fp8_block_mm, quantize_blockwise, rowwise_input_mm, weight_only
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.ops.base import BasicOp, OpContext, RunState, check_gathered, is_dtensor, take
 from float8.ops.bias import Bias, add_bias
@@ -328,9 +328,12 @@ class Linear(BasicOp):
         GEMM called directly. None where it does not apply (then the general path runs): a backward to
         record, a tensor-parallel layer, an amax group, operands the kernels do not take.
 
-        - At <= weight_only.MAX_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
+        - At < rowwise_input_mm.MIN_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
           with x as it is (kernels/weight_only.py): no activation quantization, one launch. Its numerics are
-          the product with the dequantized weight in float32, rounded once.
+          the product with the dequantized weight in float32, rounded once. The same for a weight the FP8
+          x FP8 kernel below does not take (E5M2, 128x128 block scales).
+        - From there to weight_only.MAX_TOKENS: x quantized per row to E4M3, then an FP8 x FP8 kernel
+          (kernels/rowwise_input_mm.py): two launches, half the MMA work.
         - Above: `linear_fwd`, the general path's own forward (the same bits): x quantized by the input
           quantizer (one cast with a calibrated scale), then the FP8 GEMM.
 
@@ -363,12 +366,15 @@ class Linear(BasicOp):
                 return None
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
                 return None
+            kernel = weight_only
+            if tokens >= rowwise_input_mm.MIN_TOKENS and rowwise_input_mm.supports(x2, data, scale_inv):
+                kernel = rowwise_input_mm
             if self._plannable(x, x2, bias):
-                y, prepared = weight_only.prepare(
-                    x2, data, scale_inv, bias, out_shape=(*x.shape[:-1], self.out_features)
-                )
+                y, prepared = kernel.prepare(x2, data, scale_inv, bias, out_shape=(*x.shape[:-1], self.out_features))
                 if prepared is not None:
                     self._inference_plans.add((x.shape, x.dtype), prepared)
+            elif kernel is rowwise_input_mm:
+                y = rowwise_input_mm.fp8_rowwise_input_mm_prechecked(x2, data, scale_inv, bias)
             else:
                 y = weight_only.fp8_weight_mm_prechecked(x2, data, scale_inv, bias)
         else:

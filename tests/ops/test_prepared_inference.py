@@ -17,7 +17,7 @@ import torch
 
 import float8.ops as ops
 from float8 import Float8Tensor, Recipe
-from float8.kernels import weight_only
+from float8.kernels import rowwise_input_mm, weight_only
 
 BF16 = torch.bfloat16
 
@@ -30,9 +30,11 @@ def _linear(k=256, n=128, bias=True, recipe=None, device="cuda", seed=0):
 
 def _checked(lin, x):
     """The registered op, with all of its checks: what a prepared call must equal bit for bit."""
-    w = lin.weight
-    b = lin.bias
-    y = weight_only.fp8_weight_mm(x.reshape(-1, lin.in_features), w.fp8_data, w.scale_inv, b)
+    w, b, x2 = lin.weight, lin.bias, x.reshape(-1, lin.in_features)
+    if x2.shape[0] >= rowwise_input_mm.MIN_TOKENS and rowwise_input_mm.supports(x2, w.fp8_data, w.scale_inv):
+        y = rowwise_input_mm.fp8_rowwise_input_mm(x2, w.fp8_data, w.scale_inv, b)  # 33-128 tokens
+    else:
+        y = weight_only.fp8_weight_mm(x2, w.fp8_data, w.scale_inv, b)
     return y.reshape(*x.shape[:-1], lin.out_features)
 
 
@@ -162,8 +164,8 @@ def test_gpu_a_cuda_graph_captures_prepared_calls():
 
 
 def _split_k_linear(tokens=16):
-    # 16 tokens: 8 column tiles of 32, K split in 4; 128 tokens: 2 swapped tiles of 128, K split in 8
-    # (kernels/weight_only.py CONFIGS, split_k_for)
+    # 16 tokens: 8 column tiles of 32, K split in 4 (kernels/weight_only.py CONFIGS, split_k_for); 128 tokens:
+    # x quantized per row, then 4 swapped tiles of 64 columns, K split in 8 (FP8_X_CONFIGS)
     lin = _linear(k=4096, n=256)
     x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
     return lin, x
@@ -190,7 +192,7 @@ def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero(toke
             assert torch.equal(lin(x + i), _checked(lin, x + i))
         torch.cuda.synchronize()
         for counts in prepared.counts.values():
-            assert counts.numel() == {16: 8, 128: 2}[tokens] and not counts.any()
+            assert counts.numel() == {16: 8, 128: 4}[tokens] and not counts.any()
         assert torch.equal(lin(x), want)
 
 

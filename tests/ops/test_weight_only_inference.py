@@ -1,6 +1,8 @@
 """ops.Linear's inference forward with an FP8-only weight, without the op runner (`Linear._inference_forward`).
 
-At <= weight_only.MAX_TOKENS (128) tokens one fp8_weight_mm (kernels/weight_only.py); above, the general path's own
+Below rowwise_input_mm.MIN_TOKENS (33) tokens one fp8_weight_mm (kernels/weight_only.py); from there to
+weight_only.MAX_TOKENS (128) fp8_rowwise_input_mm (kernels/rowwise_input_mm.py: x quantized per row, an FP8 x FP8
+kernel), or the weight-only kernel for a weight that one does not take; above, the general path's own
 `linear_fwd` called directly (the same bits as the one-op Sequential). Which calls take it (no backward to
 record, a per-tensor or per-row FP8 weight, a bf16/fp16 input), that it gives the kernel's reference bits
 (on the CPU the op is its reference) or the general path's, that every other call takes the general path,
@@ -11,8 +13,8 @@ import pytest
 import torch
 
 import float8.ops as ops
-from float8 import Recipe
-from float8.kernels import weight_only
+from float8 import Float8Tensor, Recipe
+from float8.kernels import rowwise_input_mm, weight_only
 from float8.ops.base import BasicOp
 from tests.tolerances import sqnr_db
 
@@ -34,7 +36,7 @@ def _general(lin, x):
     return BasicOp.forward(lin, x)  # the one-op Sequential the fast path stands in for
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (128, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (32, 64)])
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_few_tokens_take_the_weight_only_kernel(shape, mode):
     lin = _linear()
@@ -47,6 +49,40 @@ def test_few_tokens_take_the_weight_only_kernel(shape, mode):
     # ... and is closer to the high-precision product than that GEMM.
     want = x.double() @ lin.weight.dequantize(torch.float32).double().t()
     assert sqnr_db(y.double(), want) >= sqnr_db(_general(lin, x).double(), want)
+
+
+@pytest.mark.parametrize("shape", [(33, 64), (2, 32, 64), (128, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_33_to_128_tokens_take_the_rowwise_input_kernel(shape, bias):
+    lin = _linear(bias=bias)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    x.view(-1, lin.in_features)[0] *= 1000  # one loud token: with its own scale the others keep their resolution
+    with torch.inference_mode():
+        y = lin(x)
+    w, x2 = lin.weight, x.reshape(-1, lin.in_features)
+    want = rowwise_input_mm.fp8_rowwise_input_mm_ref(x2, w.fp8_data, w.scale_inv, lin.bias)
+    assert torch.equal(y, want.reshape(*x.shape[:-1], lin.out_features))
+    assert not torch.equal(y, _weight_only(lin, x))
+    # One scale per token: the quiet tokens come out closer to the high-precision product than under the
+    # general path's one scale per tensor, which the loud token sets (their small values fall to subnormals; the
+    # weight's own rounding dominates both: about 32 dB, 0.4-0.8 dB apart here).
+    exact = x.double() @ lin.weight.dequantize(torch.float32).double().t()
+    exact = (exact + (0 if lin.bias is None else lin.bias.double())).reshape(-1, lin.out_features)[1:]
+    general = _general(lin, x).double().reshape(-1, lin.out_features)[1:]
+    assert sqnr_db(y.double().reshape(-1, lin.out_features)[1:], exact) > sqnr_db(general, exact)
+
+
+@pytest.mark.parametrize("weight", ["e5m2", "block"])
+def test_33_to_128_tokens_keep_the_weight_only_kernel_for_weights_the_fp8_kernel_does_not_take(weight):
+    if weight == "e5m2":
+        lin = _linear()
+        w = lin.weight.dequantize(torch.float32)
+        lin.weight = torch.nn.Parameter(Float8Tensor.quantize(w, torch.float8_e5m2), requires_grad=False)
+    else:
+        lin = _linear(k=256, n=384, recipe=Recipe.blockwise())
+    x = torch.randn(64, lin.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), _weight_only(lin, x))
 
 
 def test_grad_mode_without_anything_requiring_grad_takes_it_too():
