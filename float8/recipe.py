@@ -97,10 +97,21 @@ class Recipe:
     # weight from the forward to the backward, which quantizes the weight again; docs/design.md section 5.)
     # The forward's bits do not change, nor do ReLU's gradients. Numerics and cost: docs/design.md, "Lean activation memory".
     lean_activations: bool = False
+    # Inference with FP8-only weights: from this many tokens up to 128 a converted Linear quantizes x per
+    # row and runs an FP8 x FP8 kernel (kernels/rowwise_input_mm.py: two launches, half the MMA work of the
+    # weight-only kernel that serves fewer tokens). The default, 129, leaves it off: eagerly the second
+    # launch costs more host time than the GPU saves. Under CUDA graphs (ops.graphed_inference), where host
+    # time does not count, 33 is faster (H100, 2026-11-26, Llama-style model at 64 / 128 tokens: 1.35-1.40x /
+    # 1.26-1.28x bf16 graphed against 1.11x / 0.93-0.95x; eager 0.64-0.69x against 0.83-0.98x bf16 eager:
+    # benchmarks/results/profile_rowwise_input_inference.txt). Eager, graphed and compiled calls of one
+    # recipe give the same bits.
+    inference_fp8_input_from: int = 129
 
     def __post_init__(self):
         if not (isinstance(self.min_fp8_gemm_flops, (int, float)) and self.min_fp8_gemm_flops >= 0):
             raise ValueError(f"min_fp8_gemm_flops must be a number >= 0, got {self.min_fp8_gemm_flops!r}")
+        if type(self.inference_fp8_input_from) is not int or self.inference_fp8_input_from < 1:
+            raise ValueError(f"inference_fp8_input_from must be an int >= 1, got {self.inference_fp8_input_from!r}")
         if not isinstance(self.lean_activations, bool):
             raise TypeError(f"lean_activations must be a bool, got {self.lean_activations!r}")
         if not isinstance(self.format, Format):

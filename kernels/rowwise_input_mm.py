@@ -7,8 +7,9 @@ fp8_rowwise_input_mm(x, w_data, w_scale_inv, bias=None) -> y
     x --quantize_rowwise (kernels/rowwise.py, one launch)--> x8 (M, K) E4M3, sx (M, 1) its scale_inv
     y = (x8 @ w_data.t()) * sx * w_scale_inv (+ bias), in kernels/weight_only_kernel.py with X_FP8
 
-Why: ops.Linear's inference forward with an FP8-only weight at 33-128 tokens (MIN_TOKENS, and
-kernels/weight_only.py MAX_TOKENS). There the weight-only kernel is no longer bound by reading the weight:
+Why: ops.Linear's inference forward with an FP8-only weight at 33-128 tokens, where the recipe asks for it
+(`Recipe.inference_fp8_input_from`, off by default: eagerly its second launch costs more host time than it
+saves; under CUDA graphs it is the faster kernel). There the weight-only kernel is no longer bound by reading the weight:
 it widens every weight tile for a bf16 MMA, and its time grows with the tokens. FP8 MMAs do half the work
 on the same weight bytes. GPU time summed over the Llama-style and HF Llama layers on the H100 (2026-11-26,
 weights read from memory, docs/inference.md): at 128 tokens 217 us here plus 16 us of row quantization,
@@ -41,9 +42,6 @@ from .rowwise import _launch as _launch_rowwise
 from .rowwise import launch_rowwise, quantize_rowwise_ref, rowwise_args
 
 E4M3 = torch.float8_e4m3fn
-# The fewest tokens ops.Linear's inference forward sends here; fewer go to the weight-only kernel, whose one
-# launch costs less host time, and which reads the weight at about the copy rate up to 32 tokens.
-MIN_TOKENS = 33
 
 
 def supports(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> bool:

@@ -85,7 +85,7 @@ Config = tuple[int, int, int, int, int, bool]
 
 # The tiles of the E4M3-x kernel (kernels/rowwise_input_mm.py), (max M, BLOCK_M, BLOCK_N, BLOCK_K, warps,
 # stages, SWAP): the least GPU time summed over the Llama-style and HF Llama layers in a sweep on the H100
-# (2026-11-26, Triton 3.6, weights read from memory; .scratch probe, figures in docs/inference.md): at 64
+# (2026-11-26, Triton 3.6, weights read from memory; benchmarks/results/profile_rowwise_input_inference.txt): at 64
 # tokens 182 us against 289 for the weight-only kernel and 321 for bf16 F.linear, at 128 tokens 217 against
 # 362 and 337.
 FP8_X_CONFIGS = [

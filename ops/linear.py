@@ -328,12 +328,13 @@ class Linear(BasicOp):
         GEMM called directly. None where it does not apply (then the general path runs): a backward to
         record, a tensor-parallel layer, an amax group, operands the kernels do not take.
 
-        - At < rowwise_input_mm.MIN_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
+        - At <= weight_only.MAX_TOKENS tokens: one kernel reads the weight's FP8 bytes and multiplies them
           with x as it is (kernels/weight_only.py): no activation quantization, one launch. Its numerics are
           the product with the dequantized weight in float32, rounded once. The same for a weight the FP8
           x FP8 kernel below does not take (E5M2, 128x128 block scales).
-        - From there to weight_only.MAX_TOKENS: x quantized per row to E4M3, then an FP8 x FP8 kernel
-          (kernels/rowwise_input_mm.py): two launches, half the MMA work.
+        - Unless the recipe asks for FP8 inputs from fewer tokens (`Recipe.inference_fp8_input_from`): from
+          there on x is quantized per row to E4M3, then an FP8 x FP8 kernel runs (kernels/rowwise_input_mm.py):
+          two launches, half the MMA work.
         - Above: `linear_fwd`, the general path's own forward (the same bits): x quantized by the input
           quantizer (one cast with a calibrated scale), then the FP8 GEMM.
 
@@ -367,7 +368,8 @@ class Linear(BasicOp):
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
                 return None
             kernel = weight_only
-            if tokens >= rowwise_input_mm.MIN_TOKENS and rowwise_input_mm.supports(x2, data, scale_inv):
+            fp8_input = tokens >= self.recipe.inference_fp8_input_from
+            if fp8_input and rowwise_input_mm.supports(x2, data, scale_inv):
                 kernel = rowwise_input_mm
             if self._plannable(x, x2, bias):
                 y, prepared = kernel.prepare(x2, data, scale_inv, bias, out_shape=(*x.shape[:-1], self.out_features))

@@ -1,13 +1,15 @@
 """ops.Linear's inference forward with an FP8-only weight, without the op runner (`Linear._inference_forward`).
 
-Below rowwise_input_mm.MIN_TOKENS (33) tokens one fp8_weight_mm (kernels/weight_only.py); from there to
-weight_only.MAX_TOKENS (128) fp8_rowwise_input_mm (kernels/rowwise_input_mm.py: x quantized per row, an FP8 x FP8
-kernel), or the weight-only kernel for a weight that one does not take; above, the general path's own
+At <= weight_only.MAX_TOKENS (128) tokens one fp8_weight_mm (kernels/weight_only.py), or from
+Recipe.inference_fp8_input_from tokens fp8_rowwise_input_mm (kernels/rowwise_input_mm.py: x quantized per row, an
+FP8 x FP8 kernel) for a weight that one takes; above, the general path's own
 `linear_fwd` called directly (the same bits as the one-op Sequential). Which calls take it (no backward to
 record, a per-tensor or per-row FP8 weight, a bf16/fp16 input), that it gives the kernel's reference bits
 (on the CPU the op is its reference) or the general path's, that every other call takes the general path,
 and that it compiles without a graph break.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -36,7 +38,7 @@ def _general(lin, x):
     return BasicOp.forward(lin, x)  # the one-op Sequential the fast path stands in for
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (32, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 3, 64), (128, 64)])
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_few_tokens_take_the_weight_only_kernel(shape, mode):
     lin = _linear()
@@ -53,8 +55,8 @@ def test_few_tokens_take_the_weight_only_kernel(shape, mode):
 
 @pytest.mark.parametrize("shape", [(33, 64), (2, 32, 64), (128, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_33_to_128_tokens_take_the_rowwise_input_kernel(shape, bias):
-    lin = _linear(bias=bias)
+def test_33_to_128_tokens_take_the_rowwise_input_kernel_where_the_recipe_asks(shape, bias):
+    lin = _linear(bias=bias, recipe=Recipe(inference_fp8_input_from=33))
     x = torch.randn(shape, dtype=torch.bfloat16)
     x.view(-1, lin.in_features)[0] *= 1000  # one loud token: with its own scale the others keep their resolution
     with torch.inference_mode():
@@ -75,14 +77,20 @@ def test_33_to_128_tokens_take_the_rowwise_input_kernel(shape, bias):
 @pytest.mark.parametrize("weight", ["e5m2", "block"])
 def test_33_to_128_tokens_keep_the_weight_only_kernel_for_weights_the_fp8_kernel_does_not_take(weight):
     if weight == "e5m2":
-        lin = _linear()
+        lin = _linear(recipe=Recipe(inference_fp8_input_from=33))
         w = lin.weight.dequantize(torch.float32)
         lin.weight = torch.nn.Parameter(Float8Tensor.quantize(w, torch.float8_e5m2), requires_grad=False)
     else:
-        lin = _linear(k=256, n=384, recipe=Recipe.blockwise())
+        lin = _linear(k=256, n=384, recipe=dataclasses.replace(Recipe.blockwise(), inference_fp8_input_from=33))
     x = torch.randn(64, lin.in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(lin(x), _weight_only(lin, x))
+
+
+def test_the_recipe_field_is_checked():
+    for bad in (0, 33.0, True):
+        with pytest.raises(ValueError, match="inference_fp8_input_from"):
+            Recipe(inference_fp8_input_from=bad)
 
 
 def test_grad_mode_without_anything_requiring_grad_takes_it_too():
