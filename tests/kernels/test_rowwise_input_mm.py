@@ -151,3 +151,12 @@ def test_gpu_prepared_call_repeats_the_ops_bits(m):
     assert prepared is not None and torch.equal(y, want)
     for _ in range(3):
         assert torch.equal(prepared(x, d, s, b), want)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_gives_the_eager_bits():
+    """Compiled (inductor launches both kernels of the triton_op with its own code): eager's bits."""
+    x, d, s, b = _operands(64, 4096, 1024, device="cuda", bias=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: K.fp8_rowwise_input_mm(x, d, s, b), fullgraph=True)
+    assert torch.equal(f(x), K.fp8_rowwise_input_mm(x, d, s, b))

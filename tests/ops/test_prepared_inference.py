@@ -280,3 +280,16 @@ def test_gpu_split_k_prepared_calls_in_a_cuda_graph(warm_on_the_capture_stream):
             torch.cuda.synchronize()
             assert torch.equal(out, want) and torch.equal(eager, want2)
         assert all(bool((c == -1).all()) for c in churn)
+
+
+@gpu
+def test_gpu_fp8_input_recipe_compiled_model_gives_the_eager_bits():
+    """A converted model with Recipe(inference_fp8_input_from=33) at 96 tokens, torch.compile(fullgraph=True)
+    with inductor: the eager bits (the same two kernels, launched by inductor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.SiLU(), torch.nn.Linear(4096, 1024))
+    ops.convert(model.to("cuda", BF16), fp8_weights=True, recipe=Recipe(inference_fp8_input_from=33))
+    x = torch.randn(2, 48, 4096, device="cuda", dtype=BF16)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(model, fullgraph=True)(x), model(x))
