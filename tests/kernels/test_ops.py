@@ -97,6 +97,7 @@ def test_the_ops():
             "transpose_fp8",
             "pack_heads_fp8",
             "fp8_weight_mm",
+            "fp8_rowwise_input_mm",
             "fp8_block_mm",
         )
     }
