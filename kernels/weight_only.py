@@ -49,7 +49,9 @@ from .weight_only_kernel import _fp8_weight_mm_kernel, _split_k_sum_kernel
 # FP8 x FP8 path above 16 tokens, 0.63x with this kernel up to 128), so this kernel serves up to 128. A
 # leaner FP8 x FP8 call (x quantized per row in one launch, cuBLASLt's row-wise GEMM, prepared) still took
 # 33 us of host against 12.7 for this kernel's prepared call, and lost at 64-128 tokens too (2026-11-26:
-# docs/performance.md).
+# docs/performance.md). Our own FP8 x FP8 kernel after a row quantization (kernels/rowwise_input_mm.py, two
+# prepared launches) is faster on the GPU from 33 tokens but still loses eagerly: a recipe opts in
+# (Recipe.inference_fp8_input_from), for CUDA graphs.
 MAX_TOKENS = 128
 
 # (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP): the first row whose max M >= M, the tile
