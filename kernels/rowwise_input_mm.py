@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from . import weight_only
-from .common import forward_ad_or_functorch_active, triton_op, use_triton
+from .common import triton_op, use_triton
 from .launch import run_compiled
 from .rowwise import _launch as _launch_rowwise
 from .rowwise import launch_rowwise, quantize_rowwise_ref, rowwise_args
@@ -142,11 +142,8 @@ def fp8_rowwise_input_mm_prechecked(
     """fp8_rowwise_input_mm for a caller that has checked its operands (ops.Linear's inference forward): a
     plain eager call goes straight to the kernels; a traced one (torch.compile, a dispatch mode) through the
     registered op."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or forward_ad_or_functorch_active():
-        return fp8_rowwise_input_mm(x, w_data, w_scale_inv, bias)
-    if use_triton(x):
-        return fp8_rowwise_input_mm_triton(x, w_data, w_scale_inv, bias)
-    return fp8_rowwise_input_mm_ref(x, w_data, w_scale_inv, bias)
+    triton_fn, ref_fn = fp8_rowwise_input_mm_triton, fp8_rowwise_input_mm_ref
+    return weight_only.call_prechecked(fp8_rowwise_input_mm, triton_fn, ref_fn, x, w_data, w_scale_inv, bias)
 
 
 def _check(x, w_data, w_scale_inv, bias):
@@ -158,16 +155,7 @@ def _check(x, w_data, w_scale_inv, bias):
             f"{x.stride()}, w_data {tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv "
             f"{tuple(w_scale_inv.shape)} {w_scale_inv.dtype}"
         )
-    if x.shape[1] != w_data.shape[1]:
-        raise ValueError(f"{op}: x has K={x.shape[1]} but w_data has K={w_data.shape[1]}")
-    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(
-            f"{op}: bias must be a contiguous ({w_data.shape[0]},) {x.dtype} tensor, got {tuple(bias.shape)} "
-            f"{bias.dtype} stride {bias.stride()}"
-        )
-    devices = {t.device for t in (x, w_data, w_scale_inv, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: operands on several devices: {sorted(map(str, devices))}")
+    weight_only.check_k_bias_devices(op, x, w_data, w_scale_inv, bias)
 
 
 @triton_op("float8::fp8_rowwise_input_mm")

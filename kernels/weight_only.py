@@ -31,7 +31,7 @@ benchmarks/weight_only.py.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -449,11 +449,41 @@ def fp8_weight_mm_prechecked(
     """fp8_weight_mm for a caller that has checked its operands (`supports`, K, one device, the bias's dtype):
     ops.Linear's inference forward. A plain eager call goes straight to the kernel, without a second
     validation in Python; a traced one (torch.compile, a dispatch mode) goes through the registered op."""
+    return call_prechecked(fp8_weight_mm, fp8_weight_mm_triton, fp8_weight_mm_ref, x, w_data, w_scale_inv, bias)
+
+
+def call_prechecked(
+    op: Callable[..., torch.Tensor],
+    triton_fn: Callable[..., torch.Tensor],
+    ref_fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    *operands: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """A checked caller's call of one of these GEMMs: traced (torch.compile, a dispatch mode, forward AD)
+    through the registered op, else straight to its Triton launcher or, off the GPU, its reference (shared
+    with kernels/rowwise_input_mm.py)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or forward_ad_or_functorch_active():
-        return fp8_weight_mm(x, w_data, w_scale_inv, bias)
+        return op(x, *operands)
     if use_triton(x):
-        return fp8_weight_mm_triton(x, w_data, w_scale_inv, bias)
-    return fp8_weight_mm_ref(x, w_data, w_scale_inv, bias)
+        return triton_fn(x, *operands)
+    return ref_fn(x, *operands)
+
+
+def check_k_bias_devices(
+    op: str, x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor]
+) -> None:
+    """The checks fp8_weight_mm and fp8_rowwise_input_mm share: x's K is the weight's, the bias a contiguous
+    (N,) tensor of x's dtype, one device for all operands; `ValueError` naming `op` otherwise."""
+    if x.shape[1] != w_data.shape[1]:
+        raise ValueError(f"{op}: x has K={x.shape[1]} but w_data has K={w_data.shape[1]}")
+    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(
+            f"{op}: bias must be a contiguous ({w_data.shape[0]},) {x.dtype} tensor, got {tuple(bias.shape)} "
+            f"{bias.dtype} stride {bias.stride()}"
+        )
+    devices = {t.device for t in (x, w_data, w_scale_inv, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: operands on several devices: {sorted(map(str, devices))}")
 
 
 def _check(x, w_data, w_scale_inv, bias):
@@ -465,18 +495,9 @@ def _check(x, w_data, w_scale_inv, bias):
             f"{tuple(w_data.shape)} {w_data.dtype} strides {w_data.stride()}, w_scale_inv {tuple(w_scale_inv.shape)} "
             f"strides {w_scale_inv.stride()}"
         )
-    if x.shape[1] != w_data.shape[1]:
-        raise ValueError(f"{op}: x has K={x.shape[1]} but w_data has K={w_data.shape[1]}")
     if w_scale_inv.dtype != torch.float32:
         raise TypeError(f"{op}: w_scale_inv must be float32, got {w_scale_inv.dtype}")
-    if bias is not None and (bias.shape != (w_data.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(
-            f"{op}: bias must be a contiguous ({w_data.shape[0]},) {x.dtype} tensor, got {tuple(bias.shape)} "
-            f"{bias.dtype} stride {bias.stride()}"
-        )
-    devices = {t.device for t in (x, w_data, w_scale_inv, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: operands on several devices: {sorted(map(str, devices))}")
+    check_k_bias_devices(op, x, w_data, w_scale_inv, bias)
 
 
 @triton_op("float8::fp8_weight_mm")
