@@ -7,7 +7,8 @@ parameters). "llama": plain torch (embedding, benchmarks/llama.py's block withou
 "hf": transformers.LlamaForCausalLM of the same sizes, SDPA. Variants, each a fresh build of the same
 weights: bf16 and float8 (ops.convert(model, fp8_weights=True)), eager, compiled (torch.compile),
 cudagraphs (mode="reduce-overhead") and graphed (ops.graphed_inference: CUDA graphs of the eager forward);
-float8 fp8-input graphed (Recipe(inference_fp8_input_from=33): x quantized per row, FP8 x FP8 at 33-128 tokens);
+float8 fp8-input graphed and eager (Recipe(inference_fp8_input_from=33): x quantized per row, FP8 x FP8 at 33-128
+tokens);
 float8 blockwise eager (128x128 block-scaled FP8 weights, as a hub FP8 checkpoint loads: ops.convert(model,
 fp8_weights=True, recipe=Recipe.blockwise())); float8 calibrated eager (input scales fixed by ops.calibrate on
 two batches of 512 random tokens); torchao rowwise (Float8DynamicActivationFloat8WeightConfig(PerRow()))
@@ -65,6 +66,7 @@ VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
     "float8 graphed": ("float8", "graphed"),
     # Recipe(inference_fp8_input_from=33): x quantized per row, FP8 x FP8 at 33-128 tokens (kernels/rowwise_input_mm.py)
     "float8 fp8-input graphed": ("float8-fp8-input", "graphed"),
+    "float8 fp8-input eager": ("float8-fp8-input", None),
     # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
     "float8 blockwise eager": ("float8-block", None),
     # Input scales fixed by ops.calibrate (docs/inference.md): one cast per activation above 128 tokens, no
@@ -81,8 +83,9 @@ GENERATE_VARIANTS = [
     "torchao rowwise eager",
     "torchao rowwise compiled",
 ]
-COMPILE_PRIORITY = [
+COMPILE_PRIORITY = [  # every variant with a mode (tests/examples/test_benchmarks_smoke.py)
     "float8 graphed",
+    "float8 fp8-input graphed",
     "bf16 graphed",
     "float8 cudagraphs",
     "bf16 cudagraphs",

@@ -98,12 +98,14 @@ class Recipe:
     # The forward's bits do not change, nor do ReLU's gradients. Numerics and cost: docs/design.md, "Lean activation memory".
     lean_activations: bool = False
     # Inference with FP8-only weights: from this many tokens up to 128 a converted Linear quantizes x per
-    # row and runs an FP8 x FP8 kernel (kernels/rowwise_input_mm.py: two launches, half the MMA work of the
-    # weight-only kernel that serves fewer tokens). The default, 129, leaves it off: eagerly the second
-    # launch costs more host time than the GPU saves. Under CUDA graphs (ops.graphed_inference), where host
-    # time does not count, 33 is faster (H100, 2026-11-26, Llama-style model at 64 / 128 tokens: 1.35-1.40x /
-    # 1.26-1.28x bf16 graphed against 1.11x / 0.93-0.95x; eager 0.64-0.69x against 0.83-0.98x bf16 eager:
-    # benchmarks/results/profile_rowwise_input_inference.txt). Eager, graphed and compiled calls of one
+    # row and runs an FP8 x FP8 kernel (kernels/rowwise_input_mm.py: the quantization inside the GEMM's launch
+    # on a prepared eager call, half the MMA work of the weight-only kernel that serves fewer tokens). The
+    # default, 129, leaves it off: eagerly, where these sizes wait for the host, it was at best level with
+    # the weight-only kernel (H100 machine, 2026-11-26, Llama-style model at 33 / 64 / 128 tokens, four
+    # runs: 0.76-0.97x / 0.79-0.94x / 0.78-0.89x bf16 eager against 0.83-0.97x for the weight-only kernel).
+    # Under CUDA graphs (ops.graphed_inference), where host time does not count, 33 is faster: 1.40x / 1.36x
+    # / 1.27x bf16 graphed, against 1.11x / 0.93-0.95x for the weight-only kernel at 64 / 128 tokens
+    # (benchmarks/results/profile_rowwise_input_inference.txt). Eager, graphed and compiled calls of one
     # recipe give the same bits.
     inference_fp8_input_from: int = 129
 

@@ -39,25 +39,25 @@ TILE = 4096  # elements per program (ROWS * BLOCK_K) for short rows
 
 
 @triton.jit
-def _rowwise_kernel(
+def _quantize_rows(
     x_ptr,  # (R, K) hp, unit column stride, row stride stride_xr
     data_ptr,  # (R, K) fp8, contiguous
     scale_inv_ptr,  # (R,) fp32
+    pid,  # which ROWS rows
     R,
     K,
     stride_xr,
-    margin_div,  # 2.0**margin
+    margin_div,  # 2.0**margin, float32
     FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
+    MIN_SCALE: tl.constexpr,
     POWER_OF_2: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SINGLE: tl.constexpr,  # K <= BLOCK_K: the whole row in registers
+    SINGLE: tl.constexpr,
 ):
-    # A float argument is float32 in Triton's own launcher but float64 in inductor's (quantize_rowwise is a
-    # triton_op): scale_from_amax's div_rn refused the float64 (GPU tier, 2026-11-26).
-    margin_div = tl.cast(margin_div, tl.float32)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    """Rows pid * ROWS .. + ROWS of x quantized, each with its own scale: the body of _rowwise_kernel, and the
+    first programs of kernels/rowwise_input_mm.py's one-launch GEMM (the same bits either way)."""
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * stride_xr
@@ -85,6 +85,31 @@ def _rowwise_kernel(
     tl.store(scale_inv_ptr + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=row_mask)
 
 
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,  # (R, K) hp, unit column stride, row stride stride_xr
+    data_ptr,  # (R, K) fp8, contiguous
+    scale_inv_ptr,  # (R,) fp32
+    R,
+    K,
+    stride_xr,
+    margin_div,  # 2.0**margin
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
+    POWER_OF_2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr,  # K <= BLOCK_K: the whole row in registers
+):
+    # A float argument is float32 in Triton's own launcher but float64 in inductor's (quantize_rowwise is a
+    # triton_op): scale_from_amax's div_rn refused the float64 (GPU tier, 2026-11-26).
+    margin_div = tl.cast(margin_div, tl.float32)
+    _quantize_rows(
+        x_ptr, data_ptr, scale_inv_ptr, tl.program_id(0), R, K, stride_xr, margin_div,
+        FP8_MAX, MIN_SCALE, POWER_OF_2, ROWS, BLOCK_K, SINGLE,
+    )  # fmt: skip
+
+
 _launch = FastLauncher(_rowwise_kernel)
 
 
@@ -101,13 +126,20 @@ def rowwise_args(
     unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise, and for a caller that keeps
     the compiled kernel and repeats the launch (kernels/rowwise_input_mm.py)."""
     R, K = x2.shape
-    single = K <= max_single_k
-    block_k = next_pow2(K) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
-    rows = max(1, TILE // block_k) if single else 1
+    rows, block_k, single = row_blocks(K, max_single_k)
     c = fp8_constants(fp8_dtype)
     args = (x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"])
     args += (power_of_2, rows, block_k, single)
     return (cdiv(R, rows),), args, 8 if rows * block_k >= 4096 else 4
+
+
+def row_blocks(k: int, max_single_k: int = MAX_SINGLE_K) -> tuple[int, int, bool]:
+    """(ROWS, BLOCK_K, SINGLE) of `_quantize_rows` for rows of k elements: rows up to max_single_k long are
+    cast from registers, TILE elements a program; longer ones one row a program, read twice in LOOP_BLOCK_K
+    blocks (no wider than max_single_k)."""
+    single = k <= max_single_k
+    block_k = next_pow2(k) if single else min(LOOP_BLOCK_K, next_pow2(max_single_k))
+    return (max(1, TILE // block_k) if single else 1), block_k, single
 
 
 def launch_rowwise(

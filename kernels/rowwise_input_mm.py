@@ -4,19 +4,29 @@ fp8_rowwise_input_mm(x, w_data, w_scale_inv, bias=None) -> y
     x (M, K) bfloat16/float16 with contiguous rows; w_data (N, K) E4M3, rows contiguous; w_scale_inv () or
     contiguous (N, 1) float32; bias (N,) in x's dtype or None. y (M, N) in x's dtype.
 
-    x --quantize_rowwise (kernels/rowwise.py, one launch)--> x8 (M, K) E4M3, sx (M, 1) its scale_inv
-    y = (x8 @ w_data.t()) * sx * w_scale_inv (+ bias), in kernels/weight_only_kernel.py with X_FP8
+    x8, sx = quantize_rowwise(x, E4M3)  (x8 (M, K) E4M3, sx (M,) its row scale_inv)
+    y = (x8 @ w_data.t()) * sx * w_scale_inv (+ bias)
+    both in kernels/weight_only_kernel.py `_rowwise_input_mm_kernel`, in one launch or two:
+    - one launch (a prepared eager call, `prepare`): the first programs quantize x's rows into a workspace
+      (kernels/rowwise.py's code) and count themselves in; the GEMM programs wait for the count, then read
+      the workspace; the last of them zeroes the counters for the next launch on the stream.
+    - two launches (the checked op, torch.compile, a CUDA graph capture): kernels/rowwise.py's kernel fills
+      the workspace, then the same kernel runs without quantizing programs. The bits are the one launch's.
 
 Why: ops.Linear's inference forward with an FP8-only weight at 33-128 tokens, where the recipe asks for it
-(`Recipe.inference_fp8_input_from`, off by default: eagerly its second launch costs more host time than it
-saves; under CUDA graphs it is the faster kernel). There the weight-only kernel is no longer bound by reading the weight:
-it widens every weight tile for a bf16 MMA, and its time grows with the tokens. FP8 MMAs do half the work
-on the same weight bytes. GPU time summed over the Llama-style and HF Llama layers on the H100 (2026-11-26,
-weights read from memory, docs/inference.md): at 128 tokens 217 us here plus 16 us of row quantization,
-against 362 us for the weight-only kernel and 337 us for bf16 F.linear; at 64 tokens 182 + 18 against 289
-and 321. cuBLASLt's row-wise FP8 GEMM (torch._scaled_mm) is as fast on the GPU, but its call costs about
-20 us of host against about 5 for a prepared launch of this kernel (`prepare`), and eager forwards at these
-sizes wait for the host (docs/performance.md).
+(`Recipe.inference_fp8_input_from`, off by default: eagerly it is at best level with the weight-only
+kernel, docs/inference.md; under CUDA graphs it is the faster kernel). There the weight-only kernel is no
+longer bound by reading the weight: it widens every weight tile for a bf16 MMA, and its time grows with
+the tokens. FP8 MMAs do half the work on the same weight bytes. GPU time summed over the Llama-style and HF
+Llama layers on the H100 (2026-11-26, weights read from memory, benchmarks/results/profile_rowwise_input_inference.txt):
+at 128 tokens 217 us plus 16 us of row quantization, against 362 us for the weight-only kernel and 337 us
+for bf16 F.linear; at 64 tokens 182 + 18 against 289 and 321. cuBLASLt's row-wise FP8 GEMM
+(torch._scaled_mm) is as fast on the GPU, but its call costs about 20 us of host against about 5 for a
+prepared launch of this kernel, and eager forwards at these sizes wait for the host (docs/performance.md).
+Why two paths: eagerly one launch and one allocation fewer per layer is what counts; on the GPU the one
+launch is 2-12% slower (its GEMM programs wait for the quantizing ones, which run with the GEMM's 4 warps:
+the layer shapes of the sweep summed at 128 tokens 212 against 197 us, 174 against 169 at 64, one run), which
+is what a CUDA graph, waiting for no host, would pay.
 
 Numerics: one scale per row of x (current scaling, no margin: each row uses E4M3's whole range), the
 products exact in float32, each K step's FP8 MMA result added to a float32 accumulator (Hopper's FP8 MMA
@@ -36,10 +46,11 @@ from typing import Optional
 import torch
 
 from . import weight_only
-from .common import triton_op, use_triton
-from .launch import run_compiled
+from .common import cdiv, fp8_constants, triton_op, use_triton
+from .launch import FastLauncher
 from .rowwise import _launch as _launch_rowwise
-from .rowwise import launch_rowwise, quantize_rowwise_ref, rowwise_args
+from .rowwise import quantize_rowwise_ref, row_blocks, rowwise_args
+from .weight_only_kernel import _rowwise_input_mm_kernel
 
 E4M3 = torch.float8_e4m3fn
 
@@ -76,6 +87,41 @@ def fp8_rowwise_input_mm_ref(
     return acc.to(x.dtype)
 
 
+_launch = FastLauncher(_rowwise_input_mm_kernel)
+# Rows up to this long are quantized from registers by the first programs (4 warps: 32 floats a thread).
+Q_MAX_SINGLE_K = 4096
+
+
+def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, quantize=True) -> weight_only._Launch:
+    """The launch of _rowwise_input_mm_kernel for these operands: y, the split K's partial sums, a fresh
+    workspace (x8 and its row scales: args[1], the scales at byte args[14]) and fresh zeroed counters
+    (args[7]); config and split_k as in weight_only.fp8_weight_mm_triton (default:
+    weight_only.FP8_X_CONFIGS and split_k_for). quantize=False: no quantizing programs (Q = 0), the caller
+    fills the workspace first."""
+    m, k = x.shape
+    n = w_data.shape[0]
+    device_index = x.device.index if x.is_cuda else None
+    config, split_k, k_per_split, grid, _ = weight_only.plan(m, n, k, device_index, config, split_k, None, True)
+    block_m, block_n, block_k, warps, stages, swap = config
+    q_rows, q_block_k, q_single = row_blocks(k, Q_MAX_SINGLE_K)
+    q = cdiv(m, q_rows) if quantize else 0
+    sx_offset = cdiv(m * k, 16) * 16
+    ws = torch.empty(sx_offset + 4 * m, dtype=torch.uint8, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    # Counters: [quantized row blocks, finished GEMM programs, one per output tile of a split K]. Without
+    # quantizing programs only a split K counts (in a CUDA graph each zero fill is a node: none where unread).
+    tiles = grid[0] * grid[1] if split_k > 1 else 0
+    counts = torch.zeros(2 + tiles, dtype=torch.int32, device=x.device) if quantize or tiles else y
+    bias_arg, has_bias = (x, False) if bias is None else (bias, True)
+    c = fp8_constants(E4M3)
+    args = (x, ws, w_data, w_scale_inv, bias_arg, out, y, counts, m, n, k, k_per_split, x.stride(0))
+    args += (w_data.stride(0), sx_offset, q, c["FP8_MAX"], c["MIN_SCALE"], q_rows, q_block_k, q_single)
+    args += (0 if w_scale_inv.numel() == 1 else 1, has_bias, block_m, block_n, block_k, split_k, swap, quantize)
+    grid = (q + grid[0], grid[1], grid[2])
+    return weight_only._Launch(y, out, args, grid, {"num_warps": warps, "num_stages": stages}, None, ())
+
+
 def fp8_rowwise_input_mm_triton(
     x: torch.Tensor,
     w_data: torch.Tensor,
@@ -84,32 +130,32 @@ def fp8_rowwise_input_mm_triton(
     config: Optional[weight_only.Config] = None,
     split_k: Optional[int] = None,
 ) -> torch.Tensor:
-    """The two kernels, no checks (fp8_rowwise_input_mm checks). config and split_k as in
-    weight_only.fp8_weight_mm_triton (default: weight_only.FP8_X_CONFIGS and split_k_for)."""
-    x8, sx = launch_rowwise(x, E4M3)
-    call = weight_only._launch_plan(x8, w_data, w_scale_inv, bias, config, split_k, sx=sx, out_dtype=x.dtype)
-    weight_only._launch(call.grid, *call.args, **call.options)
-    if call.sum_args is not None:
-        weight_only._launch_sum(call.sum_grid, *call.sum_args, **weight_only._SUM_OPTIONS)
+    """Two launches, no checks (fp8_rowwise_input_mm checks): x quantized per row into the workspace
+    (kernels/rowwise.py's kernel), then the GEMM (the same kernel as a prepared call's, without quantizing
+    programs). config and split_k as in weight_only.fp8_weight_mm_triton (default:
+    weight_only.FP8_X_CONFIGS and split_k_for)."""
+    call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k, quantize=False)
+    m, k = x.shape
+    ws, offset = call.args[1], call.args[14]
+    x8, sx = ws[: m * k].view(E4M3).view(m, k), ws[offset : offset + 4 * m].view(torch.float32)
+    grid, args, warps = rowwise_args(x, x8, sx, E4M3)
+    _launch_rowwise(grid, *args, num_warps=warps)
+    _launch(call.grid, *call.args, **call.options)
     return call.y
 
 
 class PreparedRowwiseMM(weight_only.PreparedMM):
-    """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): the row
-    quantization's compiled kernel and arguments kept too, so that a call is two prepared launches. x8 and
-    its scales are made afresh per call (a buffer kept across calls could be overwritten by another
-    thread's call on the same stream between this call's two launches)."""
+    """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): one prepared launch,
+    its counters kept per stream (as a split K's are), its workspace (x8 and the row scales, M (K + 4)
+    bytes) made afresh per call: one kept across calls would hold memory between calls for every layer
+    and input shape."""
 
-    __slots__ = ("quantize", "quantize_grid", "quantize_tail", "x8_shape")
+    __slots__ = ("ws_bytes",)
 
     def operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """x quantized per row into fresh x8 and sx, by the kept kernel."""
-        x8 = torch.empty(self.x8_shape, dtype=E4M3, device=self.device)
-        sx = torch.empty(self.x8_shape[0], dtype=torch.float32, device=self.device)
-        if x8.data_ptr() % 16 or sx.data_ptr() % 16:
-            return None  # not from torch's caching allocator (a pluggable one): the checked path
-        run_compiled(self.quantize, self.quantize_grid, self.device_index, (x, x8, sx, *self.quantize_tail))
-        return x8, sx
+        """x and a fresh workspace."""
+        ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)
+        return None if ws.data_ptr() % 16 else (x, ws)  # not from torch's caching allocator: the checked path
 
 
 def prepare(
@@ -121,19 +167,14 @@ def prepare(
 ) -> tuple[torch.Tensor, Optional[PreparedRowwiseMM]]:
     """(y, PreparedRowwiseMM or None): one call of checked operands (`supports`, K, one CUDA device, the
     bias's dtype and contiguity, x contiguous), and what repeats it with less host time; None where
-    weight_only.prepare gives None (the interpreter, a CUDA graph capture, another current device)."""
-    m, k = x.shape
-    x8 = torch.empty((m, k), dtype=E4M3, device=x.device)
-    sx = torch.empty((m,), dtype=torch.float32, device=x.device)
-    grid, args, warps = rowwise_args(x, x8, sx, E4M3)
-    quantize = _launch_rowwise.launch_and_keep(grid, *args, num_warps=warps)
+    weight_only.prepare_call gives None (the interpreter, a CUDA graph capture, another current device)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph waits for no host: the two launches, whose GEMM waits for nothing (the module docstring).
+        return fp8_rowwise_input_mm_triton(x, w_data, w_scale_inv, bias), None
+    call = _launch_plan(x, w_data, w_scale_inv, bias)
     p = PreparedRowwiseMM()
-    p.dtype = x.dtype
-    y, p = weight_only.prepare(x8, w_data, w_scale_inv, bias, out_shape, sx=sx, into=p)
-    if p is None or quantize is None or any(t.data_ptr() % 16 for t in (x, x8, sx)):
-        return y, None
-    p.quantize, p.quantize_grid, p.quantize_tail, p.x8_shape = quantize, grid, args[3:], (m, k)
-    return y, p
+    p.ws_bytes = call.args[1].numel()
+    return weight_only.prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, p)
 
 
 def fp8_rowwise_input_mm_prechecked(

@@ -49,9 +49,9 @@ from .weight_only_kernel import _fp8_weight_mm_kernel, _split_k_sum_kernel
 # FP8 x FP8 path above 16 tokens, 0.63x with this kernel up to 128), so this kernel serves up to 128. A
 # leaner FP8 x FP8 call (x quantized per row in one launch, cuBLASLt's row-wise GEMM, prepared) still took
 # 33 us of host against 12.7 for this kernel's prepared call, and lost at 64-128 tokens too (2026-11-26:
-# docs/performance.md). Our own FP8 x FP8 kernel after a row quantization (kernels/rowwise_input_mm.py, two
-# prepared launches) is faster on the GPU from 33 tokens but still loses eagerly: a recipe opts in
-# (Recipe.inference_fp8_input_from), for CUDA graphs.
+# docs/performance.md). Our own FP8 x FP8 kernel with the row quantization inside (kernels/rowwise_input_mm.py,
+# one prepared launch) is faster on the GPU from 33 tokens and eagerly at best level with this one on the
+# H100 machine's host: a recipe opts in (Recipe.inference_fp8_input_from), for CUDA graphs.
 MAX_TOKENS = 128
 
 # (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP): the first row whose max M >= M, the tile
@@ -208,28 +208,24 @@ class _Launch(NamedTuple):
     sum_grid: tuple
 
 
-def _launch_plan(
-    x, w_data, w_scale_inv, bias, config=None, split_k=None, one_launch=False, sx=None, out_dtype=None
-) -> _Launch:
+def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, one_launch=False) -> _Launch:
     """one_launch: a split K sums its partials in the main kernel (FIXUP), counting into a fresh zeroed
-    int32 tensor of one counter per output tile (args[7]); else by a second launch (sum_args). sx: x is E4M3
-    with these (M,) row scales (kernels/rowwise_input_mm.py; the tile table FP8_X_CONFIGS, y in out_dtype)."""
+    int32 tensor of one counter per output tile (args[7]); else by a second launch (sum_args)."""
     m, k = x.shape
     n = w_data.shape[0]
     mode, stride_s, s_rows, s_cols = scale_mode(w_data, w_scale_inv)
-    x_fp8 = sx is not None
     config, split_k, k_per_split, grid, sum_grid = plan(
-        m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None, x_fp8
+        m, n, k, x.device.index if x.is_cuda else None, config, split_k, s_cols if mode == 2 else None
     )
     block_m, block_n, block_k, warps, stages, swap = config
-    y = torch.empty((m, n), dtype=out_dtype if x_fp8 else x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg, has_bias = (x, False) if bias is None else (bias, True)
     fixup = one_launch and split_k > 1
     counts = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device) if fixup else y
     args = (
         x,
-        x if sx is None else sx,
+        x,  # sx_ptr: the slot of kernels/rowwise_input_mm.py's workspace (one PreparedMM call layout), not read
         w_data,
         w_scale_inv,
         bias_arg,
@@ -253,12 +249,10 @@ def _launch_plan(
         split_k,
         fixup,
         swap,
-        x_fp8,
     )
     sum_args = None
     if split_k > 1 and not fixup:
-        sx_arg = x if sx is None else sx
-        sum_args = (out, sx_arg, w_scale_inv, bias_arg, y, m, n, mode, has_bias, split_k, x_fp8, block_m, SUM_BLOCK_N)
+        sum_args = (out, w_scale_inv, bias_arg, y, m, n, mode, has_bias, split_k, block_m, SUM_BLOCK_N)
     return _Launch(y, out, args, grid, {"num_warps": warps, "num_stages": stages}, sum_args, sum_grid)
 
 
@@ -315,12 +309,12 @@ class PreparedMM:
         if x.data_ptr() % 16 or torch._C._cuda_getDevice() != device or runtime_settings() != self.settings:
             return None
         y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if self.split_shape is None:
-            out = counts = y
-        else:
+        out = counts = y
+        if self.tiles:
             counts = self._counts(device)
             if counts is None:
                 return None
+        if self.split_shape is not None:
             out = torch.empty(self.split_shape, dtype=torch.float32, device=self.device)
         if out.data_ptr() % 16 or y.data_ptr() % 16:
             return None  # not from torch's caching allocator (a pluggable one): Triton's own path
@@ -359,32 +353,43 @@ def prepare(
     w_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_shape: Optional[tuple[int, ...]] = None,
-    sx: Optional[torch.Tensor] = None,
-    into: Optional[PreparedMM] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
-    device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time. None
-    where a later call could not skip Triton's own launch path (the interpreter, another current device), and
-    for a call made while a CUDA graph is captured (the graph repeats it).
-    out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the caller's leading dims:
-    the caller then passes x with its own leading dims too, and no view is made on either side).
-    sx, into: kernels/rowwise_input_mm.py's call (x already E4M3 with these row scales, y in out_shape's
-    caller's dtype: `into.dtype`), filled into its own PreparedMM subclass."""
+    device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time
+    (`prepare_call`). out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the
+    caller's leading dims: the caller then passes x with its own leading dims too, and no view is made on
+    either side)."""
+    # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here.
+    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True)
+    return prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, PreparedMM())
+
+
+def prepare_call(
+    call: _Launch,
+    launcher: FastLauncher,
+    x: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_shape: Optional[tuple[int, ...]],
+    p: PreparedMM,
+) -> tuple[torch.Tensor, Optional[PreparedMM]]:
+    """Launch `call` (one launch: a split K summed in it, its counters at args[7]) and fill `p` with what
+    repeats it: (y, p), or (y, None) where a later call could not skip Triton's own launch path (the
+    interpreter, another current device), and for a call made while a CUDA graph is captured (the graph
+    repeats it). Shared by `prepare` and kernels/rowwise_input_mm.py's.
+
+    The counters of a call made in a CUDA graph capture are graph memory and their zero fill a node of the
+    graph: each replay zeroes them before the kernel reads them, whatever used that memory in between; they
+    are never kept as the eager calls' counters (the plan is not returned)."""
     settings = runtime_settings()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here. In a
-    # CUDA graph capture that tensor is graph memory and its zero fill a node of the graph: each replay
-    # zeroes the counters before the kernel reads them, whatever used that memory in between; it is never
-    # kept as the eager calls' counters (the plan is not returned).
-    out_dtype = None if into is None else into.dtype
-    call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True, sx=sx, out_dtype=out_dtype)
-    main = _launch.launch_and_keep(call.grid, *call.args, **call.options)
+    main = launcher.launch_and_keep(call.grid, *call.args, **call.options)
     if capturing:
         return call.y, None
     aligned = all(t.data_ptr() % 16 == 0 for t in (*call.args[:8], call.y))
     if main is None or not aligned:
         return call.y, None
-    p = PreparedMM() if into is None else into
     p.w_data, p.w_scale_inv, p.bias, p.device, p.device_index = w_data, w_scale_inv, bias, x.device, x.device.index
     p.dtype, p.shape, p.settings, p.main, p.grid, p.tail = (
         call.y.dtype,
@@ -394,9 +399,11 @@ def prepare(
         call.grid,
         call.args[8:],
     )
-    split = call.out is not call.y
-    p.split_shape, p.tiles = (tuple(call.out.shape), call.args[7].numel()) if split else (None, 0)
-    p.counts = {torch._C._cuda_getCurrentRawStream(x.device.index): call.args[7]} if split else {}
+    counts = call.args[7]
+    kept = counts is not call.y  # counters: a split K's, or the row quantization's (rowwise_input_mm)
+    p.split_shape = tuple(call.out.shape) if call.out is not call.y else None
+    p.tiles = counts.numel() if kept else 0
+    p.counts = {torch._C._cuda_getCurrentRawStream(x.device.index): counts} if kept else {}
     return call.y, p
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .rowwise import _quantize_rows
+
 
 @triton.jit
 def _epilogue(
@@ -65,7 +67,7 @@ def _sum_partials(
 
 
 @triton.jit
-def _fp8_weight_mm_kernel(
+def _mm_tile(
     x_ptr,  # (M, K) bf16/fp16, or with X_FP8 E4M3, stride (stride_xm, 1)
     sx_ptr,  # X_FP8: (M,) fp32, x's row scale_inv; else not read
     w_ptr,  # (N, K) fp8, stride (stride_wn, 1)
@@ -74,6 +76,10 @@ def _fp8_weight_mm_kernel(
     y_ptr,  # (M, N) x dtype, contiguous; with SPLIT_K > 1 (SPLIT_K, M, N) fp32 partial sums instead
     out_ptr,  # FIXUP: (M, N) x dtype, contiguous, the output (y_ptr holds the partial sums); else not read
     count_ptr,  # FIXUP: int32, one per output tile, 0 between launches; else not read
+    pid_n,  # this program's tile: its BLOCK_N columns of num_n, BLOCK_M rows, K range
+    pid_m,
+    pid_k,
+    num_n,
     M,
     N,
     K,
@@ -93,9 +99,7 @@ def _fp8_weight_mm_kernel(
     SWAP: tl.constexpr,  # the widened weight as the MMA's A operand (registers), x as B: y's tile transposed
     X_FP8: tl.constexpr,  # x is FP8 (row scales sx_ptr): FP8 MMAs, each K step's product added in fp32
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    """One program's output tile of _fp8_weight_mm_kernel (its parameters, and which tile)."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * k_per_split
@@ -148,7 +152,7 @@ def _fp8_weight_mm_kernel(
             # (acquire: it sees every partial) adds them in split order, as _split_k_sum_kernel does, so the
             # bits do not depend on which program finished last, and resets the counter for the next launch
             # on this stream. Loads bypass L1 (.cg), which another SM's stores do not update.
-            tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+            tile = count_ptr + pid_m * num_n + pid_n
             tl.debug_barrier()  # every thread's part of the partial stored before the count (one thread's)
             if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
                 tl.debug_barrier()
@@ -157,9 +161,134 @@ def _fp8_weight_mm_kernel(
 
 
 @triton.jit
+def _fp8_weight_mm_kernel(
+    # fmt: off
+    x_ptr,
+    sx_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    out_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_s,
+    s_rows,
+    s_cols,
+    SCALE_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    FIXUP: tl.constexpr,
+    SWAP: tl.constexpr,
+    # fmt: on
+):
+    """kernels/weight_only.py's fp8_weight_mm: one program per output tile and K range (the grid), x in high
+    precision; the parameters are _mm_tile's (sx_ptr not read: the slot of _rowwise_input_mm_kernel's
+    workspace, one call layout in weight_only.PreparedMM)."""
+    # fmt: off
+    _mm_tile(
+        x_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+        M, N, K, k_per_split, stride_xm, stride_wn, stride_s, s_rows, s_cols,
+        SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, SWAP, False,
+    )
+    # fmt: on
+
+
+@triton.jit
+def _rowwise_input_mm_kernel(
+    x_ptr,  # (M, K) bf16/fp16, stride (stride_xm, 1): the input, quantized here
+    ws_ptr,  # uint8 workspace: x8 (M, K) E4M3 contiguous at 0, its (M,) fp32 row scale_inv at sx_offset
+    w_ptr,  # (N, K) E4M3, stride (stride_wn, 1)
+    s_ptr,  # () or (N,) fp32: scale_inv of the weight
+    b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
+    y_ptr,  # as _fp8_weight_mm_kernel's (the partial sums when SPLIT_K > 1)
+    out_ptr,  # SPLIT_K > 1: (M, N) x dtype, the output
+    count_ptr,  # int32, 0 between launches: [quantized row blocks, finished GEMM programs, tile counters...]
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    sx_offset,  # a multiple of 16 bytes
+    Q,  # QUANTIZE: the first Q programs of grid dim 0 quantize x (at grid dims 1 and 2 = 0; the others there exit)
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    Q_ROWS: tl.constexpr,  # _quantize_rows' ROWS, BLOCK_K, SINGLE (kernels/rowwise.py row_blocks)
+    Q_BLOCK_K: tl.constexpr,
+    Q_SINGLE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,  # 0 or 1 (no block scales)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # False: the workspace was filled before the launch (Q = 0), no counters but a split K's
+):
+    """kernels/rowwise_input_mm.py in one launch: the first Q programs quantize x per row into the workspace
+    (kernels/rowwise.py's code: its bits) and count themselves in (release); every other program waits
+    until all Q have (acquire), then runs _mm_tile with X_FP8 on the workspace. The GEMM program that
+    finishes last resets the two counters for the next launch on this stream.
+
+    The wait needs the Q quantizing programs to run while the others spin: they have the lowest program
+    ids (grid dim 0 first, at dims 1 and 2 = 0), which the GPU dispatches first and the interpreter runs
+    first; they wait on nothing, so they finish and release the rest."""
+    pid_n = tl.program_id(0)
+    x8_ptr = ws_ptr.to(tl.pointer_type(tl.float8e4nv))
+    sx_ptr = (ws_ptr + sx_offset).to(tl.pointer_type(tl.float32))
+    if not QUANTIZE:
+        # fmt: off
+        _mm_tile(
+            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 2,
+            pid_n, tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+            M, N, K, k_per_split, K, stride_wn, 0, 1, 1,
+            SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SPLIT_K > 1, SWAP, True,
+        )
+        # fmt: on
+    elif pid_n < Q:
+        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            # fmt: off
+            _quantize_rows(
+                x_ptr, x8_ptr, sx_ptr, pid_n, M, K, stride_xm, tl.full((), 1.0, tl.float32),
+                FP8_MAX, MIN_SCALE, False, Q_ROWS, Q_BLOCK_K, Q_SINGLE,
+            )
+            # fmt: on
+            tl.debug_barrier()  # every thread's rows stored before the count (one thread's)
+            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    else:
+        while tl.load(count_ptr, volatile=True) < Q:
+            pass
+        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")  # the quantized rows visible from here on
+        tl.debug_barrier()
+        num_n = tl.num_programs(0) - Q
+        # fmt: off
+        _mm_tile(
+            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 2,
+            pid_n - Q, tl.program_id(1), tl.program_id(2), num_n,
+            M, N, K, k_per_split, K, stride_wn, 0, 1, 1,
+            SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SPLIT_K > 1, SWAP, True,
+        )
+        # fmt: on
+        tl.debug_barrier()
+        programs = num_n * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(count_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _split_k_sum_kernel(
     part_ptr,  # (SPLIT_K, M, N) fp32
-    sx_ptr,
     s_ptr,
     b_ptr,
     y_ptr,  # (M, N) x dtype
@@ -168,11 +297,10 @@ def _split_k_sum_kernel(
     SCALE_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    X_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # The partial sums in split order, always: the result does not depend on which program ran first.
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _sum_partials(part_ptr, sx_ptr, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS, SPLIT_K, X_FP8)
+    _sum_partials(part_ptr, part_ptr, s_ptr, b_ptr, y_ptr, rm, rn, M, N, SCALE_MODE, HAS_BIAS, SPLIT_K, False)

@@ -333,8 +333,8 @@ class Linear(BasicOp):
           the product with the dequantized weight in float32, rounded once. The same for a weight the FP8
           x FP8 kernel below does not take (E5M2, 128x128 block scales).
         - Unless the recipe asks for FP8 inputs from fewer tokens (`Recipe.inference_fp8_input_from`): from
-          there on x is quantized per row to E4M3, then an FP8 x FP8 kernel runs (kernels/rowwise_input_mm.py):
-          two launches, half the MMA work.
+          there on x is quantized per row to E4M3 and an FP8 x FP8 kernel runs (kernels/rowwise_input_mm.py):
+          one launch when prepared, half the MMA work.
         - Above: `linear_fwd`, the general path's own forward (the same bits): x quantized by the input
           quantizer (one cast with a calibrated scale), then the FP8 GEMM.
 

@@ -98,6 +98,14 @@ def test_inference_tiny_runs_every_cpu_variant(tmp_path):
     assert len(history) - 1 == len(section["figures"])  # rewritten after every stage, each figure kept once
 
 
+def test_inference_ranks_every_compiled_or_graphed_variant():
+    """Each variant with a compile or graph mode has a place in the order its warm-ups run in (a variant left
+    out failed the whole forward stage with 'not in list' on the H100, 2026-11-26)."""
+    from benchmarks.inference import COMPILE_PRIORITY, VARIANTS
+
+    assert {n for n, (_, mode) in VARIANTS.items() if mode is not None} <= set(COMPILE_PRIORITY)
+
+
 def _agree(rank, world):
     from benchmarks.distributed import _agree_on_errors
 

@@ -1,11 +1,13 @@
-"""float8::fp8_rowwise_input_mm (kernels/rowwise_input_mm.py): x quantized per row to E4M3, then the FP8 x FP8
-kernel (kernels/weight_only_kernel.py with X_FP8).
+"""float8::fp8_rowwise_input_mm (kernels/rowwise_input_mm.py): one launch whose first programs quantize x per
+row to E4M3 and whose others then run the FP8 x FP8 GEMM (kernels/weight_only_kernel.py
+_rowwise_input_mm_kernel).
 
-Against the reference on the interpreter (CPU) and on the GPU: the row quantization is bit-exact with its
-reference, the products of two FP8 values are exact in float32, so only the order of float32 sums differs
-(each K step's FP8 MMA result is added in float32: on the GPU a long K would otherwise drift past this
-bound). Also: the split K's one-launch sum gives the two-launch bits, non-finite rows stay in their row,
-bad input is refused by name, the op compiles, and a prepared call repeats the op's bits.
+Against the reference on the interpreter (CPU) and on the GPU: the row quantization is bit-exact with
+quantize_rowwise's (read back from the launch's workspace), the products of two FP8 values are exact in
+float32, so only the order of float32 sums differs (each K step's FP8 MMA result is added in float32: on the
+GPU a long K would otherwise drift past this bound). Also: the counters are zero after each launch, launches
+back to back keep their bits, non-finite rows stay in their row, bad input is refused by name, the op
+compiles, and a prepared call repeats the op's bits.
 """
 
 import pytest
@@ -65,19 +67,38 @@ def test_matches_reference_on_the_interpreter(m, k, n, variant):
         _close(R.fp8_rowwise_input_mm_triton(x, d, s, b, config=tile, split_k=2), x, d, s, b)
 
 
+def _workspace(call, m, k):
+    """The quantized rows the first programs left in a launch's workspace: (x8, sx)."""
+    ws, offset = call.args[1], call.args[14]
+    return ws[: m * k].view(E4M3).view(m, k), ws[offset : offset + 4 * m].view(torch.float32)
+
+
+def _launch_and_check_workspace(x, d, s, b, tile=None, split=None):
+    """One launch; its workspace holds quantize_rowwise's bits, its counters are back to zero; y returned."""
+    m, k = x.shape
+    call = R._launch_plan(x, d, s, b, tile, split)
+    R._launch(call.grid, *call.args, **call.options)
+    x8, sx = _workspace(call, m, k)
+    want8, want_s = K.quantize_rowwise(x, E4M3)
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(sx, want_s.view(-1))
+    assert not call.args[7].any(), "counters left non-zero for the next launch"
+    return call.y
+
+
 @needs_interpreter
+@pytest.mark.parametrize("k", [128, 5000], ids=["row-in-registers", "row-read-twice"])
 @pytest.mark.parametrize("swap", [False, True], ids=["weight-as-B", "swapped"])
-def test_one_launch_split_k_gives_the_two_launch_bits(swap):
-    x, d, s, b = _operands(40, 256, 48, dtype=HALF, rowwise=True, bias=True)
-    x8, sx = K.quantize_rowwise(x, E4M3)
+@pytest.mark.parametrize("split", [1, 3])
+def test_first_programs_quantize_x_as_quantize_rowwise_does(k, swap, split):
+    """The one launch's first programs write quantize_rowwise's bits (x8 and the row scales) before any GEMM
+    program reads them, and the last GEMM program zeroes the counters; its y is the two-launch path's (row
+    quantization, then the kernel without quantizing programs) to the bit, and a split K (summed in the
+    launch) stays within the summation-order bound."""
+    x, d, s, b = _operands(40, k, 48, dtype=HALF, rowwise=True, bias=True)
     tile = (16, 16, 32, 4, 1, swap)
-    two = W._launch_plan(x8, d, s, b, tile, 4, one_launch=False, sx=sx, out_dtype=HALF)
-    W._launch(two.grid, *two.args, **two.options)
-    W._launch_sum(two.sum_grid, *two.sum_args, **W._SUM_OPTIONS)
-    one = W._launch_plan(x8, d, s, b, tile, 4, one_launch=True, sx=sx, out_dtype=HALF)
-    W._launch(one.grid, *one.args, **one.options)
-    assert torch.equal(one.y, two.y) and not one.args[7].any()
-    _close(one.y, x, d, s, b)
+    y = _launch_and_check_workspace(x, d, s, b, tile, split)
+    assert torch.equal(y, R.fp8_rowwise_input_mm_triton(x, d, s, b, tile, split))
+    _close(y, x, d, s, b)
 
 
 def test_reference_is_the_fp8_product_of_the_row_quantized_input():
@@ -143,6 +164,24 @@ def test_gpu_matches_reference(m, k, n, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 33, 128])
+@pytest.mark.parametrize("k,n,split", [(4096, 1024, None), (14336, 4096, None), (4096, 28672, 1), (4096, 4096, 8)])
+def test_gpu_one_launch_quantizes_then_multiplies_launch_after_launch(m, k, n, split):
+    """On the GPU the first programs' x8 and row scales are quantize_rowwise's bits and reach every GEMM
+    program (the y of 30 back-to-back launches, each on fresh x, is within the reference's bound and has the
+    op's bits, which come from two launches), and the counters are zero after each: no launch reads a row
+    before it is written, or a stale one."""
+    x, d, s, b = _operands(m, k, n, device="cuda", rowwise=True, bias=True)
+    _close(_launch_and_check_workspace(x, d, s, b, split=split), x, d, s, b)
+    xs = [x * (1 + i / 8) for i in range(30)]
+    calls = [R._launch_plan(v, d, s, b, None, split) for v in xs]
+    for call in calls:
+        R._launch(call.grid, *call.args, **call.options)
+    for v, call in zip(xs, calls):
+        assert torch.equal(call.y, K.fp8_rowwise_input_mm(v, d, s, b)) and not call.args[7].any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [40, 128])
 def test_gpu_prepared_call_repeats_the_ops_bits(m):
     x, d, s, b = _operands(m, 4096, 1024, device="cuda", bias=True)  # a split K: the one-launch sum
@@ -155,7 +194,7 @@ def test_gpu_prepared_call_repeats_the_ops_bits(m):
 
 @pytest.mark.gpu
 def test_gpu_inductor_gives_the_eager_bits():
-    """Compiled (inductor launches both kernels of the triton_op with its own code): eager's bits."""
+    """Compiled (inductor launches the triton_op's kernel with its own code): eager's bits."""
     x, d, s, b = _operands(64, 4096, 1024, device="cuda", bias=True)
     torch._dynamo.reset()
     f = torch.compile(lambda x: K.fp8_rowwise_input_mm(x, d, s, b), fullgraph=True)

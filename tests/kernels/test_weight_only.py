@@ -280,12 +280,11 @@ def test_launcher_key_tells_apart_what_triton_specializes():
     assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, beyond int32
     assert _arg_key(True) != _arg_key(1)
     launcher = FastLauncher(W._fp8_weight_mm_kernel)
-    assert launcher.constexpr == frozenset(range(17, 26))  # SCALE_MODE ... SPLIT_K, FIXUP, SWAP, X_FP8
-    args = (t, t, t, t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1, False, False, False)
+    assert launcher.constexpr == frozenset(range(17, 25))  # SCALE_MODE ... SPLIT_K, FIXUP, SWAP
+    args = (t, t, t, t, t, t, t, t, 1, 16, 32, 32, 32, 32, 0, 1, 1, 1, False, 16, 32, 64, 1, False, False)
     other = args[:19] + (32,) + args[20:]  # BLOCK_M 16 -> 32: a constexpr, keyed by value
     assert launcher._key(args, (4, 3)) != launcher._key(other, (4, 3))
-    assert launcher._key(args, (4, 3)) != launcher._key(args[:24] + (True, False), (4, 3))  # the orientation
-    assert launcher._key(args, (4, 3)) != launcher._key(args[:25] + (True,), (4, 3))  # FP8 x
+    assert launcher._key(args, (4, 3)) != launcher._key(args[:24] + (True,), (4, 3))  # the orientation
     assert launcher._key(args, (4, 3)) != launcher._key(args, (8, 3))
     # Constexprs by value, every other argument by _arg_key, the options last: the key's whole definition.
     want = tuple(a if i in launcher.constexpr else _arg_key(a) for i, a in enumerate(args)) + (4, 3)
