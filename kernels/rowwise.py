@@ -56,7 +56,7 @@ def _quantize_rows(
     SINGLE: tl.constexpr,
 ):
     """Rows pid * ROWS .. + ROWS of x quantized, each with its own scale: the body of _rowwise_kernel, and the
-    first programs of kernels/rowwise_input_mm.py's one-launch GEMM (the same bits either way)."""
+    quantizing programs of kernels/rowwise_input_mm.py's one-launch GEMM (the same bits either way)."""
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_K)
@@ -123,8 +123,8 @@ def rowwise_args(
     max_single_k: int = MAX_SINGLE_K,
 ) -> tuple[tuple[int], tuple, int]:
     """(grid, the kernel's arguments in its order, num_warps) of one launch writing x2's (R, K) rows, with
-    unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise, and for a caller that keeps
-    the compiled kernel and repeats the launch (kernels/rowwise_input_mm.py)."""
+    unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise, and for a caller that
+    quantizes into buffers of its own (kernels/rowwise_input_mm.py's workspace)."""
     R, K = x2.shape
     rows, block_k, single = row_blocks(K, max_single_k)
     c = fp8_constants(fp8_dtype)

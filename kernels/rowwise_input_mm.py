@@ -7,9 +7,10 @@ fp8_rowwise_input_mm(x, w_data, w_scale_inv, bias=None) -> y
     x8, sx = quantize_rowwise(x, E4M3)  (x8 (M, K) E4M3, sx (M,) its row scale_inv)
     y = (x8 @ w_data.t()) * sx * w_scale_inv (+ bias)
     both in kernels/weight_only_kernel.py `_rowwise_input_mm_kernel`, in one launch or two:
-    - one launch (a prepared eager call, `prepare`): the first programs quantize x's rows into a workspace
-      (kernels/rowwise.py's code) and count themselves in; the GEMM programs wait for the count, then read
-      the workspace; the last of them zeroes the counters for the next launch on the stream.
+    - one launch (a prepared eager call, `prepare`): each program draws a ticket; the first tickets quantize
+      x's rows into a workspace (kernels/rowwise.py's code) and count themselves in; the others wait for the
+      count, then run their GEMM tile on the workspace; the last of them zeroes the counters for the next
+      launch (one set per stream and thread).
     - two launches (the checked op, torch.compile, a CUDA graph capture): kernels/rowwise.py's kernel fills
       the workspace, then the same kernel runs without quantizing programs. The bits are the one launch's.
 
@@ -24,9 +25,10 @@ for bf16 F.linear; at 64 tokens 182 + 18 against 289 and 321. cuBLASLt's row-wis
 (torch._scaled_mm) is as fast on the GPU, but its call costs about 20 us of host against about 5 for a
 prepared launch of this kernel, and eager forwards at these sizes wait for the host (docs/performance.md).
 Why two paths: eagerly one launch and one allocation fewer per layer is what counts; on the GPU the one
-launch is 2-12% slower (its GEMM programs wait for the quantizing ones, which run with the GEMM's 4 warps:
-the layer shapes of the sweep summed at 128 tokens 212 against 197 us, 174 against 169 at 64, one run), which
-is what a CUDA graph, waiting for no host, would pay.
+launch is slower (its GEMM programs wait for the quantizing ones, which run with the GEMM's 4 warps): the
+layer shapes of the sweep summed, 212 against 197 us at 128 tokens (8%), 174 against 169 at 64 (3%), up to
+20% on one small layer (k/v at 128 tokens, 20.7 against 17.3), one run; a CUDA graph, waiting for no host,
+would pay that. The two launches are three GPU operations on a split-K layer (its counters' zero fill).
 
 Numerics: one scale per row of x (current scaling, no margin: each row uses E4M3's whole range), the
 products exact in float32, each K step's FP8 MMA result added to a float32 accumulator (Hopper's FP8 MMA
@@ -88,14 +90,14 @@ def fp8_rowwise_input_mm_ref(
 
 
 _launch = FastLauncher(_rowwise_input_mm_kernel)
-# Rows up to this long are quantized from registers by the first programs (4 warps: 32 floats a thread).
+# Rows up to this long are quantized from registers by the quantizing programs (4 warps: 32 floats a thread).
 Q_MAX_SINGLE_K = 4096
 
 
 def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, quantize=True) -> weight_only._Launch:
     """The launch of _rowwise_input_mm_kernel for these operands: y, the split K's partial sums, a fresh
-    workspace (x8 and its row scales: args[1], the scales at byte args[14]) and fresh zeroed counters
-    (args[7]); config and split_k as in weight_only.fp8_weight_mm_triton (default:
+    workspace (x8 and its row scales: args[1], the scales at byte args[14]) and, where the kernel counts
+    (quantizing programs, a split K), fresh zeroed counters at args[7] (else y there, not read); config and split_k as in weight_only.fp8_weight_mm_triton (default:
     weight_only.FP8_X_CONFIGS and split_k_for). quantize=False: no quantizing programs (Q = 0), the caller
     fills the workspace first."""
     m, k = x.shape
@@ -104,21 +106,24 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, quanti
     config, split_k, k_per_split, grid, _ = weight_only.plan(m, n, k, device_index, config, split_k, None, True)
     block_m, block_n, block_k, warps, stages, swap = config
     q_rows, q_block_k, q_single = row_blocks(k, Q_MAX_SINGLE_K)
+    quantize = quantize and m * n > 0  # no GEMM program to read x8 (or reset the counters): nothing to launch
     q = cdiv(m, q_rows) if quantize else 0
     sx_offset = cdiv(m * k, 16) * 16
     ws = torch.empty(sx_offset + 4 * m, dtype=torch.uint8, device=x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    # Counters: [quantized row blocks, finished GEMM programs, one per output tile of a split K]. Without
-    # quantizing programs only a split K counts (in a CUDA graph each zero fill is a node: none where unread).
+    # Counters: [tickets, quantized row blocks, finished GEMM programs, one per output tile of a split K].
+    # Without quantizing programs only a split K counts (in a CUDA graph each zero fill is a node: none where
+    # nothing reads it).
     tiles = grid[0] * grid[1] if split_k > 1 else 0
-    counts = torch.zeros(2 + tiles, dtype=torch.int32, device=x.device) if quantize or tiles else y
+    counts = torch.zeros(3 + tiles, dtype=torch.int32, device=x.device) if quantize or tiles else y
     bias_arg, has_bias = (x, False) if bias is None else (bias, True)
     c = fp8_constants(E4M3)
     args = (x, ws, w_data, w_scale_inv, bias_arg, out, y, counts, m, n, k, k_per_split, x.stride(0))
-    args += (w_data.stride(0), sx_offset, q, c["FP8_MAX"], c["MIN_SCALE"], q_rows, q_block_k, q_single)
-    args += (0 if w_scale_inv.numel() == 1 else 1, has_bias, block_m, block_n, block_k, split_k, swap, quantize)
-    grid = (q + grid[0], grid[1], grid[2])
+    args += (w_data.stride(0), sx_offset, q, grid[0], grid[1], c["FP8_MAX"], c["MIN_SCALE"], q_rows, q_block_k)
+    args += (q_single, 0 if w_scale_inv.numel() == 1 else 1, has_bias, block_m, block_n, block_k, split_k, swap)
+    args += (quantize,)
+    grid = (q + grid[0] * grid[1] * grid[2],)
     return weight_only._Launch(y, out, args, grid, {"num_warps": warps, "num_stages": stages}, None, ())
 
 
@@ -146,8 +151,8 @@ def fp8_rowwise_input_mm_triton(
 
 class PreparedRowwiseMM(weight_only.PreparedMM):
     """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): one prepared launch,
-    its counters kept per stream (as a split K's are), its workspace (x8 and the row scales, M (K + 4)
-    bytes) made afresh per call: one kept across calls would hold memory between calls for every layer
+    its counters kept per stream and thread (as a split K's are), its workspace (x8 and the row scales,
+    M K rounded up to 16 bytes, plus 4 M) made afresh per call: one kept across calls would hold memory between calls for every layer
     and input shape."""
 
     __slots__ = ("ws_bytes",)

@@ -31,6 +31,7 @@ benchmarks/weight_only.py.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -107,6 +108,7 @@ def fp8_x_config_for(m: int | torch.SymInt) -> Config:
 _launch = FastLauncher(_fp8_weight_mm_kernel)
 _launch_sum = FastLauncher(_split_k_sum_kernel)
 MAX_SPLIT_K = 8
+MAX_COUNTER_SETS = 64  # per prepared call: (stream, host thread) pairs whose counters it keeps
 SUM_BLOCK_N = 128
 
 
@@ -286,13 +288,13 @@ class PreparedMM:
     split order, so the bits are the two-launch path's), which saves the summing kernel's launch: 11 us of
     host time per call on the H100 machine (29.7 against 18.5 us for a 4096x1024 layer at 16 tokens). Its
     tile counters are zero between launches and belong to one stream (two streams running the same layer
-    at once would count into each other's): one set per stream, made on that stream's first call. A CUDA
-    graph never captures them (see `_counts`): a split-K call captured in a graph counts into graph memory
-    that the graph zeroes (`prepare`).
+    at once would count into each other's): one set per stream and host thread (`_counts`), made on its
+    first call. A CUDA graph never captures them: a call captured in a graph counts into graph memory that
+    the graph zeroes (`prepare_call`). kernels/rowwise_input_mm.py's calls keep counters too (always).
 
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
-    since, or a split-K call while a CUDA graph is being captured. The caller guarantees the rest: x
+    since, or a call with counters while a CUDA graph is being captured. The caller guarantees the rest: x
     contiguous, its rows the prepared (M, K) (any leading dims: the kernel reads its pointer), of the
     prepared dtype on the prepared device, and the same weight tensors and bias (`matches`). y comes in the
     prepared `shape`."""
@@ -340,10 +342,16 @@ class PreparedMM:
             # stream replays it, would count into the eager calls' counters: a capture takes `prepare`'s
             # path, whose counters are graph memory zeroed by the graph itself.
             return None
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        counts = self.counts.get(stream)
+        # Keyed by the stream's handle and the host thread: one handle can name a stream of each thread
+        # (cudaStreamPerThread), whose launches may run at once; counters shared by two running launches
+        # would miscount (rowwise_input_mm's programs could wait for ever). Bounded: a pool of threads that
+        # come and go does not grow it without end (a dropped set is freed in its stream's order).
+        key = (torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
+        counts = self.counts.get(key)
         if counts is None:
-            counts = self.counts[stream] = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
+            if len(self.counts) >= MAX_COUNTER_SETS:
+                self.counts.clear()
+            counts = self.counts[key] = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
         return counts
 
 
@@ -403,7 +411,8 @@ def prepare_call(
     kept = counts is not call.y  # counters: a split K's, or the row quantization's (rowwise_input_mm)
     p.split_shape = tuple(call.out.shape) if call.out is not call.y else None
     p.tiles = counts.numel() if kept else 0
-    p.counts = {torch._C._cuda_getCurrentRawStream(x.device.index): counts} if kept else {}
+    key = (torch._C._cuda_getCurrentRawStream(x.device.index), threading.get_ident())
+    p.counts = {key: counts} if kept else {}
     return call.y, p
 
 

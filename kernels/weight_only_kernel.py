@@ -212,7 +212,7 @@ def _rowwise_input_mm_kernel(
     b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
     y_ptr,  # as _fp8_weight_mm_kernel's (the partial sums when SPLIT_K > 1)
     out_ptr,  # SPLIT_K > 1: (M, N) x dtype, the output
-    count_ptr,  # int32, 0 between launches: [quantized row blocks, finished GEMM programs, tile counters...]
+    count_ptr,  # int32, 0 between launches: [tickets, quantized row blocks, finished GEMM programs, split tiles...]
     M,
     N,
     K,
@@ -220,7 +220,9 @@ def _rowwise_input_mm_kernel(
     stride_xm,
     stride_wn,
     sx_offset,  # a multiple of 16 bytes
-    Q,  # QUANTIZE: the first Q programs of grid dim 0 quantize x (at grid dims 1 and 2 = 0; the others there exit)
+    Q,  # QUANTIZE: programs quantizing x, Q_ROWS rows each; else 0
+    NUM_N,  # the GEMM's tiles: NUM_N along N, NUM_M along M, SPLIT_K along K; one program each
+    NUM_M,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     Q_ROWS: tl.constexpr,  # _quantize_rows' ROWS, BLOCK_K, SINGLE (kernels/rowwise.py row_blocks)
@@ -235,55 +237,54 @@ def _rowwise_input_mm_kernel(
     SWAP: tl.constexpr,
     QUANTIZE: tl.constexpr,  # False: the workspace was filled before the launch (Q = 0), no counters but a split K's
 ):
-    """kernels/rowwise_input_mm.py in one launch: the first Q programs quantize x per row into the workspace
-    (kernels/rowwise.py's code: its bits) and count themselves in (release); every other program waits
-    until all Q have (acquire), then runs _mm_tile with X_FP8 on the workspace. The GEMM program that
-    finishes last resets the two counters for the next launch on this stream.
+    """kernels/rowwise_input_mm.py, one program per (1-D) grid entry. With QUANTIZE, in one launch: each
+    program draws a ticket (an atomic counter); tickets 0..Q-1 quantize x per row into the workspace
+    (kernels/rowwise.py's code: its bits) and count themselves in (release); every later ticket waits until
+    all Q have (acquire), then runs the GEMM tile its ticket names (_mm_tile with X_FP8 on the workspace).
+    The GEMM program that finishes last resets the counters for the next launch.
 
-    The wait needs the Q quantizing programs to run while the others spin: they have the lowest program
-    ids (grid dim 0 first, at dims 1 and 2 = 0), which the GPU dispatches first and the interpreter runs
-    first; they wait on nothing, so they finish and release the rest."""
-    pid_n = tl.program_id(0)
+    Why tickets, not program ids: a program waits only for tickets drawn before its own, by programs that
+    are already running and wait on nothing, so the wait ends whatever order the GPU starts programs in
+    (CUDA promises none; the lowest program ids first is only what it does). Without QUANTIZE the program id
+    names the tile and nothing waits."""
     x8_ptr = ws_ptr.to(tl.pointer_type(tl.float8e4nv))
     sx_ptr = (ws_ptr + sx_offset).to(tl.pointer_type(tl.float32))
-    if not QUANTIZE:
-        # fmt: off
-        _mm_tile(
-            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 2,
-            pid_n, tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-            M, N, K, k_per_split, K, stride_wn, 0, 1, 1,
-            SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SPLIT_K > 1, SWAP, True,
-        )
-        # fmt: on
-    elif pid_n < Q:
-        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
-            # fmt: off
-            _quantize_rows(
-                x_ptr, x8_ptr, sx_ptr, pid_n, M, K, stride_xm, tl.full((), 1.0, tl.float32),
-                FP8_MAX, MIN_SCALE, False, Q_ROWS, Q_BLOCK_K, Q_SINGLE,
-            )
-            # fmt: on
-            tl.debug_barrier()  # every thread's rows stored before the count (one thread's)
-            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    if QUANTIZE:
+        pid = tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
     else:
-        while tl.load(count_ptr, volatile=True) < Q:
-            pass
-        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")  # the quantized rows visible from here on
-        tl.debug_barrier()
-        num_n = tl.num_programs(0) - Q
+        pid = tl.program_id(0)
+    if QUANTIZE and pid < Q:  # QUANTIZE False: no quantizing code compiled at all
+        # fmt: off
+        _quantize_rows(
+            x_ptr, x8_ptr, sx_ptr, pid, M, K, stride_xm, tl.full((), 1.0, tl.float32),
+            FP8_MAX, MIN_SCALE, False, Q_ROWS, Q_BLOCK_K, Q_SINGLE,
+        )
+        # fmt: on
+        tl.debug_barrier()  # every thread's rows stored before the count (one thread's)
+        tl.atomic_add(count_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        if QUANTIZE:
+            while tl.load(count_ptr + 1, volatile=True) < Q:
+                pass
+            tl.atomic_add(count_ptr + 1, 0, sem="acquire", scope="gpu")  # the quantized rows visible from here on
+            tl.debug_barrier()
+        tile = pid - Q
         # fmt: off
         _mm_tile(
-            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 2,
-            pid_n - Q, tl.program_id(1), tl.program_id(2), num_n,
+            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 3,
+            tile % NUM_N, (tile // NUM_N) % NUM_M, tile // (NUM_N * NUM_M), NUM_N,
             M, N, K, k_per_split, K, stride_wn, 0, 1, 1,
             SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SPLIT_K > 1, SWAP, True,
         )
         # fmt: on
-        tl.debug_barrier()
-        programs = num_n * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(count_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
+        if QUANTIZE:
+            tl.debug_barrier()
+            # Every program drew its ticket before this count completes (each GEMM program waited for all Q
+            # quantizing ones): the last one may reset all three counters.
+            if tl.atomic_add(count_ptr + 2, 1, sem="acq_rel", scope="gpu") == NUM_N * NUM_M * SPLIT_K - 1:
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(count_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -101,6 +101,21 @@ def test_first_programs_quantize_x_as_quantize_rowwise_does(k, swap, split):
     _close(y, x, d, s, b)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("m,k,n", [(0, 64, 16), (3, 64, 0), (3, 0, 16)])
+def test_empty_operands_give_the_references_result_and_leave_no_count(m, k, n):
+    """No rows, no columns or no K: the reference's result (empty, or the bias alone), one launch or two; a
+    launch without GEMM programs quantizes nothing (nothing would reset its counters)."""
+    x, d, s, b = _operands(max(m, 1), max(k, 1), max(n, 1), dtype=HALF, bias=True)
+    x, d, b = x[:m, :k].contiguous(), d[:n, :k].contiguous(), b[:n].contiguous()
+    want = R.fp8_rowwise_input_mm_ref(x, d, s, b)
+    call = R._launch_plan(x, d, s, b)
+    R._launch(call.grid, *call.args, **call.options)
+    assert call.args[7] is call.y or not call.args[7].any()
+    for got in (call.y, R.fp8_rowwise_input_mm_triton(x, d, s, b), K.fp8_rowwise_input_mm(x, d, s, b)):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
 def test_reference_is_the_fp8_product_of_the_row_quantized_input():
     x, d, s, b = _operands(5, 64, 24, rowwise=True, bias=True)
     x8, sx = K.quantize_rowwise_ref(x, E4M3)
@@ -173,7 +188,7 @@ def test_gpu_one_launch_quantizes_then_multiplies_launch_after_launch(m, k, n, s
     before it is written, or a stale one."""
     x, d, s, b = _operands(m, k, n, device="cuda", rowwise=True, bias=True)
     _close(_launch_and_check_workspace(x, d, s, b, split=split), x, d, s, b)
-    xs = [x * (1 + i / 8) for i in range(30)]
+    xs = [torch.randn_like(x) * (1 + i) for i in range(30)]  # fresh rows: a stale x8 would show
     calls = [R._launch_plan(v, d, s, b, None, split) for v in xs]
     for call in calls:
         R._launch(call.grid, *call.args, **call.options)
@@ -184,12 +199,16 @@ def test_gpu_one_launch_quantizes_then_multiplies_launch_after_launch(m, k, n, s
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [40, 128])
 def test_gpu_prepared_call_repeats_the_ops_bits(m):
+    """A prepared call (one launch, kept counters) on fresh inputs, call after call: the op's bits (two
+    launches), and its counters back to zero after each."""
     x, d, s, b = _operands(m, 4096, 1024, device="cuda", bias=True)  # a split K: the one-launch sum
-    want = K.fp8_rowwise_input_mm(x, d, s, b)
     y, prepared = R.prepare(x, d, s, b)
-    assert prepared is not None and torch.equal(y, want)
-    for _ in range(3):
-        assert torch.equal(prepared(x, d, s, b), want)
+    assert prepared is not None and torch.equal(y, K.fp8_rowwise_input_mm(x, d, s, b))
+    for i in range(6):
+        v = torch.randn_like(x) * (1 + i)
+        assert torch.equal(prepared(v, d, s, b), K.fp8_rowwise_input_mm(v, d, s, b))
+        torch.cuda.synchronize()
+        assert all(not c.any() for c in prepared.counts.values())
 
 
 @pytest.mark.gpu

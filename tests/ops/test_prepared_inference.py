@@ -104,19 +104,59 @@ def test_gpu_row_and_block_scaled_weights(recipe):
 @gpu
 @pytest.mark.parametrize("tokens", [40, 128])
 def test_gpu_fp8_input_recipe_prepared_eager_and_graphed_give_the_same_bits(tokens):
-    """Recipe.inference_fp8_input_from=33: the row-quantized FP8 x FP8 kernel (two prepared launches, a split
-    K on this narrow layer summed in the GEMM's launch), call after call, under ops.graphed_inference too."""
+    """Recipe.inference_fp8_input_from=33: the row-quantized FP8 x FP8 kernel (a prepared call is one launch,
+    its row quantization inside, a split K on this narrow layer summed in it; the checked op two launches),
+    call after call on fresh inputs (a call that read another call's quantized rows, left in reused memory,
+    would differ), its counters zero after each, under ops.graphed_inference too."""
     lin = _linear(k=4096, n=256, recipe=Recipe(inference_fp8_input_from=33))
-    x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
+    xs = [torch.randn(tokens, 4096, device="cuda", dtype=BF16) for _ in range(4)]
     with torch.inference_mode():
-        want = _checked(lin, x)
-        assert torch.equal(lin(x), want)
-        assert (x.shape, x.dtype) in lin._inference_plans
-        for _ in range(3):
-            assert torch.equal(lin(x), want)
+        want = _checked(lin, xs[0])
+        assert torch.equal(lin(xs[0]), want)
+        prepared = lin._inference_plans[(xs[0].shape, xs[0].dtype)]
+        assert isinstance(prepared, rowwise_input_mm.PreparedRowwiseMM)
+        for x in xs * 2:
+            assert torch.equal(lin(x), _checked(lin, x))
+            torch.cuda.synchronize()
+            assert all(not c.any() for c in prepared.counts.values())
         graphed = ops.graphed_inference(lin)
-        for _ in range(3):
-            assert torch.equal(graphed(x), want)
+        for x in xs:
+            assert torch.equal(graphed(x), _checked(lin, x))
+
+
+@gpu
+def test_gpu_fp8_input_prepared_calls_on_two_streams_and_threads_count_apart():
+    """The one-launch FP8-input call on two streams at once, and from two host threads: each (stream, thread)
+    has its own counters, so no launch's programs wait on (or count into) another's; every output has the
+    checked op's bits and every counter is back to zero."""
+    import threading
+
+    lin = _linear(k=4096, n=1024, recipe=Recipe(inference_fp8_input_from=33))
+    xs = [torch.randn(64, 4096, device="cuda", dtype=BF16) for _ in range(2)]
+    with torch.inference_mode():
+        wants = [_checked(lin, v) for v in xs]
+        lin(xs[0])
+        streams = [torch.cuda.Stream() for _ in xs]
+        outs = [[], []]
+
+        def run(i):
+            with torch.inference_mode(), torch.cuda.stream(streams[i]):
+                torch.cuda._sleep(1_000_000)  # both streams' calls queue up behind it, then run side by side
+                for _ in range(10):
+                    outs[i].append(lin(xs[i]))
+
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        torch.cuda.synchronize()
+        prepared = lin._inference_plans[(xs[0].shape, xs[0].dtype)]
+        assert len(prepared.counts) == 3 and all(not c.any() for c in prepared.counts.values())
+        for i in range(2):
+            assert len(outs[i]) == 10 and all(torch.equal(o, wants[i]) for o in outs[i])
 
 
 @gpu
