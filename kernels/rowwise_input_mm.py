@@ -97,9 +97,9 @@ Q_MAX_SINGLE_K = 4096
 def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, quantize=True) -> weight_only._Launch:
     """The launch of _rowwise_input_mm_kernel for these operands: y, the split K's partial sums, a fresh
     workspace (x8 and its row scales: args[1], the scales at byte args[14]) and, where the kernel counts
-    (quantizing programs, a split K), fresh zeroed counters at args[7] (else y there, not read); config and split_k as in weight_only.fp8_weight_mm_triton (default:
-    weight_only.FP8_X_CONFIGS and split_k_for). quantize=False: no quantizing programs (Q = 0), the caller
-    fills the workspace first."""
+    (quantizing programs, a split K), fresh zeroed counters at args[7] (else y there, not read). config and
+    split_k as in weight_only.fp8_weight_mm_triton (default: weight_only.FP8_X_CONFIGS and split_k_for).
+    quantize=False: no quantizing programs (Q = 0), the caller fills the workspace first."""
     m, k = x.shape
     n = w_data.shape[0]
     device_index = x.device.index if x.is_cuda else None
@@ -141,6 +141,8 @@ def fp8_rowwise_input_mm_triton(
     weight_only.FP8_X_CONFIGS and split_k_for)."""
     call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k, quantize=False)
     m, k = x.shape
+    if m * call.y.shape[1] == 0:
+        return call.y  # nothing to compute (no launch with an empty grid)
     ws, offset = call.args[1], call.args[14]
     x8, sx = ws[: m * k].view(E4M3).view(m, k), ws[offset : offset + 4 * m].view(torch.float32)
     grid, args, warps = rowwise_args(x, x8, sx, E4M3)
@@ -152,8 +154,8 @@ def fp8_rowwise_input_mm_triton(
 class PreparedRowwiseMM(weight_only.PreparedMM):
     """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): one prepared launch,
     its counters kept per stream and thread (as a split K's are), its workspace (x8 and the row scales,
-    M K rounded up to 16 bytes, plus 4 M) made afresh per call: one kept across calls would hold memory between calls for every layer
-    and input shape."""
+    M K rounded up to 16 bytes, plus 4 M) made afresh per call: one kept across calls would hold memory
+    between calls for every layer and input shape."""
 
     __slots__ = ("ws_bytes",)
 
@@ -173,8 +175,9 @@ def prepare(
     """(y, PreparedRowwiseMM or None): one call of checked operands (`supports`, K, one CUDA device, the
     bias's dtype and contiguity, x contiguous), and what repeats it with less host time; None where
     weight_only.prepare_call gives None (the interpreter, a CUDA graph capture, another current device)."""
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A CUDA graph waits for no host: the two launches, whose GEMM waits for nothing (the module docstring).
+    if (x.is_cuda and torch.cuda.is_current_stream_capturing()) or x.shape[0] * w_data.shape[0] == 0:
+        # A CUDA graph waits for no host: the two launches, whose GEMM waits for nothing (the module
+        # docstring). An empty y: nothing to launch or prepare.
         return fp8_rowwise_input_mm_triton(x, w_data, w_scale_inv, bias), None
     call = _launch_plan(x, w_data, w_scale_inv, bias)
     p = PreparedRowwiseMM()
