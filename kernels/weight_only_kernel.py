@@ -1,7 +1,8 @@
 """The Triton kernels of kernels/weight_only.py (fp8_weight_mm) and kernels/rowwise_input_mm.py: y = x @ w.t()
-for few tokens, with w FP8 and x either in high precision (widened weight tiles, bf16/fp16 MMAs) or, with
-X_FP8, quantized per row to E4M3 (FP8 MMAs, the row scales applied in the epilogue). The grid, the tile
-orientations, the split K and its in-kernel sum (FIXUP) are described in kernels/weight_only.py.
+for few tokens, with w FP8 and x either in high precision (_fp8_weight_mm_kernel: widened weight tiles,
+bf16/fp16 MMAs) or quantized per row to E4M3 (_rowwise_input_mm_kernel: _mm_tile with X_FP8, FP8 MMAs, the
+row scales applied in the epilogue). The grid, the tile orientations, the split K and its in-kernel sum
+(FIXUP) are described in kernels/weight_only.py.
 """
 
 from __future__ import annotations
