@@ -52,7 +52,7 @@ from .common import cdiv, fp8_constants, triton_op, use_triton
 from .launch import FastLauncher
 from .rowwise import _launch as _launch_rowwise
 from .rowwise import quantize_rowwise_ref, row_blocks, rowwise_args
-from .weight_only_kernel import _rowwise_input_mm_kernel
+from .weight_only_kernel import COUNTER_LINE, _rowwise_input_mm_kernel
 
 E4M3 = torch.float8_e4m3fn
 
@@ -112,11 +112,13 @@ def _launch_plan(x, w_data, w_scale_inv, bias, config=None, split_k=None, quanti
     ws = torch.empty(sx_offset + 4 * m, dtype=torch.uint8, device=x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    # Counters: [tickets, quantized row blocks, finished GEMM programs, one per output tile of a split K].
+    # Counters: tickets, quantized row blocks, finished GEMM programs (a COUNTER_LINE each), then one per
+    # output tile of a split K.
     # Without quantizing programs only a split K counts (in a CUDA graph each zero fill is a node: none where
     # nothing reads it).
     tiles = grid[0] * grid[1] if split_k > 1 else 0
-    counts = torch.zeros(3 + tiles, dtype=torch.int32, device=x.device) if quantize or tiles else y
+    size = 3 * COUNTER_LINE.value + tiles
+    counts = torch.zeros(size, dtype=torch.int32, device=x.device) if quantize or tiles else y
     bias_arg, has_bias = (x, False) if bias is None else (bias, True)
     c = fp8_constants(E4M3)
     args = (x, ws, w_data, w_scale_inv, bias_arg, out, y, counts, m, n, k, k_per_split, x.stride(0))

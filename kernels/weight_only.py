@@ -345,12 +345,12 @@ class PreparedMM:
         # Keyed by the stream's handle and the host thread: one handle can name a stream of each thread
         # (cudaStreamPerThread), whose launches may run at once; counters shared by two running launches
         # would miscount (rowwise_input_mm's programs could wait for ever). Bounded: a pool of threads that
-        # come and go does not grow it without end (a dropped set is freed in its stream's order).
+        # come and go does not grow it without end (the oldest set is dropped, freed in its stream's order).
         key = (torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
         counts = self.counts.get(key)
         if counts is None:
             if len(self.counts) >= MAX_COUNTER_SETS:
-                self.counts.clear()
+                del self.counts[next(iter(self.counts))]  # the set made first
             counts = self.counts[key] = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
         return counts
 

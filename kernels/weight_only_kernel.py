@@ -12,6 +12,10 @@ import triton.language as tl
 
 from .rowwise import _quantize_rows
 
+# int32 counters per 128-byte line: _rowwise_input_mm_kernel keeps its ticket, ready and finished counters a
+# line apart, so that the programs polling the ready count do not contend with the ticket draws.
+COUNTER_LINE = tl.constexpr(32)
+
 
 @triton.jit
 def _epilogue(
@@ -213,7 +217,8 @@ def _rowwise_input_mm_kernel(
     b_ptr,  # (N,) x dtype, or x_ptr when there is no bias (not read)
     y_ptr,  # as _fp8_weight_mm_kernel's (the partial sums when SPLIT_K > 1)
     out_ptr,  # SPLIT_K > 1: (M, N) x dtype, the output
-    count_ptr,  # int32, 0 between launches: [tickets, quantized row blocks, finished GEMM programs, split tiles...]
+    count_ptr,  # int32, 0 between launches, a COUNTER_LINE each: tickets, quantized row blocks, finished GEMM
+    # programs; then one per split tile
     M,
     N,
     K,
@@ -262,17 +267,17 @@ def _rowwise_input_mm_kernel(
         )
         # fmt: on
         tl.debug_barrier()  # every thread's rows stored before the count (one thread's)
-        tl.atomic_add(count_ptr + 1, 1, sem="release", scope="gpu")
+        tl.atomic_add(count_ptr + COUNTER_LINE, 1, sem="release", scope="gpu")
     else:
         if QUANTIZE:
-            while tl.load(count_ptr + 1, volatile=True) < Q:
+            while tl.load(count_ptr + COUNTER_LINE, volatile=True) < Q:
                 pass
-            tl.atomic_add(count_ptr + 1, 0, sem="acquire", scope="gpu")  # the quantized rows visible from here on
+            tl.atomic_add(count_ptr + COUNTER_LINE, 0, sem="acquire", scope="gpu")  # the quantized rows visible now
             tl.debug_barrier()
         tile = pid - Q
         # fmt: off
         _mm_tile(
-            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 3,
+            x8_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, y_ptr, out_ptr, count_ptr + 3 * COUNTER_LINE,
             tile % NUM_N, (tile // NUM_N) % NUM_M, tile // (NUM_N * NUM_M), NUM_N,
             M, N, K, k_per_split, K, stride_wn, 0, 1, 1,
             SCALE_MODE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SPLIT_K > 1, SWAP, True,
@@ -282,10 +287,11 @@ def _rowwise_input_mm_kernel(
             tl.debug_barrier()
             # Every program drew its ticket before this count completes (each GEMM program waited for all Q
             # quantizing ones): the last one may reset all three counters.
-            if tl.atomic_add(count_ptr + 2, 1, sem="acq_rel", scope="gpu") == NUM_N * NUM_M * SPLIT_K - 1:
+            done = count_ptr + 2 * COUNTER_LINE
+            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_N * NUM_M * SPLIT_K - 1:
                 tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(count_ptr + 2, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(count_ptr + COUNTER_LINE, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

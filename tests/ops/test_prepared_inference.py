@@ -126,9 +126,11 @@ def test_gpu_fp8_input_recipe_prepared_eager_and_graphed_give_the_same_bits(toke
 
 @gpu
 def test_gpu_fp8_input_prepared_calls_on_two_streams_and_threads_count_apart():
-    """The one-launch FP8-input call on two streams at once, and from two host threads: each (stream, thread)
-    has its own counters, so no launch's programs wait on (or count into) another's; every output has the
-    checked op's bits and every counter is back to zero."""
+    """The one-launch FP8-input call on two streams, from two host threads, queued behind a sleep on each so
+    that they likely run at once (not proven): each (stream, thread) has its own counters, so no launch's
+    programs wait on (or count into) another's; every output has the checked op's bits and every counter is
+    back to zero. Shared counters would hang here rather than fail: the GPU tier's --timeout-method=thread
+    turns that into a failed worker (.ci/gpu_tier.sh)."""
     import threading
 
     lin = _linear(k=4096, n=1024, recipe=Recipe(inference_fp8_input_from=33))
