@@ -494,3 +494,25 @@ def test_hsdp_2d_mesh_fp8_all_gather_trains_like_one_process():
         for r in results[1:]:
             assert torch.equal(results[0][name], r[name]), name
         assert sqnr_db(p.detach(), results[0][name]) >= SQNR_DB["grad"], name
+
+
+def test_the_pre_all_gather_hook_keeps_its_own_signature_for_fsdp():
+    # FSDP2 calls inspect.signature on the bound hook before every all-gather and passes five arguments when
+    # it counts five parameters. The hook keeps its signature on the function (float8/fsdp.py), so inspect
+    # does not rebuild it each time; it must be the function's own.
+    import inspect
+
+    from float8.fsdp import Float8TrainingWeight
+
+    fn = Float8TrainingWeight.fsdp_pre_all_gather
+    assert "__signature__" in fn.__dict__
+    code = fn.__code__
+    assert list(fn.__signature__.parameters) == list(code.co_varnames[: code.co_argcount])
+    w = Float8TrainingWeight(torch.randn(4, 4), torch.float8_e4m3fn)
+    assert list(inspect.signature(w.fsdp_pre_all_gather).parameters) == [
+        "mesh",
+        "outer_size",
+        "outer_stride",
+        "module",
+        "mp_policy",
+    ]
