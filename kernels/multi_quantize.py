@@ -1,5 +1,4 @@
-"""Per-tensor current-scaling FP8 quantization of many tensors in two launches, not two or three each; and
-their amaxes alone in one (amax_multi).
+"""Per-tensor current-scaling FP8 quantization of many tensors in two launches, not two or three each.
 
 quantize_tensorwise_multi(xs, fp8_dtype, margin=0, power_of_2=False, with_transpose=False)
     -> (datas, datas_t, scale_invs, amaxes)
@@ -39,7 +38,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
-from .reference import amax_ref, quantize_tensorwise_ref
+from .reference import quantize_tensorwise_ref
 
 AMAX_BLOCK = 8192  # elements per program of the amax pass (as kernels/amax.py)
 BLOCK_M, BLOCK_K = 64, 128  # the tile of kernels/cast_transpose.py
@@ -136,21 +135,15 @@ def _check(xs, fp8_dtype, margin, power_of_2, with_transpose) -> None:
     op = "quantize_tensorwise_multi"
     check_scaling_args(fp8_dtype, margin, power_of_2, op)
     check_flag(with_transpose, "with_transpose", op)
-    _check_tensors(xs, op, two_d=True)
-
-
-def _check_tensors(xs, op: str, two_d: bool) -> None:
-    """xs: a non-empty list of plain contiguous tensors (2-D where two_d) of one float dtype on one device."""
     if not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"{op}: xs must be a non-empty list of tensors, got {type(xs).__name__}")
     first = xs[0]
     for i, x in enumerate(xs):
         if not isinstance(x, torch.Tensor) or type(x) is not torch.Tensor:
             raise TypeError(f"{op}: xs[{i}] must be a plain torch.Tensor, got {type(x).__name__}")
-        if (two_d and x.dim() != 2) or not x.is_contiguous():
+        if x.dim() != 2 or not x.is_contiguous():
             raise ValueError(
-                f"{op}: xs[{i}] must be {'2-D and ' if two_d else ''}contiguous, got shape {tuple(x.shape)} "
-                f"strides {x.stride()}"
+                f"{op}: xs[{i}] must be 2-D and contiguous, got shape {tuple(x.shape)} strides {x.stride()}"
             )
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"{op}: xs[{i}] must be float32, bfloat16 or float16, got {x.dtype}")
@@ -257,54 +250,4 @@ def quantize_tensorwise_multi(
     return quantize_tensorwise_multi_ref(xs, fp8_dtype, margin, power_of_2, with_transpose)
 
 
-def amax_multi_triton(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """max|x| of every contiguous tensor of xs as one (T,) float32 tensor, in one launch of
-    _multi_amax_kernel (no checks)."""
-    dev = xs[0].device
-    T = len(xs)
-    steps = max(1, (T - 1).bit_length()) + 1
-    starts = [0]
-    for x in xs:
-        starts.append(starts[-1] + cdiv(x.numel(), AMAX_BLOCK))
-    table = torch.tensor([x.data_ptr() for x in xs] + [x.numel() for x in xs] + starts, dtype=torch.int64).to(dev)
-    src, numels, a_starts = table.split([T, T, T + 1])
-    amaxes = torch.zeros(T, dtype=torch.float32, device=dev)
-    if starts[-1]:
-        _multi_amax_kernel[(starts[-1],)](
-            src,
-            numels,
-            a_starts,
-            amaxes,
-            T,
-            IN_DTYPE=_TL_DTYPE[xs[0].dtype],
-            STEPS=steps,
-            BLOCK=AMAX_BLOCK,
-            num_warps=8,
-        )
-    return amaxes
-
-
-def amax_multi_ref(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """torch.stack of amax_ref(x) for each x: the semantics amax_multi_triton follows."""
-    return torch.stack([amax_ref(x) for x in xs])
-
-
-def amax_multi(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(T,) float32: max|x| of each tensor of xs (NaN if it holds one, 0 if empty), as kernels/amax.py's
-    amax gives for each. xs: contiguous, of one float dtype on one device. On a CUDA GPU one launch for
-    all of them (float8/fsdp.py precompute_scales: the masters of every FP8-gathered weight after an
-    optimizer step, 32 launches and 32 zero fills before in the 8-block benchmark model)."""
-    _check_tensors(xs, "amax_multi", two_d=False)
-    if use_triton(xs[0], writes_fp8=False):
-        return amax_multi_triton(xs)
-    return amax_multi_ref(xs)
-
-
-__all__ = [
-    "amax_multi",
-    "amax_multi_ref",
-    "amax_multi_triton",
-    "quantize_tensorwise_multi",
-    "quantize_tensorwise_multi_ref",
-    "quantize_tensorwise_multi_triton",
-]
+__all__ = ["quantize_tensorwise_multi", "quantize_tensorwise_multi_ref", "quantize_tensorwise_multi_triton"]

@@ -12,7 +12,7 @@ import torch
 
 from float8.kernels import multi_quantize as mq
 from float8.kernels.quantize import quantize_tensorwise
-from float8.kernels.reference import amax_ref, quantize_tensorwise_ref
+from float8.kernels.reference import quantize_tensorwise_ref
 
 from .helpers import FP8, HP, assert_outputs, make_x, needs_interpreter
 from .helpers import CountedLaunches as _Counted
@@ -96,39 +96,6 @@ def test_bad_scaling_args():
         mq.quantize_tensorwise_multi([torch.zeros(4, 4)], FP8[0], with_transpose=1)
 
 
-# amax_multi: shapes of any rank (FSDP shards are 2-D, a norm's weight 1-D), an empty one, and specials.
-AMAX_SHAPES = [(64, 128), (65, 129), (1,), (0, 16), (3, 5, 7), (70000,), (16, 16)]
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", HP)
-def test_interpreted_amax_multi_is_each_tensors_amax_in_one_launch(dtype, monkeypatch):
-    xs = [make_x(s, dtype, seed=i, scale=10.0 ** (i - 3), specials=i in (1, 4)) for i, s in enumerate(AMAX_SHAPES)]
-    kernel = _Counted(mq._multi_amax_kernel)
-    monkeypatch.setattr(mq, "_multi_amax_kernel", kernel)
-    got = mq.amax_multi_triton(xs)
-    assert kernel.n == 1 and got.shape == (len(xs),) and got.dtype == torch.float32
-    want = torch.stack([amax_ref(x) for x in xs])
-    assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[[1, 4]].all()
-    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
-    assert got[3] == 0  # the empty tensor
-    ref = mq.amax_multi(xs)  # the public function, on CPU tensors: the reference
-    assert torch.equal(torch.nan_to_num(ref), torch.nan_to_num(want)) and torch.equal(ref.isnan(), want.isnan())
-
-
-def test_amax_multi_reference_path_and_bad_input():
-    xs = [torch.randn(4, 4), torch.full((3,), -7.0)]
-    assert torch.equal(mq.amax_multi_ref(xs), torch.stack([xs[0].abs().max(), torch.tensor(7.0)]))
-    with pytest.raises(ValueError, match="non-empty"):
-        mq.amax_multi([])
-    with pytest.raises(ValueError, match="contiguous"):
-        mq.amax_multi([torch.randn(4, 4).t()])
-    with pytest.raises(ValueError, match="dtype and device"):
-        mq.amax_multi([torch.randn(4), torch.randn(4, dtype=torch.bfloat16)])
-    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-        mq.amax_multi([torch.zeros(4, dtype=torch.int32)])
-
-
 @needs_interpreter
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_interpreted_cast_with_scale_gives_quantize_tensorwises_bits(fp8_dtype):
@@ -169,16 +136,12 @@ def test_gpu_matches_single_tensor_launcher(with_transpose):
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1",
     reason="TRITON_INTERPRET=1 would run these on the interpreter, not the GPU",
 )
-def test_gpu_amax_multi_and_cast_with_scale_match_the_single_tensor_ops():
+def test_gpu_cast_with_scale_matches_quantize_tensorwise():
     # FSDP-shard-like fp32 masters, ragged and empty ones, one with NaN/inf.
-    from float8.kernels.amax import amax
     from float8.kernels.quantize import cast_with_scale
 
     shapes = [(1536, 4096), (512, 4096), (7168, 4096), (65, 129), (0, 16), (3000,)]
     xs = [make_x(s, torch.float32, seed=i, specials=i == 3, device="cuda") for i, s in enumerate(shapes)]
-    got = mq.amax_multi(xs)
-    want = torch.stack([amax(x) for x in xs])
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     for f8 in FP8:
         for x in xs:
             scale = torch.tensor(0.37, device="cuda")
