@@ -37,6 +37,7 @@ from .cast import cast_triton, launch_cast
 from .cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
 from .common import (
     SMALL_NUMEL,
+    _plain_eager,
     abs_bits,
     check_flag,
     check_hp_input,
@@ -173,9 +174,10 @@ def cast_with_scale(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor
     """(data (x.shape) fp8, scale_inv () fp32): quantize_tensorwise(x, fp8_dtype, scale)'s first and third
     outputs, the same bits, for a caller that drops max|x|: one launch, without the zeroed amax buffer and
     its fill kernel (float8/fsdp.py: each FP8-gathered weight's shard before every all-gather, 64 a step in
-    the 8-block benchmark model). Under torch.compile, quantize_tensorwise itself."""
+    the 8-block benchmark model). Traced (torch.compile, a dispatch mode, forward AD) or off the GPU,
+    quantize_tensorwise itself: the registered op, which runs the kernel with the mode set aside."""
     _check(x, fp8_dtype, scale, 0, False, False)
-    if torch.compiler.is_compiling() or not use_triton(x):
+    if not _plain_eager((x, scale), {}) or not use_triton(x):
         data, _, scale_inv, _ = quantize_tensorwise(x, fp8_dtype, scale)
         return data, scale_inv
     return launch_cast(x.contiguous(), scale, fp8_dtype, current=False)

@@ -98,16 +98,51 @@ def test_bad_scaling_args():
 
 @needs_interpreter
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_interpreted_cast_with_scale_gives_quantize_tensorwises_bits(fp8_dtype):
-    # The FSDP pre-all-gather cast: quantize_tensorwise with a given scale, less its amax output.
-    from float8.kernels.quantize import cast_with_scale
+def test_interpreted_cast_with_scale_gives_quantize_tensorwises_bits(fp8_dtype, monkeypatch):
+    # The FSDP pre-all-gather cast: quantize_tensorwise with a given scale, less its amax output. The
+    # launcher itself runs (use_triton forced on: the interpreter takes CPU tensors), at ordinary and at
+    # degenerate scales (a precomputed scale from a NaN or inf amax is NaN; 0 and inf are refused upstream
+    # but must not turn finite here).
+    from float8.kernels import quantize as qz
 
+    launched = []
+    real = qz.launch_cast
+    monkeypatch.setattr(qz, "launch_cast", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setattr(qz, "use_triton", lambda x, writes_fp8=True: True)
     for i, shape in enumerate([(65, 129), (0, 16), (300,)]):
         x = make_x(shape, torch.float32, seed=i, specials=i == 0)
-        scale = torch.tensor(0.37, dtype=torch.float32)
-        data, scale_inv = cast_with_scale(x, fp8_dtype, scale)
-        want = quantize_tensorwise_ref(x, fp8_dtype, scale)
-        assert_outputs((data, scale_inv), (want[0], want[2]), ("data", "scale_inv"))
+        for value in (0.37, float("nan"), float("inf"), 0.0, 3e38):
+            scale = torch.tensor(value, dtype=torch.float32)
+            data, scale_inv = qz.cast_with_scale(x, fp8_dtype, scale)
+            want = quantize_tensorwise_ref(x, fp8_dtype, scale)
+            assert_outputs((data, scale_inv), (want[0], want[2]), ("data", "scale_inv"))
+    assert len(launched) == 15
+
+
+@needs_interpreter
+def test_cast_with_scale_under_a_dispatch_mode_takes_the_registered_op(monkeypatch):
+    # A dispatch mode (tests/distributed/test_fsdp.py counts all-reduces with one) cannot see a direct
+    # launch: the call goes through quantize_tensorwise, which runs the kernel with the mode set aside.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from float8.kernels import quantize as qz
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    launched = []
+    real = qz.launch_cast
+    monkeypatch.setattr(qz, "launch_cast", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setattr(qz, "use_triton", lambda x, writes_fp8=True: True)
+    x, scale = make_x((33, 65), torch.float32, seed=1), torch.tensor(0.37)
+    with Passthrough():
+        data, scale_inv = qz.cast_with_scale(x, FP8[0], scale)
+    assert launched == []
+    want = quantize_tensorwise_ref(x, FP8[0], scale)
+    assert_outputs((data, scale_inv), (want[0], want[2]), ("data", "scale_inv"))
+    qz.cast_with_scale(x, FP8[0], scale)
+    assert launched == [1]
 
 
 @pytest.mark.gpu
