@@ -10,7 +10,8 @@ fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x204
     eager and compiled per block; torchao tensorwise + FP8 all-gather, compiled per block (if torchao
     imports). Whole steps (zero_grad, forward, backward, optimizer step, scale precompute), CUDA events, in
     interleaved rounds with every model alive; step peak above what is held, what each model holds;
-    all-gather bytes per step. --profile: NCCL time per step and the part not hidden behind compute.
+    all-gather bytes per step. --profile: NCCL time per step, the part not hidden behind compute, and the
+    time the GPU runs no kernel at all (host-bound steps: benchmarks/results/profile_mesh.txt).
 tp: one transformer layer, TP over every rank with sequence parallelism, 8192 tokens: float8.ops
     (Linear(parallel=..., sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style
     collectives and the norms' gradients summed over the group (as float8's), each eager and compiled
@@ -682,44 +683,63 @@ def _write(out, path) -> None:
 
 
 def _exposed_comm(model_step, trace_dir, name, part, steps=2):
-    """Profile `steps` steps; NCCL kernel time, and the part of it during which no other kernel runs (what
-    the step waits on communication for: FSDP2's prefetch hides the rest behind compute). The kernels'
-    table (not the whole trace, tens of MB) goes to trace_dir/profile_<part>.txt when given."""
+    """Profile `steps` steps; the kernel timeline's figures per step (`timeline_figures`): NCCL kernel time and
+    the part of it during which no other kernel runs (what the step waits on communication for: FSDP2's
+    prefetch hides the rest behind compute), and the time no kernel runs at all (what it waits on the host
+    for). The kernels' table (not the whole trace, tens of MB) goes to trace_dir/profile_<part>.txt when
+    given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             model_step()
         torch.cuda.synchronize()
-    comm, compute = [], []
-    for e in prof.events():
-        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
-            continue
-        (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end))
-    compute.sort()
-    merged = []
-    for a, b in compute:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    import bisect
-
-    starts = [a for a, _ in merged]
-    exposed = 0.0
-    for a, b in comm:
-        covered, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
-        while i < len(merged) and merged[i][0] < b:
-            covered += max(0, min(b, merged[i][1]) - max(a, merged[i][0]))
-            i += 1
-        exposed += (b - a) - covered
+    kernels = [
+        (e.time_range.start, e.time_range.end, "nccl" in e.name.lower())
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0
+    ]
     if trace_dir:  # the kernels by CUDA time, one table per variant (a whole trace is tens of MB)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
         with open(os.path.join(trace_dir, f"profile_{part}.txt"), "a") as f:
             f.write(f"## {name}: {steps} steps\n{table}\n")
+    return timeline_figures(kernels, steps)
+
+
+def _union(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def timeline_figures(kernels: "list[tuple[float, float, bool]]", steps: int) -> dict:
+    """Per step, from kernels (start_us, end_us, is_nccl): NCCL kernel time; the part of it with no other
+    kernel running (exposed communication); the time from the first kernel's start to the last one's end
+    with no kernel running at all (the GPU waiting on the host: launches, Python, syncs); kernel count."""
+    import bisect
+
+    comm = [(a, b) for a, b, nccl in kernels if nccl]
+    compute = _union((a, b) for a, b, nccl in kernels if not nccl)
+    starts = [a for a, _ in compute]
+    exposed = 0.0
+    for a, b in comm:
+        covered, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(compute) and compute[i][0] < b:
+            covered += max(0, min(b, compute[i][1]) - max(a, compute[i][0]))
+            i += 1
+        exposed += (b - a) - covered
+    busy = _union((a, b) for a, b, _ in kernels)
+    span = busy[-1][1] - busy[0][0] if busy else 0.0
+    idle = span - sum(b - a for a, b in busy)
     return {
         "nccl_kernel_ms_per_step": sum(b - a for a, b in comm) / 1e3 / steps,
         "exposed_nccl_ms_per_step": exposed / 1e3 / steps,
+        "gpu_idle_ms_per_step": idle / 1e3 / steps,
+        "kernels_per_step": len(kernels) / steps,
     }
 
 

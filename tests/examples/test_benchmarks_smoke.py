@@ -136,3 +136,21 @@ def test_host_inference_says_it_needs_a_gpu_and_records_nothing(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "without a GPU" in out.stdout and not any(tmp_path.iterdir())
+
+
+def test_timeline_figures_split_communication_compute_and_host_waits():
+    # benchmarks.distributed --profile: per step, NCCL time, the part no other kernel hides, and the time no
+    # kernel runs at all (the GPU waiting on the host). Two steps of a made-up timeline, in microseconds:
+    # compute 0-100 and 150-250 (overlapping kernels 150-200 and 180-250), NCCL 90-130 (10 hidden, 30
+    # exposed) and 300-320 (exposed); nothing runs in 130-150 and 250-300.
+    from benchmarks.distributed import timeline_figures
+
+    kernels = [(0, 100, False), (150, 200, False), (180, 250, False), (90, 130, True), (300, 320, True)]
+    got = timeline_figures(kernels, steps=2)
+    assert got == {
+        "nccl_kernel_ms_per_step": 0.03,
+        "exposed_nccl_ms_per_step": 0.025,
+        "gpu_idle_ms_per_step": 0.035,
+        "kernels_per_step": 2.5,
+    }
+    assert timeline_figures([], steps=1)["gpu_idle_ms_per_step"] == 0.0
