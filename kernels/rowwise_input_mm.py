@@ -25,10 +25,11 @@ for bf16 F.linear; at 64 tokens 182 + 18 against 289 and 321. cuBLASLt's row-wis
 (torch._scaled_mm) is as fast on the GPU, but its call costs about 20 us of host against about 5 for a
 prepared launch of this kernel, and eager forwards at these sizes wait for the host (docs/performance.md).
 Why two paths: eagerly one launch and one allocation fewer per layer is what counts; on the GPU the one
-launch is slower (its GEMM programs wait for the quantizing ones, which run with the GEMM's 4 warps): the
-layer shapes of the sweep summed, 212 against 197 us at 128 tokens (8%), 174 against 169 at 64 (3%), up to
-20% on one small layer (k/v at 128 tokens, 20.7 against 17.3), one run; a CUDA graph, waiting for no host,
-would pay that. The two launches are three GPU operations on a split-K layer (its counters' zero fill).
+launch is slower (its GEMM programs draw tickets behind the quantizing ones and wait for them, which run
+with the GEMM's 4 warps): the layer shapes of the sweep summed on the H100, 217 against 186 us at 128
+tokens, 169 against 152 at 33 (10-14%), up to 23% on a small layer (k/v at 128 tokens, 20.5 against 15.8;
+benchmarks/results/profile_rowwise_input_inference.txt, 3d); a CUDA graph, waiting for no host, would pay
+that. The two launches are three GPU operations on a split-K layer (its counters' zero fill).
 
 Numerics: one scale per row of x (current scaling, no margin: each row uses E4M3's whole range), the
 products exact in float32, each K step's FP8 MMA result added to a float32 accumulator (Hopper's FP8 MMA
