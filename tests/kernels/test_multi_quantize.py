@@ -12,7 +12,7 @@ import torch
 
 from float8.kernels import multi_quantize as mq
 from float8.kernels.quantize import quantize_tensorwise
-from float8.kernels.reference import quantize_tensorwise_ref
+from float8.kernels.reference import amax_ref, quantize_tensorwise_ref
 
 from .helpers import FP8, HP, assert_outputs, make_x, needs_interpreter
 from .helpers import CountedLaunches as _Counted
@@ -43,12 +43,34 @@ def test_interpreted_matches_reference(fp8_dtype, with_transpose, margin, power_
     # Every tensor has its own scale: the magnitudes differ by orders, and two hold NaN/inf (their scale
     # and values turn NaN, the others' must not).
     xs = [make_x(s, torch.bfloat16, seed=i, scale=10.0 ** (i - 3), specials=i in (2, 4)) for i, s in enumerate(SHAPES)]
-    kernels = {n: _Counted(getattr(mq, n)) for n in ("_multi_amax_kernel", "_multi_cast_kernel")}
+    names = ("_multi_amax_kernel", "_multi_cast_kernel", "_multi_cast_flat_kernel")
+    kernels = {n: _Counted(getattr(mq, n)) for n in names}
     for n, k in kernels.items():
         monkeypatch.setattr(mq, n, k)
     got = mq.quantize_tensorwise_multi_triton(xs, fp8_dtype, margin, power_of_2, with_transpose)
-    assert {n: k.n for n, k in kernels.items()} == {"_multi_amax_kernel": 1, "_multi_cast_kernel": 1}
+    # Without a transpose the aligned tensors (torch's allocations) take the flat cast.
+    want = {"_multi_amax_kernel": 1, "_multi_cast_kernel": int(with_transpose)}
+    want["_multi_cast_flat_kernel"] = int(not with_transpose)
+    assert {n: k.n for n, k in kernels.items()} == want
     _check_each(got, xs, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+@needs_interpreter
+def test_interpreted_unaligned_tensors_take_the_tiled_cast(monkeypatch):
+    """A tensor whose data is not 16-byte aligned (a view at an odd offset) is read without the vector
+    loads' alignment promise: the tiled cast and the unaligned amax, the same bits."""
+    base = make_x((64 * 129 + 1,), torch.bfloat16, seed=3, specials=True)
+    xs = [make_x((65, 129), torch.bfloat16, seed=1), base[1:].view(64, 129)]
+    assert xs[1].data_ptr() % 16
+    kernels = {n: _Counted(getattr(mq, n)) for n in ("_multi_cast_kernel", "_multi_cast_flat_kernel")}
+    for n, k in kernels.items():
+        monkeypatch.setattr(mq, n, k)
+    got = mq.quantize_tensorwise_multi_triton(xs, FP8[0])
+    assert (kernels["_multi_cast_kernel"].n, kernels["_multi_cast_flat_kernel"].n) == (1, 0)
+    _check_each(got, xs, FP8[0], 0, False, False)
+    amaxes = mq.amax_multi_triton(xs)
+    want = torch.stack([amax_ref(x) for x in xs])
+    assert torch.equal(amaxes.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(amaxes), torch.nan_to_num(want))
 
 
 @needs_interpreter
@@ -94,6 +116,44 @@ def test_bad_scaling_args():
         mq.quantize_tensorwise_multi([torch.zeros(4, 4)], FP8[0], margin=-1)
     with pytest.raises(TypeError, match="with_transpose"):
         mq.quantize_tensorwise_multi([torch.zeros(4, 4)], FP8[0], with_transpose=1)
+
+
+# amax_multi: shapes of any rank (FSDP shards are 2-D, a norm's weight 1-D), an empty one, and specials.
+AMAX_SHAPES = [(64, 128), (65, 129), (1,), (0, 16), (3, 5, 7), (70000,), (16, 16)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", HP)
+def test_interpreted_amax_multi_is_each_tensors_amax_in_one_launch(dtype, monkeypatch):
+    xs = [make_x(s, dtype, seed=i, scale=10.0 ** (i - 3), specials=i in (1, 4)) for i, s in enumerate(AMAX_SHAPES)]
+    kernel = _Counted(mq._multi_amax_kernel)
+    monkeypatch.setattr(mq, "_multi_amax_kernel", kernel)
+    got = mq.amax_multi_triton(xs)
+    assert kernel.n == 1 and got.shape == (len(xs),) and got.dtype == torch.float32
+    want = torch.stack([amax_ref(x) for x in xs])
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[[1, 4]].all()
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert got[3] == 0  # the empty tensor
+    ref = mq.amax_multi(xs)  # the public function, on CPU tensors: the reference
+    assert torch.equal(torch.nan_to_num(ref), torch.nan_to_num(want)) and torch.equal(ref.isnan(), want.isnan())
+
+
+def test_amax_multi_reference_path_and_bad_input():
+    xs = [torch.randn(4, 4), torch.full((3,), -7.0)]
+    assert torch.equal(mq.amax_multi_ref(xs), torch.stack([xs[0].abs().max(), torch.tensor(7.0)]))
+    with pytest.raises(ValueError, match="non-empty"):
+        mq.amax_multi([])
+    with pytest.raises(ValueError, match="contiguous"):
+        mq.amax_multi([torch.randn(4, 4).t()])
+    with pytest.raises(ValueError, match="dtype and device"):
+        mq.amax_multi([torch.randn(4), torch.randn(4, dtype=torch.bfloat16)])
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        mq.amax_multi([torch.zeros(4, dtype=torch.int32)])
+
+
+def test_device_table_on_the_cpu_is_the_values():
+    t = mq.device_table([3, -1, 2**40], torch.device("cpu"), "op")
+    assert t.dtype == torch.int64 and t.tolist() == [3, -1, 2**40]
 
 
 @needs_interpreter
@@ -171,15 +231,58 @@ def test_gpu_matches_single_tensor_launcher(with_transpose):
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1",
     reason="TRITON_INTERPRET=1 would run these on the interpreter, not the GPU",
 )
-def test_gpu_cast_with_scale_matches_quantize_tensorwise():
+def test_gpu_amax_multi_and_cast_with_scale_match_the_single_tensor_ops():
     # FSDP-shard-like fp32 masters, ragged and empty ones, one with NaN/inf.
+    from float8.kernels.amax import amax
     from float8.kernels.quantize import cast_with_scale
 
     shapes = [(1536, 4096), (512, 4096), (7168, 4096), (65, 129), (0, 16), (3000,)]
     xs = [make_x(s, torch.float32, seed=i, specials=i == 3, device="cuda") for i, s in enumerate(shapes)]
+    got = mq.amax_multi(xs)
+    want = torch.stack([amax(x) for x in xs])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     for f8 in FP8:
         for x in xs:
             scale = torch.tensor(0.37, device="cuda")
             data, scale_inv = cast_with_scale(x, f8, scale)
             single = quantize_tensorwise(x, f8, scale)
             assert_outputs((data, scale_inv), (single[0], single[2]), ("data", "scale_inv"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1",
+    reason="TRITON_INTERPRET=1 would run these on the interpreter, not the GPU",
+)
+def test_gpu_multi_launchers_never_wait_for_the_gpu():
+    """The pointer table goes to the GPU without a stream sync (a pageable copy waited for every queued
+    kernel: after an optimizer step, the whole step), and the results are right although the copy was
+    queued behind long work and the host buffer may be reused once it has run."""
+    xs = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in [(1024, 1024), (512, 2048), (65, 129)]]
+    want = [quantize_tensorwise(x, FP8[0]) for x in xs]
+    want_amax = torch.stack([amax_ref(x) for x in xs])
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        for _ in range(8):
+            a @ a  # tens of ms queued before the tables' copies
+        for _ in range(3):
+            got = mq.quantize_tensorwise_multi(xs, FP8[0])
+            amaxes = mq.amax_multi(xs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i in range(len(xs)):
+        assert_outputs(tuple(g[i] for g in got), want[i], NAMES)
+    assert torch.equal(amaxes, want_amax)
+
+
+@pytest.mark.gpu
+def test_gpu_multi_launchers_refuse_a_cuda_graph_capture():
+    """A graph would keep the copy from a host buffer that is reused after the capture: refused, named."""
+    xs = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)]
+    mq.quantize_tensorwise_multi(xs, FP8[0])  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="not capturable in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            mq.quantize_tensorwise_multi(xs, FP8[0])
