@@ -302,47 +302,32 @@ def quantize_tensorwise_multi_triton(
             ALIGNED=aligned,
             num_warps=8,
         )
-    if flat:
-        _multi_cast_flat_kernel[(cast_starts[-1],)](
-            src,
-            dst,
-            numels,
-            c_starts,
-            amaxes,
-            scale_invs,
-            T,
-            margin_div(margin),
-            IN_DTYPE=in_dtype,
-            OUT_DTYPE=_TL_DTYPE[fp8_dtype],
-            **fp8_constants(fp8_dtype),
-            POWER_OF_2=power_of_2,
-            STEPS=steps,
-            SCALE_ROW=SCALE_ROW,
-            BLOCK=CAST_BLOCK,
-            num_warps=8,
-        )
-        return datas, datas_t, list(scale_invs[:, 0].unbind()), list(amaxes.unbind())
-    _multi_cast_kernel[(cast_starts[-1],)](
-        src,
-        dst,
-        dst_t,
-        shapes_t,
-        c_starts,
-        amaxes,
-        scale_invs,
-        T,
-        margin_div(margin),
+    # The arguments both casts take: each tensor's scale from its amax, the scale-inverse in its row.
+    common = (amaxes, scale_invs, T, margin_div(margin))
+    options = dict(
         IN_DTYPE=in_dtype,
         OUT_DTYPE=_TL_DTYPE[fp8_dtype],
         **fp8_constants(fp8_dtype),
         POWER_OF_2=power_of_2,
-        WITH_T=with_transpose,
         STEPS=steps,
         SCALE_ROW=SCALE_ROW,
-        BLOCK_M=BLOCK_M,
-        BLOCK_K=BLOCK_K,
         num_warps=8,
     )
+    if flat:
+        _multi_cast_flat_kernel[(cast_starts[-1],)](src, dst, numels, c_starts, *common, BLOCK=CAST_BLOCK, **options)
+    else:
+        _multi_cast_kernel[(cast_starts[-1],)](
+            src,
+            dst,
+            dst_t,
+            shapes_t,
+            c_starts,
+            *common,
+            WITH_T=with_transpose,
+            BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK_K,
+            **options,
+        )
     return datas, datas_t, list(scale_invs[:, 0].unbind()), list(amaxes.unbind())
 
 
