@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 from float8.kernels.launch import FastLauncher
 
-MODULES = ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize")
+MODULES = ("amax", "cast", "quantize", "cast_transpose", "rowwise", "blockwise", "dequantize", "multi_quantize")
 _TY = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -29,6 +29,7 @@ _TY = {
     torch.float8_e4m3fn: "fp8e4nv",
     torch.float8_e5m2: "fp8e5",
     torch.int32: "i32",
+    torch.int64: "i64",
     torch.uint8: "u8",
 }
 PTX_PATTERNS = {
@@ -85,6 +86,11 @@ def record_launches():
             mods["quantize"].quantize_tensorwise_triton(xs, E4)
             mods["cast_transpose"].quantize_transpose_tensorwise_triton(xs, E4)
         mods["cast_transpose"].quantize_transpose_tensorwise_triton(small.t(), E5, 0, True)  # a weight's .t()
+        # Many weights at once (ops.requantize_weights, precompute_scales): aligned, flat and tiled casts.
+        mq = mods["multi_quantize"]
+        mq.quantize_tensorwise_multi_triton([x, small], E4)
+        mq.quantize_tensorwise_multi_triton([x, small], E4, 0, False, True)
+        mq.amax_multi_triton([x, small])
     return recorders
 
 
