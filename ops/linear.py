@@ -362,7 +362,10 @@ class Linear(BasicOp):
         if tokens <= weight_only.MAX_TOKENS:
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()  # a transposed input: the same kernel and bits as its contiguous copy
-            data, scale_inv = w.fp8_data, w.scale_inv
+            # The fields, not the fp8_data / scale_inv properties: traced, each property read added an identity
+            # guard (`w._data is w.fp8_data`) that every compiled call checks in Python (guard check of 4
+            # converted Linears: 10.6 -> 9.2 us on a dev CPU, torch 2.13, 2026-11-27).
+            data, scale_inv = w._data, w._scale_inv
             if not weight_only.supports(x2, data, scale_inv) or data.shape[1] != self.in_features:
                 return None
             if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
