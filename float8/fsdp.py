@@ -264,7 +264,8 @@ def precompute_scales(model: torch.nn.Module) -> int:
     for mesh_groups, weights in by_mesh.values():
         masters = [w.master for w in weights]
         first = masters[0]
-        if all(
+        # One launch unless a CUDA graph is being captured (its table copy from the host cannot be).
+        if not (first.is_cuda and torch.cuda.is_current_stream_capturing()) and all(
             type(m) is torch.Tensor and m.is_contiguous() and m.dtype == first.dtype and m.device == first.device
             for m in masters
         ):

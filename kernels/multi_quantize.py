@@ -17,8 +17,9 @@ tensor (a binary search over the prefix sums), then do what the single-tensor ke
 - _multi_cast_flat_kernel (no transpose, every input 16-byte aligned): each program casts CAST_BLOCK
   consecutive elements of one tensor with the scale of common.scale_from_amax(amaxes[t]);
 - _multi_cast_kernel (otherwise): the same on one (BLOCK_M, BLOCK_K) tile, and its transpose.
-Each tensor's first program of the cast writes scale_invs[t]. Aligned inputs are read with 16-byte vector
-loads (`_aligned_pointer`); the table goes to the GPU without a stream sync (`device_table`).
+Each tensor's first program of the cast writes scale_invs[t]. The amax and the flat cast read aligned
+tensors with 16-byte vector loads (`_aligned_pointer`); the table goes to the GPU without a stream sync
+(`device_table`). Both launchers run on their tensors' device, whichever device is current.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _owner(starts_ptr, pid, T, STEPS: tl.constexpr):
 @triton.jit
 def _aligned_pointer(table_ptr, t, DTYPE: tl.constexpr):
     """The pointer table_ptr[t] as a DTYPE pointer that the compiler knows to be 16-byte aligned (the
-    launcher checks that it is), so that loads and stores go 16 bytes at a time. A bare pointer from the
+    launchers check every pointer they promise so), so that loads and stores go 16 bytes at a time. A bare pointer from the
     table has no known alignment: every element was its own load and store in the PTX of the 2-D cast,
     which ran at a third of the copy bandwidth on the H100 (5.4 ms for 1.75G bf16 weights, 2026-11-27)."""
     return tl.multiple_of(tl.load(table_ptr + t).to(tl.pointer_type(DTYPE)), 16)
@@ -205,7 +206,7 @@ def device_table(values: List[int], device: torch.device, op: str) -> torch.Tens
     the capture, so a capture raises."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.int64, device=device)  # the interpreter: a CPU table
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():  # the callers made `device` current
         raise RuntimeError(
             f"{op}: not capturable in a CUDA graph (it copies a table of this call's pointers from the host); "
             "call it outside the capture"
@@ -254,11 +255,13 @@ def quantize_tensorwise_multi_triton(
     dev = xs[0].device
     T = len(xs)
     steps = max(1, (T - 1).bit_length()) + 1  # halvings of [0, T) down to one tensor
-    # Aligned inputs (the outputs come from torch's allocator, aligned too) take the vector loads; without
-    # a transpose the cast then runs on flat blocks of CAST_BLOCK elements, else on (BLOCK_M, BLOCK_K) tiles.
+    # Aligned inputs take the amax's vector loads. Without a transpose, and with the outputs aligned too
+    # (torch's caching allocator gives 512-byte blocks; a pluggable one may not), the cast runs on flat
+    # blocks of CAST_BLOCK elements with vector loads and stores, else on (BLOCK_M, BLOCK_K) tiles.
     aligned = all(x.data_ptr() % 16 == 0 for x in xs)
-    flat = aligned and not with_transpose
     amax_starts, cast_starts, shapes = [0], [0], []
+    datas = [torch.empty(x.shape, dtype=fp8_dtype, device=dev) for x in xs]
+    flat = aligned and not with_transpose and all(d.data_ptr() % 16 == 0 for d in datas)
     for x in xs:
         M, K = x.shape
         amax_starts.append(amax_starts[-1] + cdiv(x.numel(), AMAX_BLOCK))
@@ -266,7 +269,6 @@ def quantize_tensorwise_multi_triton(
         tiles = cdiv(x.numel(), CAST_BLOCK) if flat else cdiv(M, BLOCK_M) * cdiv(K, BLOCK_K)
         cast_starts.append(cast_starts[-1] + max(tiles, 1))
         shapes += [M, K]
-    datas = [torch.empty(x.shape, dtype=fp8_dtype, device=dev) for x in xs]
     if with_transpose:
         datas_t = [torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=dev) for x in xs]
     else:
@@ -355,7 +357,10 @@ def quantize_tensorwise_multi(
     gives for that x. On a CUDA GPU with FP8 conversions: two launches for all of them."""
     _check(xs, fp8_dtype, margin, power_of_2, with_transpose)
     if use_triton(xs[0]):
-        return quantize_tensorwise_multi_triton(xs, fp8_dtype, margin, power_of_2, with_transpose)
+        # The table, the zeroed amaxes and the kernels on one stream: that of the tensors' device (Triton
+        # launches on the current device's, torch's factories queue on the tensors').
+        with torch.cuda.device(xs[0].device):
+            return quantize_tensorwise_multi_triton(xs, fp8_dtype, margin, power_of_2, with_transpose)
     return quantize_tensorwise_multi_ref(xs, fp8_dtype, margin, power_of_2, with_transpose)
 
 
@@ -399,7 +404,8 @@ def amax_multi(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     optimizer step, 32 launches and 32 zero fills before in the 8-block benchmark model)."""
     _check_tensors(xs, "amax_multi", two_d=False)
     if use_triton(xs[0], writes_fp8=False):
-        return amax_multi_triton(xs)
+        with torch.cuda.device(xs[0].device):  # as quantize_tensorwise_multi
+            return amax_multi_triton(xs)
     return amax_multi_ref(xs)
 
 

@@ -65,10 +65,24 @@ def test_interpreted_unaligned_tensors_take_the_tiled_cast(monkeypatch):
     kernels = {n: _Counted(getattr(mq, n)) for n in ("_multi_cast_kernel", "_multi_cast_flat_kernel")}
     for n, k in kernels.items():
         monkeypatch.setattr(mq, n, k)
+    aligned_flags = []
+    amax_kernel = mq._multi_amax_kernel
+
+    class _Amax:  # records the ALIGNED constexpr each amax launch gets
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                aligned_flags.append(kwargs["ALIGNED"])
+                return amax_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(mq, "_multi_amax_kernel", _Amax())
     got = mq.quantize_tensorwise_multi_triton(xs, FP8[0])
     assert (kernels["_multi_cast_kernel"].n, kernels["_multi_cast_flat_kernel"].n) == (1, 0)
+    assert aligned_flags == [False]  # no vector-load promise for the amax either
     _check_each(got, xs, FP8[0], 0, False, False)
     amaxes = mq.amax_multi_triton(xs)
+    assert aligned_flags == [False, False]
     want = torch.stack([amax_ref(x) for x in xs])
     assert torch.equal(amaxes.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(amaxes), torch.nan_to_num(want))
 
@@ -258,23 +272,58 @@ def test_gpu_multi_launchers_never_wait_for_the_gpu():
     """The pointer table goes to the GPU without a stream sync (a pageable copy waited for every queued
     kernel: after an optimizer step, the whole step), and the results are right although the copy was
     queued behind long work and the host buffer may be reused once it has run."""
-    xs = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in [(1024, 1024), (512, 2048), (65, 129)]]
-    want = [quantize_tensorwise(x, FP8[0]) for x in xs]
-    want_amax = torch.stack([amax_ref(x) for x in xs])
+    # Each call its own tensors (so its own table): a table read after its host buffer was reused for the
+    # next call's would quantize the wrong tensors.
+    calls = [
+        [torch.randn(s, device="cuda", dtype=torch.bfloat16) * (i + 1) for s in [(1024, 1024), (512, 2048), (65, 129)]]
+        for i in range(4)
+    ]
+    want = [[quantize_tensorwise(x, FP8[0]) for x in xs] for xs in calls]
+    want_amax = [torch.stack([amax_ref(x) for x in xs]) for xs in calls]
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
     try:
         for _ in range(8):
             a @ a  # tens of ms queued before the tables' copies
-        for _ in range(3):
-            got = mq.quantize_tensorwise_multi(xs, FP8[0])
-            amaxes = mq.amax_multi(xs)
+        got = [(mq.quantize_tensorwise_multi(xs, FP8[0]), mq.amax_multi(xs)) for xs in calls]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    for i in range(len(xs)):
-        assert_outputs(tuple(g[i] for g in got), want[i], NAMES)
-    assert torch.equal(amaxes, want_amax)
+    for (quantized, amaxes), wants, want_a in zip(got, want, want_amax):
+        for i in range(len(wants)):
+            assert_outputs(tuple(g[i] for g in quantized), wants[i], NAMES)
+        assert torch.equal(amaxes, want_a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1",
+    reason="TRITON_INTERPRET=1 would run these on the interpreter, not the GPU",
+)
+def test_gpu_unaligned_tensors_give_the_single_tensor_bits():
+    """A view 2 bytes into its storage is read without the vector loads' alignment promise (a false
+    promise would fault or read the wrong bytes): the tiled cast and the unaligned amax, the same bits."""
+    base = torch.randn(64 * 129 + 1, device="cuda", dtype=torch.bfloat16)
+    xs = [torch.randn(300, 64, device="cuda", dtype=torch.bfloat16), base[1:].view(64, 129)]
+    assert xs[1].data_ptr() % 16
+    got = mq.quantize_tensorwise_multi(xs, FP8[0])
+    for i, x in enumerate(xs):
+        assert_outputs(tuple(g[i] for g in got), quantize_tensorwise(x, FP8[0]), NAMES)
+    assert torch.equal(mq.amax_multi(xs), torch.stack([amax_ref(x) for x in xs]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_multi_launchers_run_on_their_tensors_device():
+    """Tensors on cuda:1 while cuda:0 is current: the table, the zeroed amaxes and the kernels all on cuda:1."""
+    xs = [torch.randn(s, device="cuda:1", dtype=torch.bfloat16) for s in [(256, 512), (65, 129)]]
+    with torch.cuda.device(0):
+        got = mq.quantize_tensorwise_multi(xs, FP8[0])
+        amaxes = mq.amax_multi(xs)
+    torch.cuda.synchronize(1)
+    for i, x in enumerate(xs):
+        assert_outputs(tuple(g[i] for g in got), quantize_tensorwise(x, FP8[0]), NAMES)
+    assert torch.equal(amaxes, torch.stack([amax_ref(x) for x in xs]))
 
 
 @pytest.mark.gpu
