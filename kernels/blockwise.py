@@ -30,6 +30,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
+from .launch import on_device_of
 from .reference import cast_to_fp8_ref, expand_blocks
 from .reference import scale_from_amax as scale_from_amax_ref
 from .rowwise import launch_rowwise
@@ -84,21 +85,22 @@ def quantize_blockwise_triton(
     scale_inv = torch.empty((M // block_rows, K // block_cols), dtype=torch.float32, device=x.device)
     n_blocks = scale_inv.numel()
     if n_blocks:
-        _block2d_kernel[(n_blocks,)](
-            x,
-            data,
-            scale_inv,
-            K,
-            x.stride(0),
-            x.stride(1),
-            K // block_cols,
-            margin_div(margin),
-            **fp8_constants(fp8_dtype),
-            POWER_OF_2=power_of_2,
-            BLOCK_R=block_rows,
-            BLOCK_C=block_cols,
-            num_warps=8 if block_rows * block_cols >= 4096 else 4,
-        )
+        with on_device_of(x):
+            _block2d_kernel[(n_blocks,)](
+                x,
+                data,
+                scale_inv,
+                K,
+                x.stride(0),
+                x.stride(1),
+                K // block_cols,
+                margin_div(margin),
+                **fp8_constants(fp8_dtype),
+                POWER_OF_2=power_of_2,
+                BLOCK_R=block_rows,
+                BLOCK_C=block_cols,
+                num_warps=8 if block_rows * block_cols >= 4096 else 4,
+            )
     return data, scale_inv
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import use_triton
+from .launch import on_device_of
 
 # Columns per step of the online softmax, and warps per row. One (512, 128256) bf16 chunk on the H100
 # (2026-11-22): 2048 x 8 warps 178 us, 4096 x 8 155 us, 8192 x 16 161 us, 16384 x 32 142 us (2.8 TB/s of
@@ -89,21 +90,22 @@ def ce_rows_triton(
     loss = torch.empty(rows, dtype=torch.float32, device=z.device)
     lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
-        _ce_rows_kernel[(rows,)](
-            z,
-            target,
-            loss,
-            lse,
-            scale,
-            0 if scale.dim() == 0 else scale.stride(0),
-            z.stride(0),
-            cols,
-            ignore_index,
-            float(smoothing),
-            WRITE_GRAD=write_grad,
-            BLOCK=BLOCK_V,
-            num_warps=NUM_WARPS,
-        )
+        with on_device_of(z):
+            _ce_rows_kernel[(rows,)](
+                z,
+                target,
+                loss,
+                lse,
+                scale,
+                0 if scale.dim() == 0 else scale.stride(0),
+                z.stride(0),
+                cols,
+                ignore_index,
+                float(smoothing),
+                WRITE_GRAD=write_grad,
+                BLOCK=BLOCK_V,
+                num_warps=NUM_WARPS,
+            )
     return loss, lse
 
 

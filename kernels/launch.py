@@ -16,6 +16,7 @@ the compiled kernel does not expose its launcher, every call is an ordinary laun
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -131,8 +132,12 @@ class FastLauncher:
             return self.kernel[grid](*args, **options)
         device = first.device.index
         if device != torch._C._cuda_getDevice():
-            # Triton launches on the current device; a compiled kernel is loaded per device: no shortcut.
-            return self.kernel[grid](*args, **options)
+            # Triton launches on the current device's stream, whatever device the tensors are on (a fault, or
+            # with peer access a race with the tensors' own stream): the launch goes to their device, whose
+            # current stream the torch operations around it use too. A compiled kernel is loaded per
+            # device: no shortcut.
+            with torch.cuda.device(device):
+                return self.kernel[grid](*args, **options)
         if getattr(self.kernel, "pre_run_hooks", None):
             return self.kernel[grid](*args, **options)
         key = (device, self._key(args, (*options.items(), *runtime_settings())))
@@ -161,6 +166,16 @@ class FastLauncher:
         )
         compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages, **named)
         return compiled if ready and shortcut_ready(compiled) else None
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context for a direct `kernel[grid](...)` launch on t's device: Triton launches on the current
+    device's stream, so a tensor of another device (a model spread over GPUs in one process) makes its
+    device current for the launch. Nothing to do when it already is, off CUDA, or while tracing (the
+    compiled graph sets its devices itself)."""
+    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice() and not torch.compiler.is_compiling():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def shortcut_ready(compiled: object) -> bool:

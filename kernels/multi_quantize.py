@@ -42,6 +42,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
+from .launch import on_device_of
 from .reference import amax_ref, quantize_tensorwise_ref
 
 AMAX_BLOCK = 8192  # elements per program of the amax pass (as kernels/amax.py)
@@ -359,7 +360,7 @@ def quantize_tensorwise_multi(
     if use_triton(xs[0]):
         # The table, the zeroed amaxes and the kernels on one stream: that of the tensors' device (Triton
         # launches on the current device's, torch's factories queue on the tensors').
-        with torch.cuda.device(xs[0].device):
+        with on_device_of(xs[0]):
             return quantize_tensorwise_multi_triton(xs, fp8_dtype, margin, power_of_2, with_transpose)
     return quantize_tensorwise_multi_ref(xs, fp8_dtype, margin, power_of_2, with_transpose)
 
@@ -404,7 +405,7 @@ def amax_multi(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     optimizer step, 32 launches and 32 zero fills before in the 8-block benchmark model)."""
     _check_tensors(xs, "amax_multi", two_d=False)
     if use_triton(xs[0], writes_fp8=False):
-        with torch.cuda.device(xs[0].device):  # as quantize_tensorwise_multi
+        with on_device_of(xs[0]):  # as quantize_tensorwise_multi
             return amax_multi_triton(xs)
     return amax_multi_ref(xs)
 

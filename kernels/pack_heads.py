@@ -49,6 +49,7 @@ from .common import (
     scale_from_amax,
     use_triton,
 )
+from .launch import on_device_of
 from .reference import quantize_tensorwise_ref
 
 
@@ -192,29 +193,30 @@ def pack_heads_fp8_triton(
     for v in views:
         hd = v.shape[2] * D
         tiles_m, tiles_k = max(1, cdiv(T, cfg["BLOCK_M"])), max(1, cdiv(hd, cfg["BLOCK_K"]))
-        _pack_heads_kernel[(tiles_m * tiles_k,)](  # >= 1 program: program 0 writes scale_inv
-            v,
-            amax if current else scale,
-            amax,
-            data,
-            data_t,
-            scale_inv,
-            T,
-            N,
-            col0,
-            I,
-            max(D, 1),
-            hd,
-            *v.stride(),
-            tiles_k,
-            margin_div(margin),
-            **fp8_constants(fp8_dtype),
-            CURRENT=current,
-            POWER_OF_2=power_of_2,
-            WITH_AMAX=not current,
-            WITH_TRANSPOSE=with_transpose,
-            **cfg,
-        )
+        with on_device_of(data):
+            _pack_heads_kernel[(tiles_m * tiles_k,)](  # >= 1 program: program 0 writes scale_inv
+                v,
+                amax if current else scale,
+                amax,
+                data,
+                data_t,
+                scale_inv,
+                T,
+                N,
+                col0,
+                I,
+                max(D, 1),
+                hd,
+                *v.stride(),
+                tiles_k,
+                margin_div(margin),
+                **fp8_constants(fp8_dtype),
+                CURRENT=current,
+                POWER_OF_2=power_of_2,
+                WITH_AMAX=not current,
+                WITH_TRANSPOSE=with_transpose,
+                **cfg,
+            )
         col0 += hd
     return data, data_t, scale_inv, amax
 

@@ -10,46 +10,24 @@ a kernel compiles it; the first call of a shape plans it).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import float8.ops as ops
 from float8 import Recipe
+from tests.ops.user_mlp import D, UserMlp, forced, ops_mlp
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-D, FFN = 512, 1024
-
-
-class _Mlp(torch.nn.Module):
-    """A pre-norm SwiGLU MLP with a residual, written the way users write one."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(D)
-        self.up = torch.nn.Linear(D, 2 * FFN, bias=False)
-        self.down = torch.nn.Linear(FFN, D, bias=True)
-
-    def forward(self, x):
-        g, u = self.up(self.norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
-
-
-def _forced(recipe: Recipe) -> Recipe:
-    return dataclasses.replace(recipe, min_fp8_gemm_flops=0)  # these small layers on the FP8 path too
-
 
 RECIPES = {
-    "tensorwise": _forced(Recipe()),
-    "lean": _forced(Recipe(lean_activations=True)),
-    "delayed": _forced(Recipe.delayed()),
-    "rowwise": _forced(Recipe.rowwise()),
+    "tensorwise": forced(Recipe()),
+    "lean": forced(Recipe(lean_activations=True)),
+    "delayed": forced(Recipe.delayed()),
+    "rowwise": forced(Recipe.rowwise()),
 }
 
 
@@ -90,22 +68,14 @@ def _train(model, steps: int, requantize: bool) -> None:
 @pytest.mark.parametrize("requantize", [False, True])
 def test_gpu_converted_training_steps_never_synchronize(name, requantize):
     torch.manual_seed(0)
-    model = ops.convert(torch.nn.Sequential(_Mlp(), _Mlp()).to("cuda", torch.bfloat16), recipe=RECIPES[name])
+    model = ops.convert(torch.nn.Sequential(UserMlp(), UserMlp()).to("cuda", torch.bfloat16), recipe=RECIPES[name])
     _train(model, 3, requantize)
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "lean"])
 def test_gpu_sequential_training_steps_never_synchronize(name):
     torch.manual_seed(0)
-    model = ops.Sequential(
-        ops.Residual(),
-        ops.RMSNorm(D),
-        ops.Linear(D, 2 * FFN, bias=False),
-        ops.SwiGLU(),
-        ops.Linear(FFN, D, bias=True),
-        ops.AddResidual(),
-        recipe=RECIPES[name],
-    ).to("cuda", torch.bfloat16)
+    model = ops_mlp(RECIPES[name]).to("cuda", torch.bfloat16)
     _train(model, 3, requantize=False)
 
 
@@ -114,7 +84,7 @@ def test_gpu_fp8_weight_inference_never_synchronizes(fp8_input_from):
     """Decode sizes (prepared weight-only or FP8-input calls), a prefill size, and a calibrated model."""
     torch.manual_seed(0)
     recipe = Recipe(inference_fp8_input_from=fp8_input_from)
-    model = torch.nn.Sequential(_Mlp(), _Mlp()).to("cuda", torch.bfloat16).eval()
+    model = torch.nn.Sequential(UserMlp(), UserMlp()).to("cuda", torch.bfloat16).eval()
     ops.convert(model, fp8_weights=True, recipe=recipe)
     inputs = [torch.randn(1, t, D, device="cuda", dtype=torch.bfloat16) for t in (1, 16, 64, 300)]
     with torch.inference_mode():
@@ -130,7 +100,7 @@ def test_gpu_fp8_weight_inference_never_synchronizes(fp8_input_from):
 def test_gpu_graphed_inference_replays_never_synchronize():
     """ops.graphed_inference checks the module tree before each replay without reading the GPU."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(_Mlp(), _Mlp()).to("cuda", torch.bfloat16).eval()
+    model = torch.nn.Sequential(UserMlp(), UserMlp()).to("cuda", torch.bfloat16).eval()
     ops.convert(model, fp8_weights=True)
     fast = ops.graphed_inference(model)
     x = torch.randn(1, 16, D, device="cuda", dtype=torch.bfloat16)
