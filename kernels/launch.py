@@ -132,10 +132,11 @@ class FastLauncher:
             return self.kernel[grid](*args, **options)
         device = first.device.index
         if device != torch._C._cuda_getDevice():
-            # Triton launches on the current device's stream, whatever device the tensors are on (a fault, or
-            # with peer access a race with the tensors' own stream): the launch goes to their device, whose
-            # current stream the torch operations around it use too. A compiled kernel is loaded per
-            # device: no shortcut.
+            # Triton launches on the current device's stream, whatever device the tensors are on: it refused
+            # such a launch ("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)", torch
+            # 2.11 on 2 H100s), or, with peer access on, would run it unordered with the tensors' own stream.
+            # The launch goes to their device, whose current stream the torch operations around it use too.
+            # A compiled kernel is loaded per device: no shortcut.
             with torch.cuda.device(device):
                 return self.kernel[grid](*args, **options)
         if getattr(self.kernel, "pre_run_hooks", None):

@@ -3,8 +3,9 @@
 That is how a model spread over GPUs runs (Hugging Face's device_map="auto": each layer on its own GPU,
 the current device left at cuda:0). Triton launches a kernel on the current device's stream whatever
 device its tensors are on, so every launch goes to its tensors' device (kernels/launch.py FastLauncher,
-`on_device_of`); without that the kernel faults, or, with peer access on, races with the tensors' own
-stream. Each test runs the same seeded model on cuda:0 and on cuda:1 (cuda:0 current) and wants the same
+`on_device_of`). Before that, the first test failed on 2 H100s with Triton's "Pointer argument (at 0)
+cannot be accessed from Triton (cpu tensor?)"; with peer access on, the launch would have raced with the
+tensors' own stream. Each test runs the same seeded model on cuda:0 and on cuda:1 (cuda:0 current) and wants the same
 bits.
 """
 
