@@ -184,12 +184,22 @@ def shortcut_ready(compiled: object) -> bool:
     return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
 
 
+def live_hook(hook: Any) -> Any:
+    """A Triton launch hook worth calling, or None. Triton's default hooks are empty HookChains, which its
+    launcher calls on every launch, after `launch_metadata` has built them a dict: 2 us a launch on a dev
+    CPU (triton 3.9: 0.7 us for the dict, 0.4 us per empty chain), for nothing. None skips both (the
+    launchers call a hook only when it is not None); a chain with hooks in it is passed as it is."""
+    calls = getattr(hook, "calls", None)
+    return None if hook is None or (calls is not None and not calls) else hook
+
+
 def run_compiled(compiled: Any, grid: tuple[int, ...], device: int, args: tuple) -> None:
-    """Launch a compiled kernel on `device`'s current stream, honouring Triton's launch hooks. The caller
-    guarantees that Triton would pick this very compiled kernel for `args` (its specialization key)."""
+    """Launch a compiled kernel on `device`'s current stream, honouring Triton's launch hooks (those that
+    hold any: `live_hook`). The caller guarantees that Triton would pick this very compiled kernel for
+    `args` (its specialization key)."""
     g0, g1, g2 = (*grid, 1, 1)[:3]
     stream = torch._C._cuda_getCurrentRawStream(device)
-    enter = _knobs.runtime.launch_enter_hook if _knobs is not None else None
-    exit_ = _knobs.runtime.launch_exit_hook if _knobs is not None else None
-    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+    enter = live_hook(_knobs.runtime.launch_enter_hook) if _knobs is not None else None
+    exit_ = live_hook(_knobs.runtime.launch_exit_hook) if _knobs is not None else None
+    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None or exit_ is not None else None
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *args)
