@@ -26,6 +26,7 @@ try:
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: no launch hooks to honour here
     _knobs = None
+_HookChain = getattr(_knobs, "HookChain", None)  # Triton's default launch hooks: chains, empty unless added to
 
 
 def _arg_key(a):
@@ -174,7 +175,11 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
     device's stream, so a tensor of another device (a model spread over GPUs in one process) makes its
     device current for the launch. Nothing to do when it already is, off CUDA, or while tracing (the
     compiled graph sets its devices itself)."""
-    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice() and not torch.compiler.is_compiling():
+    # Tracing first: dynamo cannot trace torch._C._cuda_getDevice (a fullgraph compile of the fused
+    # cross-entropy head, which reaches here, would break on it), and fake tensors need no device.
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or not t.is_cuda:
+        return contextlib.nullcontext()
+    if t.get_device() != torch._C._cuda_getDevice():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 
@@ -189,8 +194,9 @@ def live_hook(hook: Any) -> Any:
     launcher calls on every launch, after `launch_metadata` has built them a dict: 2 us a launch on a dev
     CPU (triton 3.9: 0.7 us for the dict, 0.4 us per empty chain), for nothing. None skips both (the
     launchers call a hook only when it is not None); a chain with hooks in it is passed as it is."""
-    calls = getattr(hook, "calls", None)
-    return None if hook is None or (calls is not None and not calls) else hook
+    if hook is None or (_HookChain is not None and type(hook) is _HookChain and not hook.calls):
+        return None
+    return hook  # a chain with hooks in it, or a hook of another kind (older Tritons took functions)
 
 
 def run_compiled(compiled: Any, grid: tuple[int, ...], device: int, args: tuple) -> None:

@@ -35,11 +35,22 @@ def test_live_hook():
     assert live_hook(chain) is chain
     assert live_hook(print) is print  # a plain function, as older Tritons took
 
+    class Counting:  # a user's hook object with a `calls` of its own: kept, whatever its value
+        calls = []
+
+        def __call__(self, metadata):
+            pass
+
+    hook = Counting()
+    assert live_hook(hook) is hook
+
 
 @needs_chains
 def test_run_compiled_skips_empty_hooks_and_calls_registered_ones(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)  # a CPU build lacks it
-    assert not knobs.runtime.launch_enter_hook.calls and not knobs.runtime.launch_exit_hook.calls
+    # Empty chains in place of whatever a profiler may have registered in this process.
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", type(knobs.runtime.launch_enter_hook)())
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", type(knobs.runtime.launch_exit_hook)(reversed=True))
     fake = _FakeCompiled()
     run_compiled(fake, (3,), 0, ("x", 5))
     assert fake.ran == (3, 1, 1, 77, "fn", "packed", None, None, None, "x", 5) and fake.metadata_calls == 0
@@ -52,3 +63,22 @@ def test_run_compiled_skips_empty_hooks_and_calls_registered_ones(monkeypatch):
         knobs.runtime.launch_exit_hook.remove(hook)
     meta = {"grid": (3, 2), "stream": 77}
     assert fake.ran[6:9] == (meta, None, knobs.runtime.launch_exit_hook) and fake.metadata_calls == 1
+
+
+def test_run_compiled_calls_the_launcher_in_tritons_argument_order():
+    """run_compiled's positional call matches the NVIDIA launcher's parameters in this Triton."""
+    import inspect
+
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    params = list(inspect.signature(driver.CudaLauncher.__call__).parameters)[1:10]
+    assert params == [
+        "gridX",
+        "gridY",
+        "gridZ",
+        "stream",
+        "function",
+        "kernel_metadata",
+        "launch_metadata",
+        "launch_enter_hook",
+        "launch_exit_hook",
+    ]

@@ -136,3 +136,27 @@ def test_inductor_small_layer_run_as_torch_functions():
         assert sqnr_db(want, got) >= 35, sqnr_db(want, got)
 
     _compare(build, (2, 64, 256), close)
+
+
+def test_inductor_fused_cross_entropy_head_matches_eager():
+    """The fused linear + cross-entropy head compiles whole (fullgraph): its traced code reaches the
+    cross-entropy kernel's launch (kernels/cross_entropy.py, under kernels/launch.py on_device_of, which
+    must stay out of the way of tracing)."""
+    torch._dynamo.reset()
+
+    def build():
+        torch.manual_seed(0)
+        return ops.LinearCrossEntropy(256, 1024, bias=False).to("cuda", torch.bfloat16)
+
+    eager, compiled = build(), build()
+    run = torch.compile(compiled, fullgraph=True)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, 1024, (512,), device="cuda")
+    results = []
+    for call, module in ((eager, eager), (run, compiled)):
+        xi = x.clone().requires_grad_(True)
+        loss = call(xi, target)
+        loss.backward()
+        results.append([loss.detach(), xi.grad, module.weight.grad])
+    for want, got in zip(*results):
+        assert sqnr_db(got.float(), want.float()) >= SQNR_DB["grad"], sqnr_db(got.float(), want.float())
