@@ -244,6 +244,23 @@ def _check_tensors(xs, op: str, two_d: bool) -> None:
             )
 
 
+def _launch_amax(programs, src, numels, starts, amaxes, in_dtype, steps: int, aligned: bool) -> None:
+    """Fold max|x| of every tensor of the table into amaxes (zeroed), `programs` blocks of AMAX_BLOCK."""
+    if programs:
+        _multi_amax_kernel[(programs,)](
+            src,
+            numels,
+            starts,
+            amaxes,
+            amaxes.numel(),
+            IN_DTYPE=in_dtype,
+            STEPS=steps,
+            BLOCK=AMAX_BLOCK,
+            ALIGNED=aligned,
+            num_warps=8,
+        )
+
+
 def quantize_tensorwise_multi_triton(
     xs: Sequence[torch.Tensor],
     fp8_dtype: torch.dtype,
@@ -292,19 +309,7 @@ def quantize_tensorwise_multi_triton(
     # (CUBLAS_STATUS_NOT_SUPPORTED from _scaled_mm on the H100 when they were 4 bytes apart).
     scale_invs = torch.empty(T, SCALE_ROW, dtype=torch.float32, device=dev)
     in_dtype = _TL_DTYPE[xs[0].dtype]
-    if amax_starts[-1]:
-        _multi_amax_kernel[(amax_starts[-1],)](
-            src,
-            numels,
-            a_starts,
-            amaxes,
-            T,
-            IN_DTYPE=in_dtype,
-            STEPS=steps,
-            BLOCK=AMAX_BLOCK,
-            ALIGNED=aligned,
-            num_warps=8,
-        )
+    _launch_amax(amax_starts[-1], src, numels, a_starts, amaxes, in_dtype, steps, aligned)
     # The arguments both casts take: each tensor's scale from its amax, the scale-inverse in its row.
     common = (amaxes, scale_invs, T, margin_div(margin))
     options = dict(
@@ -377,19 +382,8 @@ def amax_multi_triton(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     table = device_table([x.data_ptr() for x in xs] + [x.numel() for x in xs] + starts, dev, "amax_multi")
     src, numels, a_starts = table.split([T, T, T + 1])
     amaxes = torch.zeros(T, dtype=torch.float32, device=dev)
-    if starts[-1]:
-        _multi_amax_kernel[(starts[-1],)](
-            src,
-            numels,
-            a_starts,
-            amaxes,
-            T,
-            IN_DTYPE=_TL_DTYPE[xs[0].dtype],
-            STEPS=steps,
-            BLOCK=AMAX_BLOCK,
-            ALIGNED=all(x.data_ptr() % 16 == 0 for x in xs),
-            num_warps=8,
-        )
+    aligned = all(x.data_ptr() % 16 == 0 for x in xs)
+    _launch_amax(starts[-1], src, numels, a_starts, amaxes, _TL_DTYPE[xs[0].dtype], steps, aligned)
     return amaxes
 
 
