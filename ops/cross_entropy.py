@@ -148,6 +148,22 @@ def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
     return _mm(xc8, operand(w, transposed=True), bias=bias, out_dtype=plan.dtype, pad=True, fast_accum=True), xc8
 
 
+@torch.library.custom_op("float8::addmm_float32_", mutates_args=("acc",))
+def _addmm_float32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for a float32 acc and bf16/fp16 a, b: on CUDA one GEMM sums in float32 and adds into acc
+    (no temporary); elsewhere the operands are upcast first. The traced form of _accumulate_dw's addmm:
+    torch 2.11's fake addmm raises on out_dtype with out= (GPU tier, 2026-11-27), an op it does not trace."""
+    if acc.device.type == "cuda":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@_addmm_float32_.register_fake
+def _(acc, a, b) -> None:
+    return None
+
+
 def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
     """acc (V, H) += dz.t() @ xc; acc is float32 or the weight's dtype (plan.dw_dtype). Each chunk's
     product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk."""
@@ -158,8 +174,8 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
         for v0 in range(0, acc.shape[0], FP8_DW_SLAB):
             rows = dzt._replace(data=dzt.data[v0 : v0 + FP8_DW_SLAB], transpose=None)
             acc[v0 : v0 + FP8_DW_SLAB] += _mm(rows, xb, out_dtype=torch.float32, pad=True)
-    elif acc.device.type == "cuda" and dz.dtype != acc.dtype:
-        torch.addmm(acc, dz.t(), xc, out_dtype=acc.dtype, out=acc)  # bf16 operands, float32 sum: no temporary
+    elif dz.dtype != acc.dtype and (acc.device.type == "cuda" or torch.compiler.is_compiling()):
+        _addmm_float32_(acc, dz.t(), xc)  # bf16 operands, float32 sum: no temporary on CUDA
     elif acc.dtype == dz.dtype:
         acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
     else:
