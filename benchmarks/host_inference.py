@@ -2,10 +2,13 @@
 the Llama-style model under CUDA graphs (ops.graphed_inference, and torch.compile mode="reduce-overhead")
 and compiled in torch.compile's default mode ("compiled"), bf16 against float8.
 
-    python -m benchmarks.host_inference [--tokens 16] [--graphs graphed_inference,reduce-overhead,compiled] [--out DIR]
+    python -m benchmarks.host_inference [--tokens 16] [--graphs graphed_inference,reduce-overhead,compiled]
+        [--linear-shapes 4096x4096,4096x1024,14336x4096] [--linear-tokens 16,64,128] [--out DIR]
 
 - linear: microseconds of host per call, calls issued back to back under inference_mode (the GPU keeps up,
-  so the loop measures the host), 4096->4096 and 4096->1024 (a split-K layer: two launches).
+  so the loop measures the host): nn.Linear, an FP8-only ops.Linear (weight-only kernel) and one converted
+  with Recipe(inference_fp8_input_from=33) (FP8-input kernel from 33 tokens), each --linear-shapes KxN
+  (4096x1024: a split-K layer) at each of --linear-tokens.
 - graphs: per call, the host time before the replay returns ("host_ms", calls back to back without a
   synchronize, divided by their count), the time per call back to back ("pipelined_ms") and one call at a
   time ("synchronized_ms", the median): bf16 and float8 weights of benchmarks.inference's Llama-style model.
@@ -32,26 +35,38 @@ from benchmarks.inference import build_bf16, quantize_weights
 from benchmarks.llama import LlamaShape
 
 
-def linear_host_us(tokens: int, n: int, reps: int = 200) -> dict:
-    """{variant: best-of-5 host microseconds per call} of nn.Linear and an FP8-only ops.Linear, 4096 -> n."""
-    make = lambda: torch.nn.Linear(4096, n, bias=False, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    variants = {"nn.Linear": make(), "float8": ops.convert(torch.nn.Sequential(make()), fp8_weights=True)[0]}
-    x = torch.randn(1, tokens, 4096, device="cuda", dtype=torch.bfloat16)
-    out = {}
+def linear_host_us(tokens: int, n: int, k: int = 4096, reps: int = 100, rounds: int = 15) -> dict:
+    """{variant: best host microseconds per call} of nn.Linear and FP8-only ops.Linears (the default recipe's
+    weight-only kernel, and Recipe(inference_fp8_input_from=33)'s FP8-input kernel from 33 tokens), k -> n,
+    calls issued back to back under inference_mode, the variants interleaved round by round (the host's
+    speed drifts within a run)."""
+    from float8 import Recipe
+
+    def make(recipe=None, fp8=True):
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+        return ops.convert(lin, fp8_weights=True, recipe=recipe)[0] if fp8 else lin[0]
+
+    variants = {
+        "nn.Linear": make(fp8=False),
+        "float8": make(),
+        "float8 fp8-input": make(Recipe(inference_fp8_input_from=33)),
+    }
+    x = torch.randn(1, tokens, k, device="cuda", dtype=torch.bfloat16)
+    best = dict.fromkeys(variants, float("inf"))
     with torch.inference_mode():
-        for name, m in variants.items():
-            for _ in range(50):
+        for m in variants.values():
+            for _ in range(20):
                 m(x)
-            torch.cuda.synchronize()
-            best = float("inf")
-            for _ in range(5):
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for name, m in variants.items():
                 t = time.perf_counter()
                 for _ in range(reps):
                     m(x)
-                best = min(best, (time.perf_counter() - t) / reps * 1e6)
+                best[name] = min(best[name], (time.perf_counter() - t) / reps * 1e6)
                 torch.cuda.synchronize()
-            out[name] = round(best, 1)
-    return out
+    return {name: round(us, 1) for name, us in best.items()}
 
 
 def host_only_ms(call, calls: int = 8) -> float:
@@ -131,18 +146,22 @@ def graphed_ms(weights: str, tokens: int, how: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--graphs", default="graphed_inference,reduce-overhead", help="how to graph the model")
+    p.add_argument("--graphs", default="graphed_inference,reduce-overhead", help="how to graph the model ('': none)")
+    p.add_argument("--linear-shapes", default="4096x4096,4096x1024,14336x4096", help="KxN of the Linears timed alone")
+    p.add_argument("--linear-tokens", default="16,64,128", help="token counts of the Linears timed alone")
     add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.host_inference measures CUDA launches: nothing to do without a GPU")
         return
     figures = []
-    for n in (4096, 1024):
-        for variant, us in linear_host_us(args.tokens, n).items():
-            figures.append(figure(f"linear 4096->{n}, {args.tokens} tokens", variant, "host_us", us))
-            print(f"{variant} 4096->{n}: {us} us of host per call", flush=True)
-    for how in args.graphs.split(","):
+    for shape in filter(None, args.linear_shapes.split(",")):
+        k, n = (int(d) for d in shape.split("x"))
+        for tokens in (int(t) for t in args.linear_tokens.split(",")):
+            for variant, us in linear_host_us(tokens, n, k).items():
+                figures.append(figure(f"linear {k}->{n}, {tokens} tokens", variant, "host_us", us))
+                print(f"{variant} {k}->{n}, {tokens} tokens: {us} us of host per call", flush=True)
+    for how in filter(None, args.graphs.split(",")):
         name = "llama compiled" if how == "compiled" else "llama graphed"
         case = f"{name}, {args.tokens} tokens" + ("" if how in ("reduce-overhead", "compiled") else f", {how}")
         for weights in ("bf16", "float8"):

@@ -53,6 +53,7 @@ from .common import cdiv, fp8_constants, triton_op, use_triton
 from .launch import FastLauncher
 from .rowwise import _launch as _launch_rowwise
 from .rowwise import quantize_rowwise_ref, row_blocks, rowwise_args
+from .scratch import Scratch
 from .weight_only_kernel import COUNTER_LINE, _rowwise_input_mm_kernel
 
 E4M3 = torch.float8_e4m3fn
@@ -157,15 +158,17 @@ def fp8_rowwise_input_mm_triton(
 class PreparedRowwiseMM(weight_only.PreparedMM):
     """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): one prepared launch,
     its counters kept per stream and thread (as a split K's are), its workspace (x8 and the row scales,
-    M K rounded up to 16 bytes, plus 4 M) made afresh per call: one kept across calls would hold memory
-    between calls for every layer and input shape."""
+    M K rounded up to 16 bytes, plus 4 M) the layer's kept buffer (kernels/scratch.py: one per layer, stream
+    and thread, the size of its largest call, whatever the shapes served), or made afresh per call where
+    the caller keeps none."""
 
     __slots__ = ("ws_bytes",)
 
-    def operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """x and a fresh workspace."""
-        ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)
-        return None if ws.data_ptr() % 16 else (x, ws)  # not from torch's caching allocator: the checked path
+    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """x and the workspace."""
+        ws = self.workspace(key, torch.uint8, self.ws_bytes, (self.ws_bytes,))
+        # None, or not 16-byte aligned (not from torch's caching allocator): the checked path.
+        return None if ws is None or ws.data_ptr() % 16 else (x, ws)
 
 
 def prepare(
@@ -174,10 +177,12 @@ def prepare(
     w_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_shape: Optional[tuple[int, ...]] = None,
+    scratch: Optional[Scratch] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedRowwiseMM]]:
     """(y, PreparedRowwiseMM or None): one call of checked operands (`supports`, K, one CUDA device, the
     bias's dtype and contiguity, x contiguous), and what repeats it with less host time; None where
-    weight_only.prepare_call gives None (the interpreter, a CUDA graph capture, another current device)."""
+    weight_only.prepare_call gives None (the interpreter, a CUDA graph capture, another current device).
+    scratch: the layer's kept workspace (kernels/scratch.py) for the repeated calls; None: one per call."""
     if (x.is_cuda and torch.cuda.is_current_stream_capturing()) or x.shape[0] * w_data.shape[0] == 0:
         # A CUDA graph waits for no host: the two launches, whose GEMM waits for nothing (the module
         # docstring). An empty y: nothing to launch or prepare.
@@ -185,7 +190,7 @@ def prepare(
     call = _launch_plan(x, w_data, w_scale_inv, bias)
     p = PreparedRowwiseMM()
     p.ws_bytes = call.args[1].numel()
-    return weight_only.prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, p)
+    return weight_only.prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, p, scratch)
 
 
 def fp8_rowwise_input_mm_prechecked(

@@ -39,6 +39,7 @@ import torch
 from .common import cdiv, forward_ad_or_functorch_active, triton_op, use_triton
 from .launch import FastLauncher, run_compiled, runtime_settings
 from .reference import FP8_DTYPES
+from .scratch import Scratch
 from .weight_only_kernel import _fp8_weight_mm_kernel, _split_k_sum_kernel
 
 # Largest token count ops.Linear's inference forward sends here. On GPU time alone the activation's
@@ -300,7 +301,7 @@ class PreparedMM:
     prepared `shape`."""
 
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "dtype", "shape", "settings")
-    __slots__ += ("main", "grid", "tail", "split_shape", "tiles", "counts")
+    __slots__ += ("main", "grid", "tail", "split_shape", "split_numel", "tiles", "counts", "scratch")
 
     def matches(self, w_data: torch.Tensor, w_scale_inv: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether these are the tensors this call was prepared for (identity: their values may change)."""
@@ -312,16 +313,20 @@ class PreparedMM:
             return None
         y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         out = counts = y
+        key = None
         if self.tiles:
-            counts = self._counts(device)
-            if counts is None:
+            key = self._stream_key(device)
+            if key is None:
                 return None
+            counts = self._counts(key)
         if self.split_shape is not None:
-            out = torch.empty(self.split_shape, dtype=torch.float32, device=self.device)
+            out = self.workspace(key, torch.float32, self.split_numel, self.split_shape)
+            if out is None:
+                return None
         if out.data_ptr() % 16 or y.data_ptr() % 16:
             return None  # not from torch's caching allocator (a pluggable one): Triton's own path
         bias_arg = x if bias is None else bias
-        operands = self.operands(x)
+        operands = self.operands(x, key)
         if operands is None:
             return None
         x_arg, sx_arg = operands
@@ -330,23 +335,35 @@ class PreparedMM:
         )
         return y
 
-    def operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The kernel's x and sx arguments for this call's x (None: the caller's checked path): x itself
-        here (sx is not read)."""
+        here (sx is not read). key: the call's stream and thread (`_stream_key`), None without counters."""
         return x, x
 
-    def _counts(self, device: int) -> Optional[torch.Tensor]:
+    def workspace(self, key: tuple, dtype: torch.dtype, numel: int, shape: tuple) -> Optional[torch.Tensor]:
+        """A workspace of numel dtype elements for this call: the layer's kept buffer (kernels/scratch.py; the
+        kernel reads only its address), or, where the caller keeps none, a fresh tensor of `shape`."""
+        if self.scratch is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.scratch.get(key, dtype, numel, self.device)
+
+    @staticmethod
+    def _stream_key(device: int) -> Optional[tuple]:
+        """The current stream and host thread, what counters and kept workspace belong to; None while a CUDA
+        graph is captured. A graph would keep their addresses but not the tensors (this plan may be dropped
+        while the graph lives: a reload, a new shape past the table's bound; a kept workspace may grow), and
+        its replays, on whatever stream replays it, would count into the eager calls' counters: a capture
+        takes `prepare`'s path, whose counters are graph memory zeroed by the graph itself. Keyed by the
+        stream's handle and the host thread: one handle can name a stream of each thread
+        (cudaStreamPerThread), whose launches may run at once; counters shared by two running launches would
+        miscount (rowwise_input_mm's programs could wait for ever)."""
         if torch._C._cuda_isCurrentStreamCapturing():
-            # A graph would keep these counters' address but not the tensor (this plan may be dropped while
-            # the graph lives: a reload, a new shape past the table's bound), and its replays, on whatever
-            # stream replays it, would count into the eager calls' counters: a capture takes `prepare`'s
-            # path, whose counters are graph memory zeroed by the graph itself.
             return None
-        # Keyed by the stream's handle and the host thread: one handle can name a stream of each thread
-        # (cudaStreamPerThread), whose launches may run at once; counters shared by two running launches
-        # would miscount (rowwise_input_mm's programs could wait for ever). Bounded: a pool of threads that
-        # come and go does not grow it without end (the oldest set is dropped, freed in its stream's order).
-        key = (torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
+        return (torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
+
+    def _counts(self, key: tuple) -> torch.Tensor:
+        # Bounded: a pool of threads that come and go does not grow it without end (the oldest set is
+        # dropped, freed in its stream's order).
         counts = self.counts.get(key)
         if counts is None:
             if len(self.counts) >= MAX_COUNTER_SETS:
@@ -361,15 +378,17 @@ def prepare(
     w_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_shape: Optional[tuple[int, ...]] = None,
+    scratch: Optional[Scratch] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """(y, PreparedMM or None): one fp8_weight_mm_triton call of checked operands (`supports`, K, one CUDA
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time
     (`prepare_call`). out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the
     caller's leading dims: the caller then passes x with its own leading dims too, and no view is made on
-    either side)."""
+    either side). scratch: the layer's kept workspace (kernels/scratch.py), which a repeated split-K call
+    writes its partial sums to; None: a fresh tensor per call."""
     # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here.
     call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True)
-    return prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, PreparedMM())
+    return prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, PreparedMM(), scratch)
 
 
 def prepare_call(
@@ -381,6 +400,7 @@ def prepare_call(
     bias: Optional[torch.Tensor],
     out_shape: Optional[tuple[int, ...]],
     p: PreparedMM,
+    scratch: Optional[Scratch] = None,
 ) -> tuple[torch.Tensor, Optional[PreparedMM]]:
     """Launch `call` (one launch: a split K summed in it, its counters at args[7]) and fill `p` with what
     repeats it: (y, p), or (y, None) where a later call could not skip Triton's own launch path (the
@@ -410,6 +430,8 @@ def prepare_call(
     counts = call.args[7]
     kept = counts is not call.y  # counters: a split K's, or the row quantization's (rowwise_input_mm)
     p.split_shape = tuple(call.out.shape) if call.out is not call.y else None
+    p.split_numel = call.out.numel()
+    p.scratch = scratch
     p.tiles = counts.numel() if kept else 0
     key = (torch._C._cuda_getCurrentRawStream(x.device.index), threading.get_ident())
     p.counts = {key: counts} if kept else {}

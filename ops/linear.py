@@ -375,9 +375,11 @@ class Linear(BasicOp):
             if fp8_input and rowwise_input_mm.supports(x2, data, scale_inv):
                 kernel = rowwise_input_mm
             if self._plannable(x, x2, bias):
-                y, prepared = kernel.prepare(x2, data, scale_inv, bias, out_shape=(*x.shape[:-1], self.out_features))
+                plans = self._inference_plans
+                out_shape = (*x.shape[:-1], self.out_features)
+                y, prepared = kernel.prepare(x2, data, scale_inv, bias, out_shape=out_shape, scratch=plans.scratch)
                 if prepared is not None:
-                    self._inference_plans.add((x.shape, x.dtype), prepared)
+                    plans.add((x.shape, x.dtype), prepared)
             elif kernel is rowwise_input_mm:
                 y = rowwise_input_mm.fp8_rowwise_input_mm_prechecked(x2, data, scale_inv, bias)
             else:
@@ -441,8 +443,9 @@ class Linear(BasicOp):
         super().__setattr__(name, value)
 
     def cached_fp8_tensors(self) -> list:
-        """The FP8 weight copies this op holds between calls (counted by float8.memory_footprint)."""
-        return self._weight_cache.tensors()
+        """What this op holds between calls (counted by float8.memory_footprint): its FP8 weight copies and
+        the workspace its prepared inference calls keep (kernels/scratch.py)."""
+        return self._weight_cache.tensors() + self._inference_plans.scratch.tensors()
 
     def refresh_fp8_weight(self) -> None:
         """Forget the cached FP8 weight. Needed only after writing the weight through `.data` in place

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from float8.kernels.scratch import Scratch
+
 
 class WeightCache:
     """The FP8 copy of a Linear's weight and what it was made from. A plain holder: its fields are written
@@ -53,10 +55,19 @@ class WeightCache:
 
 class InferencePlans(dict):
     """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
-    dtype). Derived and never saved: pickling or copying a model drops them. Bounded: a model serving many
-    prompt lengths keeps the latest MAX shapes per Linear."""
+    dtype), and the workspace they share (`scratch`, kernels/scratch.py: the size of the largest call, per
+    stream and host thread). Derived and never saved: pickling or copying a model drops them. Bounded: a
+    model serving many prompt lengths keeps the latest MAX shapes per Linear."""
 
     MAX = 64
+
+    def __init__(self):
+        super().__init__()
+        self.scratch = Scratch()
+
+    def clear(self) -> None:
+        super().clear()
+        self.scratch.clear()
 
     def __reduce__(self):
         return (type(self), ())

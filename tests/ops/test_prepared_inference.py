@@ -15,6 +15,7 @@ import pickle
 import pytest
 import torch
 
+import float8
 import float8.ops as ops
 from float8 import Float8Tensor, Recipe
 from float8.kernels import rowwise_input_mm, weight_only
@@ -255,6 +256,45 @@ def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero(toke
         for counts in prepared.counts.values():
             assert counts.numel() == {16: 8, 128: 2}[tokens] and not counts.any()
         assert torch.equal(lin(x), want)
+
+
+def _workspace_needs(lin) -> dict:
+    """The largest workspace each dtype's buffer must hold for lin's prepared calls: a split K's float32
+    partials, the FP8 input's rows and scales (uint8)."""
+    need = {}
+    for p in lin._inference_plans.values():
+        if p.split_shape is not None:
+            need[torch.float32] = max(need.get(torch.float32, 0), p.split_numel)
+        if isinstance(p, rowwise_input_mm.PreparedRowwiseMM):
+            need[torch.uint8] = max(need.get(torch.uint8, 0), p.ws_bytes)
+    return need
+
+
+@gpu
+@pytest.mark.parametrize("recipe", [None, Recipe(inference_fp8_input_from=33)], ids=["weight-only", "fp8-input"])
+def test_gpu_prepared_calls_of_every_shape_share_one_kept_workspace(recipe):
+    """A layer's prepared calls write their workspace (a split K's partial sums, the FP8 input's rows and
+    scales) to one kept buffer per dtype (one stream, one thread here), grown to the largest call when a
+    larger shape comes: each call gives the checked op's bits even with the buffer filled with NaN or 0xFF
+    bytes before it (nothing is read that the call did not write), float8.memory_footprint counts it, and
+    dropping the plans drops it."""
+    lin = _linear(k=4096, n=256, recipe=recipe)
+    scratch = lin._inference_plans.scratch
+    base = float8.memory_footprint(lin)
+    with torch.inference_mode():
+        for tokens in (16, 128, 48, 16, 128, 64, 1):
+            for _ in range(2):  # the first call of a shape prepares it, the second is a prepared call
+                for t in scratch.tensors():
+                    t.fill_(float("nan") if t.is_floating_point() else 255)
+                x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
+                assert torch.equal(lin(x), _checked(lin, x)), tokens
+        torch.cuda.synchronize()
+        need = _workspace_needs(lin)
+        held = {t.dtype: t.numel() for t in scratch.tensors()}
+        assert need and held == need, (held, need)
+        assert float8.memory_footprint(lin) == base + sum(t.nbytes for t in scratch.tensors())
+        lin.refresh_fp8_weight()
+        assert scratch.tensors() == [] and float8.memory_footprint(lin) == base
 
 
 @gpu

@@ -1,0 +1,63 @@
+"""Workspace that one layer's prepared eager calls share across calls (kernels/weight_only.py PreparedMM).
+
+A prepared split-K call writes its float32 partial sums to a workspace, and a prepared FP8-input call
+(kernels/rowwise_input_mm.py) its quantized rows and their scales; both are written and read inside the one
+launch, never across calls. Made afresh per call, each is a `torch.empty`: about 6 us of host time on the H100
+machine's host (benchmarks/results/history.csv, area host_parts), paid by every such Linear of an eager
+decode-size forward, which waits for the host. Kept here instead, one buffer per (stream, host thread,
+dtype), grown to the largest call of the layer and shared by all its input shapes:
+
+- Launches on one stream run in order, so one launch's workspace is not touched by the next before it ends.
+  Two streams, or two host threads (cudaStreamPerThread: one handle, several streams), get buffers of their
+  own, as the tile counters do.
+- A buffer that grows is replaced; torch's caching allocator hands the old one's memory to later work on
+  the same stream only, after what is queued there.
+- A CUDA graph must not capture a kept buffer (it could be replaced while the graph lives): the prepared
+  calls that use one take the checked path under capture (PreparedMM._stream_key).
+
+What it holds between calls is bounded by the layer, not by the shapes served: the largest workspace one of
+its calls needs (at most kernels/weight_only.MAX_TOKENS rows), per stream and thread in use. ops.Linear counts
+it in `cached_fp8_tensors` (float8.memory_footprint) and drops it with its prepared calls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MAX_BUFFERS = 64  # (stream, host thread, dtype) triples kept; the oldest is dropped beyond
+
+
+class Scratch:
+    """One layer's kept workspace buffers, by (stream handle, host thread, dtype)."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self) -> None:
+        self.buffers: dict = {}
+
+    def get(self, key: tuple, dtype: torch.dtype, numel: int, device: torch.device) -> Optional[torch.Tensor]:
+        """A 1-D `dtype` tensor of at least `numel` elements on `device` for the launches of stream/thread `key`
+        (the caller's current stream): the kept one, or a larger one replacing it. None where the allocator
+        gives an address that is not 16-byte aligned (Triton specializes on it: the caller's checked path)."""
+        k = (key, dtype)
+        buf = self.buffers.get(k)
+        if buf is not None and buf.numel() >= numel:
+            return buf
+        if buf is None and len(self.buffers) >= MAX_BUFFERS:
+            del self.buffers[next(iter(self.buffers))]  # the buffer made first
+        buf = self.buffers.pop(k, None)  # freed before its successor is made: the peak holds one of them
+        del buf
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if buf.data_ptr() % 16:
+            return None
+        self.buffers[k] = buf
+        return buf
+
+    def tensors(self) -> list:
+        """The buffers held (float8.memory_footprint counts them)."""
+        return list(self.buffers.values())
+
+    def clear(self) -> None:
+        self.buffers.clear()

@@ -1,0 +1,55 @@
+"""kernels/scratch.py: the workspace a layer's prepared calls keep between calls, one buffer per (stream,
+thread, dtype) grown to the largest call. On the CPU with CPU tensors (the GPU calls that use it:
+tests/ops/test_prepared_inference.py)."""
+
+import copy
+
+import torch
+
+from float8.kernels import scratch as S
+from float8.ops.weight_cache import InferencePlans
+
+CPU = torch.device("cpu")
+
+
+def test_a_key_keeps_one_buffer_grown_to_the_largest_request():
+    s = S.Scratch()
+    a = s.get(("stream", 1), torch.float32, 100, CPU)
+    assert a.numel() == 100 and a.dtype == torch.float32
+    assert s.get(("stream", 1), torch.float32, 60, CPU) is a  # smaller: the same buffer
+    b = s.get(("stream", 1), torch.float32, 300, CPU)
+    assert b is not a and b.numel() == 300
+    assert s.tensors() == [b]  # the old one is not held
+    assert s.get(("stream", 1), torch.float32, 100, CPU) is b
+
+
+def test_streams_threads_and_dtypes_get_buffers_of_their_own():
+    s = S.Scratch()
+    got = [
+        s.get(("s1", 1), torch.float32, 8, CPU),
+        s.get(("s2", 1), torch.float32, 8, CPU),
+        s.get(("s1", 2), torch.float32, 8, CPU),
+        s.get(("s1", 1), torch.uint8, 8, CPU),
+    ]
+    assert len({t.data_ptr() for t in got}) == 4 and len(s.tensors()) == 4
+
+
+def test_bounded_and_cleared():
+    s = S.Scratch()
+    first = s.get(("s", 0), torch.uint8, 16, CPU)
+    for i in range(1, S.MAX_BUFFERS + 5):
+        s.get(("s", i), torch.uint8, 16, CPU)
+    assert len(s.tensors()) == S.MAX_BUFFERS
+    assert all(t is not first for t in s.tensors())  # the oldest went first
+    s.clear()
+    assert s.tensors() == []
+
+
+def test_a_linears_plans_own_the_scratch_and_drop_it_with_them():
+    plans = InferencePlans()
+    plans.scratch.get(("s", 1), torch.float32, 32, CPU)
+    plans.add(("shape", torch.bfloat16), object())
+    twin = copy.deepcopy(plans)
+    assert twin.scratch is not plans.scratch and twin.scratch.tensors() == []
+    plans.clear()
+    assert len(plans) == 0 and plans.scratch.tensors() == []
