@@ -17,7 +17,7 @@ and compiled in torch.compile's default mode ("compiled"), bf16 against float8.
   "gpu_ms": the CUDA kernel time of a call (torch.profiler, summed). A call whose host_only_ms exceeds its
   gpu_ms is bound by the host.
 
-Recorded as the area "host_inference" in DIR (default benchmarks/results/; benchmarks.harness.record).
+Recorded as the area "host_inference" (or --area) in DIR (default benchmarks/results/; benchmarks.harness.record).
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--graphs", default="graphed_inference,reduce-overhead", help="how to graph the model ('': none)")
     p.add_argument("--linear-shapes", default="4096x4096,4096x1024,14336x4096", help="KxN of the Linears timed alone")
     p.add_argument("--linear-tokens", default="16,64,128", help="token counts of the Linears timed alone")
+    p.add_argument("--area", default="host_inference", help="the results area this run replaces")
     add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,7 +169,7 @@ def main(argv=None) -> None:
             for metric, v in graphed_ms(weights, args.tokens, how).items():
                 figures.append(figure(case, weights, metric, v))
                 print(f"{weights} {how}: {metric} {v}", flush=True)
-    print(record("host_inference", args.out, environment(torch.device("cuda")), figures))
+    print(record(args.area, args.out, environment(torch.device("cuda")), figures))
 
 
 if __name__ == "__main__":
