@@ -34,6 +34,7 @@ import torch
 
 from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
 from float8.checkpoint import enable_save_pretrained
+from float8.kernels.scratch import Scratch
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
 from float8.ops.saved_outputs import SavedOutputs, detach_all
@@ -131,9 +132,20 @@ def convert(
         setattr(model.get_submodule(parent_name), child, op)
     if recipe is not None and not isinstance(model, Linear):
         _keep_saved_outputs_lean(model)
+    _share_workspace(model)
     if fp8_weights and any(isinstance(p, Float8Tensor) for p in model.parameters()):
         enable_save_pretrained(model)  # a Hugging Face model's save_pretrained writes the hub FP8 layout
     return model
+
+
+def _share_workspace(model: torch.nn.Module) -> None:
+    """One kept workspace (kernels/scratch.py) for all of the model's Linears: their launches on a stream run
+    in turn, so one buffer the size of the largest call serves them all, where one per layer would hold
+    the sum (176 MiB against 8 MiB for benchmarks/inference.py's Llama-style model)."""
+    shared = Scratch()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m._inference_plans.share(shared)
 
 
 def _keep_saved_outputs_lean(model: torch.nn.Module) -> None:

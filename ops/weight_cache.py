@@ -4,6 +4,7 @@ kernels/weight_only.py PreparedMM). When each is made, read and dropped: ops/lin
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Optional, Tuple
 
@@ -55,9 +56,10 @@ class WeightCache:
 
 class InferencePlans(dict):
     """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
-    dtype), and the workspace they share (`scratch`, kernels/scratch.py: the size of the largest call, per
-    stream and host thread). Derived and never saved: pickling or copying a model drops them. Bounded: a
-    model serving many prompt lengths keeps the latest MAX shapes per Linear."""
+    dtype), and the workspace they keep (`scratch`, kernels/scratch.py: one object for all the Linears of a
+    converted model, ops/convert.py). Derived and never saved: pickling or copying a model drops the plans and
+    the buffers (Linears that shared a workspace object share one, empty, in the copy). Bounded: a model
+    serving many prompt lengths keeps the latest MAX shapes per Linear."""
 
     MAX = 64
 
@@ -66,14 +68,22 @@ class InferencePlans(dict):
         self.scratch = Scratch()
 
     def clear(self) -> None:
+        """Drop the plans and the kept workspace (the layers sharing it make it again on their next call)."""
         super().clear()
         self.scratch.clear()
 
+    def share(self, scratch: Scratch) -> None:
+        """Keep the workspace in `scratch`, shared with other layers (this layer's own buffers are freed)."""
+        self.scratch.clear()
+        self.scratch = scratch
+
     def __reduce__(self):
-        return (type(self), ())
+        return (type(self), (), {"scratch": self.scratch})
 
     def __deepcopy__(self, memo):
-        return type(self)()
+        new = type(self)()
+        new.scratch = copy.deepcopy(self.scratch, memo)  # one copy per shared object, through the memo
+        return new
 
     def add(self, key: Tuple[torch.Size, torch.dtype], prepared: object) -> None:
         if len(self) >= self.MAX:

@@ -53,3 +53,25 @@ def test_a_linears_plans_own_the_scratch_and_drop_it_with_them():
     assert twin.scratch is not plans.scratch and twin.scratch.tensors() == []
     plans.clear()
     assert len(plans) == 0 and plans.scratch.tensors() == []
+
+
+def test_a_converted_model_shares_one_workspace_and_its_copies_share_a_fresh_one():
+    """ops.convert gives all of a model's Linears one Scratch (they take turns with one buffer); a deepcopy
+    or a pickle of the model shares one new, empty Scratch among its Linears, apart from the original's."""
+    import pickle
+
+    import float8.ops as ops
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    ops.convert(model, fp8_weights=True)
+    lins = [m for m in model.modules() if isinstance(m, ops.Linear)]
+    assert len(lins) == 2 and lins[0]._inference_plans.scratch is lins[1]._inference_plans.scratch
+    lins[0]._inference_plans.scratch.get(("s", 1), torch.float32, 8, CPU)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        tl = [m for m in twin.modules() if isinstance(m, ops.Linear)]
+        s = tl[0]._inference_plans.scratch
+        assert s is tl[1]._inference_plans.scratch and s is not lins[0]._inference_plans.scratch
+        assert s.tensors() == []
+    assert len(lins[0]._inference_plans.scratch.tensors()) == 1
+    lins[1].refresh_fp8_weight()  # a layer's plans dropped: the shared buffers too (made again when needed)
+    assert lins[0]._inference_plans.scratch.tensors() == []

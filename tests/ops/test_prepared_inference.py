@@ -298,6 +298,33 @@ def test_gpu_prepared_calls_of_every_shape_share_one_kept_workspace(recipe):
 
 
 @gpu
+@pytest.mark.parametrize("recipe", [None, Recipe(inference_fp8_input_from=33)], ids=["weight-only", "fp8-input"])
+def test_gpu_a_converted_models_linears_share_one_workspace(recipe):
+    """ops.convert gives a model's Linears one kept workspace: the layers take turns with one buffer per
+    dtype, the size of the largest call of any of them, and each call keeps the checked op's bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.SiLU(), torch.nn.Linear(4096, 1024))
+    ops.convert(model.to("cuda", BF16), fp8_weights=True, recipe=recipe)
+    first, last = model[0], model[2]
+    scratch = first._inference_plans.scratch
+    assert last._inference_plans.scratch is scratch
+    with torch.inference_mode():
+        for tokens in (16, 128, 64, 16):
+            for _ in range(2):
+                for t in scratch.tensors():
+                    t.fill_(float("nan") if t.is_floating_point() else 255)
+                x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
+                want = _checked(last, torch.nn.functional.silu(_checked(first, x)))
+                assert torch.equal(model(x), want), tokens
+        torch.cuda.synchronize()
+        need = {}
+        for lin in (first, last):
+            for dtype, numel in _workspace_needs(lin).items():
+                need[dtype] = max(need.get(dtype, 0), numel)
+        assert need and {t.dtype: t.numel() for t in scratch.tensors()} == need
+
+
+@gpu
 def test_gpu_split_k_prepared_calls_on_two_streams_count_apart():
     """Two streams running the same prepared layer at once: each stream has its own tile counters, so each
     call's last program sees only its own partials."""
