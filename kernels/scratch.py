@@ -5,7 +5,7 @@ A prepared split-K call writes its float32 partial sums to a workspace, and a pr
 launch, never across calls. Made afresh per call, each is a `torch.empty`: 5-12 us of host time per call on
 the H100 machine's host (.scratch A/B of 2026-11-27: 4096->1024 at 16 tokens 35.7 against 30.1 us; the
 FP8-input call at 128 tokens 37.5 against 31.0), paid by every such Linear of an eager decode-size forward,
-which waits for the host. A `Scratch` keeps one buffer per (stream, host thread, dtype), grown to the
+which waits for the host. A `Scratch` keeps one buffer per (device, stream, host thread, dtype), grown to the
 largest call made through it. ops.convert gives all the Linears of a model one `Scratch`: they take turns,
 so it holds the largest workspace of any of them, where one per layer would hold their sum: for the
 Llama-style model of benchmarks/inference.py after calls of 1-128 tokens (each shape called twice; H100,
@@ -34,7 +34,7 @@ MAX_BUFFERS = 64  # (stream, host thread, dtype) triples kept; the oldest is dro
 
 
 class Scratch:
-    """Kept workspace buffers, by (stream handle, host thread, dtype), for the layers that share this object.
+    """Kept workspace buffers, by (device, stream handle, host thread, dtype), for the layers that share it.
     Copies and pickles of it are empty (a copy of a model does not share its original's buffers)."""
 
     __slots__ = ("buffers",)
@@ -54,7 +54,8 @@ class Scratch:
         if buf is not None and buf.numel() >= numel:
             return buf
         if buf is None and len(self.buffers) >= MAX_BUFFERS:
-            del self.buffers[next(iter(self.buffers))]  # the buffer made first
+            # The buffer made first; a no-op where another thread has just dropped it.
+            self.buffers.pop(next(iter(self.buffers), None), None)
         buf = self.buffers.pop(k, None)  # freed before its successor is made: the peak holds one of them
         del buf
         buf = torch.empty(numel, dtype=dtype, device=device)

@@ -345,6 +345,8 @@ class PreparedMM:
         kernel reads only its address), or, where the caller keeps none, a fresh tensor of `shape`."""
         if self.scratch is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
+        if key is None:
+            return None  # no stream key (a CUDA graph capture): never a kept buffer; the caller's checked path
         return self.scratch.get(key, dtype, numel, self.device)
 
     @staticmethod
@@ -359,7 +361,9 @@ class PreparedMM:
         miscount (rowwise_input_mm's programs could wait for ever)."""
         if torch._C._cuda_isCurrentStreamCapturing():
             return None
-        return (torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
+        # The device too: stream handles repeat across devices (each one's default stream is 0), and a
+        # model's layers on two GPUs share one kept workspace object (kernels/scratch.py).
+        return (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
 
     def _counts(self, key: tuple) -> torch.Tensor:
         # Bounded: a pool of threads that come and go does not grow it without end (the oldest set is
@@ -367,7 +371,7 @@ class PreparedMM:
         counts = self.counts.get(key)
         if counts is None:
             if len(self.counts) >= MAX_COUNTER_SETS:
-                del self.counts[next(iter(self.counts))]  # the set made first
+                self.counts.pop(next(iter(self.counts), None), None)  # the set made first (a no-op if gone)
             counts = self.counts[key] = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
         return counts
 
@@ -433,7 +437,7 @@ def prepare_call(
     p.split_numel = call.out.numel()
     p.scratch = scratch
     p.tiles = counts.numel() if kept else 0
-    key = (torch._C._cuda_getCurrentRawStream(x.device.index), threading.get_ident())
+    key = (x.device.index, torch._C._cuda_getCurrentRawStream(x.device.index), threading.get_ident())
     p.counts = {key: counts} if kept else {}
     return call.y, p
 

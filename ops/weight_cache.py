@@ -73,8 +73,9 @@ class InferencePlans(dict):
         self.scratch.clear()
 
     def share(self, scratch: Scratch) -> None:
-        """Keep the workspace in `scratch`, shared with other layers (this layer's own buffers are freed)."""
-        self.scratch.clear()
+        """Keep the workspace in `scratch`, shared with other layers. The plans made so far go with this
+        layer's own buffers: each plan holds the workspace object it was made with."""
+        self.clear()
         self.scratch = scratch
 
     def __reduce__(self):

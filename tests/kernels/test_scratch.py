@@ -75,3 +75,42 @@ def test_a_converted_model_shares_one_workspace_and_its_copies_share_a_fresh_one
     assert len(lins[0]._inference_plans.scratch.tensors()) == 1
     lins[1].refresh_fp8_weight()  # a layer's plans dropped: the shared buffers too (made again when needed)
     assert lins[0]._inference_plans.scratch.tensors() == []
+
+
+def test_converting_again_moves_the_plans_off_the_old_workspace():
+    """A second ops.convert shares a new Scratch: the plans made with the old one are dropped with it, so
+    none keeps growing a workspace that no longer is the layer's (nor counted by memory_footprint)."""
+    import float8.ops as ops
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    ops.convert(model, fp8_weights=True)
+    lin = model[0]
+    old = lin._inference_plans.scratch
+    lin._inference_plans.add(("shape", torch.bfloat16), object())  # as a GPU call would leave it
+    ops.convert(model, fp8_weights=True)
+    assert lin._inference_plans.scratch is not old and len(lin._inference_plans) == 0
+    assert model[2]._inference_plans.scratch is lin._inference_plans.scratch
+
+
+def test_devices_get_buffers_of_their_own():
+    """Stream handles repeat across devices (the default stream is 0 on each): the key a prepared call uses
+    holds the device, so one Scratch shared by layers on two GPUs never hands one GPU's buffer to the other."""
+    s = S.Scratch()
+    a = s.get((0, 0, 1), torch.float32, 8, CPU)
+    b = s.get((1, 0, 1), torch.float32, 8, torch.device("meta"))
+    assert a is not b and b.device.type == "meta"
+
+
+def test_a_prepared_calls_stream_key_names_its_device(monkeypatch):
+    """PreparedMM._stream_key: (device, stream handle, thread) outside a capture, None during one. Stream
+    handles faked: a CPU build has no CUDA streams."""
+    import threading
+
+    from float8.kernels import weight_only
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    keys = [weight_only.PreparedMM._stream_key(d) for d in (0, 1)]
+    assert keys == [(0, 0, threading.get_ident()), (1, 0, threading.get_ident())]
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True, raising=False)
+    assert weight_only.PreparedMM._stream_key(0) is None

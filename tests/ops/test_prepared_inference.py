@@ -259,14 +259,17 @@ def test_gpu_split_k_prepared_call_is_one_launch_and_its_counters_stay_zero(toke
 
 
 def _workspace_needs(lin) -> dict:
-    """The largest workspace each dtype's buffer must hold for lin's prepared calls: a split K's float32
-    partials, the FP8 input's rows and scales (uint8)."""
+    """The largest workspace each dtype's buffer must hold for lin's prepared calls, from the call shapes: a
+    split K's float32 partials (splits x M x N), the FP8 input's rows and scales (M K rounded up to 16
+    bytes, plus 4 M)."""
     need = {}
-    for p in lin._inference_plans.values():
+    for (shape, _), p in lin._inference_plans.items():
+        m, n, k = shape.numel() // shape[-1], lin.out_features, lin.in_features
         if p.split_shape is not None:
-            need[torch.float32] = max(need.get(torch.float32, 0), p.split_numel)
+            assert p.split_shape[1:] == (m, n)
+            need[torch.float32] = max(need.get(torch.float32, 0), p.split_shape[0] * m * n)
         if isinstance(p, rowwise_input_mm.PreparedRowwiseMM):
-            need[torch.uint8] = max(need.get(torch.uint8, 0), p.ws_bytes)
+            need[torch.uint8] = max(need.get(torch.uint8, 0), -(-m * k // 16) * 16 + 4 * m)
     return need
 
 
