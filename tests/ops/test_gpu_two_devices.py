@@ -108,3 +108,37 @@ def test_gpu_block_scaled_weights_and_fused_head_on_another_device():
         return ys + [loss.detach(), h.grad, head.weight.grad]
 
     _on_both(run)
+
+
+def test_gpu_a_model_across_two_gpus_keeps_a_workspace_per_device():
+    """One converted model with a layer on each GPU, run stage by stage with each stage's device current (so
+    both take prepared calls): its Linears share one kept workspace object (kernels/scratch.py), whose
+    buffers are per device (stream handles repeat across devices), and the outputs are the bits of the same
+    model on cuda:0 alone."""
+
+    def build(devices):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False), torch.nn.Linear(4096, 1024, bias=False))
+        for layer, dev in zip(model, devices):
+            layer.to(dev, torch.bfloat16)
+        return ops.convert(model, fp8_weights=True, recipe=Recipe(inference_fp8_input_from=33))
+
+    def run(model, devices):
+        outs = []
+        with torch.inference_mode():
+            for tokens in (16, 64, 16, 64):
+                torch.manual_seed(tokens)
+                h = torch.randn(tokens, 4096, dtype=torch.bfloat16).to(devices[0])
+                for layer, dev in zip(model, devices):
+                    with torch.cuda.device(dev):
+                        h = layer(h.to(dev))
+                outs.append(h.cpu())
+        return outs
+
+    split = build(["cuda:0", "cuda:1"])
+    assert split[0]._inference_plans.scratch is split[1]._inference_plans.scratch
+    got = run(split, ["cuda:0", "cuda:1"])
+    want = run(build(["cuda:0", "cuda:0"]), ["cuda:0", "cuda:0"])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    devices = {key[0][0] for key in split[0]._inference_plans.scratch.buffers}
+    assert devices == {0, 1}, split[0]._inference_plans.scratch.buffers.keys()
