@@ -99,12 +99,13 @@ def _lce_variants():
         "float8 bf16, dw in bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(
             x, w, t, dw_accumulation="weight_dtype", chunk_tokens=1024
         ),
+        # The default with a recipe: the weight gradient's GEMM in bf16, summed in the gradient (weight_dtype)
         "float8 FP8 GEMMs": lambda x, w, t: linear_cross_entropy(x, w, t, recipe=Recipe()),
-        "float8 FP8 GEMMs, dw in bf16": lambda x, w, t: linear_cross_entropy(
-            x, w, t, recipe=Recipe(), dw_accumulation="weight_dtype"
+        "float8 FP8 GEMMs, dw in bf16, 2048-token chunks": lambda x, w, t: linear_cross_entropy(
+            x, w, t, recipe=Recipe(), chunk_tokens=2048
         ),
-        "float8 FP8 GEMMs, dw in bf16, 1024-token chunks": lambda x, w, t: linear_cross_entropy(
-            x, w, t, recipe=Recipe(), dw_accumulation="weight_dtype", chunk_tokens=1024
+        "float8 FP8 GEMMs, FP8 dw in float32": lambda x, w, t: linear_cross_entropy(
+            x, w, t, recipe=Recipe(), dw_accumulation="float32"
         ),
     }
     try:

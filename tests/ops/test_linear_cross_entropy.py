@@ -130,8 +130,7 @@ def test_weight_dtype_accumulation_of_a_float32_weight_is_exact():
     torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("dw_accumulation", ["float32", "weight_dtype"])
-def test_fp8_weight_gradient_in_vocabulary_slabs(dw_accumulation, monkeypatch):
+def test_fp8_weight_gradient_in_vocabulary_slabs(monkeypatch):
     # The FP8 weight-gradient product goes through a float32 temporary one slab of vocabulary rows at a
     # time; slabs that do not divide V must give the product of one whole GEMM.
     import float8.ops.cross_entropy as lce
@@ -140,9 +139,33 @@ def test_fp8_weight_gradient_in_vocabulary_slabs(dw_accumulation, monkeypatch):
     for slab in (lce.FP8_DW_SLAB, 96):
         monkeypatch.setattr(lce, "FP8_DW_SLAB", slab)
         x, w, _, t = _data(torch.bfloat16, bias=False)
-        linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32, dw_accumulation=dw_accumulation).backward()
+        linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32).backward()
         grads.append(w.grad)
     assert V % 96 and torch.equal(grads[0], grads[1])
+
+
+def test_fp8_with_weight_dtype_accumulation_runs_the_weight_gradient_in_x_dtype():
+    """A recipe with dw_accumulation="weight_dtype": FP8 logits and input-gradient GEMMs (the input gradient
+    is the float32 accumulation's, bit for bit), and the weight gradient's GEMM in bf16 on the logits'
+    gradient before quantization, added into the gradient by its epilogue: no float32 (V, H) buffer or
+    slab, and a weight gradient nearer float64's than the FP8 GEMM's."""
+    x, w, _, t = _data(torch.bfloat16, bias=False)
+    ref, xd, wd, _ = _reference(x, w, None, t)
+    ref.backward()
+    got = {}
+    for acc in ("float32", "weight_dtype"):
+        w.grad = x.grad = None
+        with _LargestFloat32() as mode:
+            linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32, dw_accumulation=acc).backward()
+        got[acc] = (w.grad, x.grad, mode.largest, sqnr_db(wd.grad, w.grad))
+    assert got["weight_dtype"][2] < V * H <= got["float32"][2]
+    assert torch.equal(got["weight_dtype"][1], got["float32"][1])
+    assert got["weight_dtype"][0].dtype == torch.bfloat16
+    assert got["weight_dtype"][3] >= got["float32"][3] + 6, (got["weight_dtype"][3], got["float32"][3])
+    # The default with a recipe: weight_dtype (the same call, bit for bit).
+    w.grad = x.grad = None
+    linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32).backward()
+    assert torch.equal(w.grad, got["weight_dtype"][0]) and torch.equal(x.grad, got["weight_dtype"][1])
 
 
 def test_default_chunks():
@@ -152,6 +175,9 @@ def test_default_chunks():
     assert default_chunk_tokens(16384, 4096, 128256, "weight_dtype") == 512  # a logits chunk the size of x
     assert default_chunk_tokens(100, 4096, 128256, "weight_dtype") == 112  # never more than the input
     assert default_chunk_tokens(16384, 512, 128256, "weight_dtype") == 256  # at least 256
+    # FP8 logits and input-gradient GEMMs: chunks twice as large
+    assert default_chunk_tokens(16384, 4096, 128256, "weight_dtype", fp8=True) == 1040
+    assert default_chunk_tokens(16384, 4096, 32768, "weight_dtype", fp8=True) == 4096
 
 
 def test_op_ends_a_sequential_and_inference_computes_no_gradients():
