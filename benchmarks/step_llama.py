@@ -143,12 +143,13 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test; the default without CUDA)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    p.add_argument("--area", default="step_llama", help="the results area this run replaces")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants.split(",") if args.variants else None
     rows = run(device, args.tiny or device.type == "cpu", variants)
     print(markdown_table(rows, COLUMNS))
-    write_report("step_llama", args.out, environment(device), rows, COLUMNS)
+    write_report(args.area, args.out, environment(device), rows, COLUMNS)
 
 
 if __name__ == "__main__":
