@@ -221,19 +221,20 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
         if db is not None:
             db += z.sum(0, dtype=torch.float32)
         dz = plan.quantizers.grad._quantize(z, plan.need_dw and plan.fp8_dw) if plan.fp8 else z
-        if plan.fp8_dw or dw is None:
-            del z  # FP8 (or no) weight gradient: only the FP8 copy is read from here on
+        # The weight gradient's GEMM reads the logits' gradient as it is unless that GEMM is FP8: then only
+        # the FP8 copy stays alive through the input gradient's GEMM.
+        dz_hp = z if dw is not None and not plan.fp8_dw else None
+        del z
         if dx is not None:
             if plan.fp8:
                 dx[c0:c1] = _mm(dz, w, out_dtype=plan.dtype, pad=True)
             else:
                 torch.mm(dz, w, out=dx[c0:c1])  # into dx's rows: no chunk-sized temporary
         if dw is not None:
-            _accumulate_dw(dw, dz if plan.fp8_dw or not plan.fp8 else z, xc, xc8, plan)
+            _accumulate_dw(dw, dz if dz_hp is None else dz_hp, xc, xc8, plan)
         # Freed before the next chunk's logits are written: two chunks alive at once were the largest
         # temporary (measured on the H100: 250 MiB above the gradients at 512-token chunks, not 125).
-        z = None
-        del dz, xc8, z
+        del dz, dz_hp, xc8
     return loss, lse, dx, dw, db
 
 
