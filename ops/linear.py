@@ -272,7 +272,8 @@ class Linear(BasicOp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             check_dense(x, "Linear")
-        if type(x) is torch.Tensor and not torch.compiler.is_compiling():  # dynamo never reads the plans
+        tracing = torch.compiler.is_compiling()
+        if type(x) is torch.Tensor and not tracing:  # dynamo never reads the plans
             prepared = self._inference_plans.get((x.shape, x.dtype))
             if prepared is not None:
                 y = self._prepared_forward(prepared, x)
@@ -288,9 +289,13 @@ class Linear(BasicOp):
             if x.dtype != dtype:
                 x = x.to(dtype)
         if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
+            w = self.weight
+            # Eagerly type() first: a plain Parameter (the common case) skips isinstance (55 against 170 ns on a
+            # dev CPU). Traced, isinstance alone: each type() read of a weight added a Python guard that every
+            # compiled call checks (`type(w_i) is type(w_0)`, one per converted Linear after the first).
             if (
-                type(self.weight) is not torch.nn.Parameter
-                and isinstance(self.weight, Float8Tensor)
+                (tracing or type(w) is not torch.nn.Parameter)
+                and isinstance(w, Float8Tensor)
                 and not self.high_precision
             ):
                 y = self._inference_forward(x)
