@@ -55,8 +55,9 @@ def default_chunk_tokens(
     V tokens, at least 256), the smallest that keeps the GEMMs efficient; each chunk reads and writes the
     whole weight gradient once, which is what this costs in time. With FP8 GEMMs (fp8) twice that: the
     FP8 logits and input-gradient GEMMs leave the weight gradient's read and write a larger share (H100,
-    V=128256, H=4096, 16384 tokens: 75.9 ms at 512-token chunks, 67.3 at 1024, 65.4 at 2048; V=32768: 17.1
-    ms at 2048, 16.2 at 4096 at 688 MiB, against the float32 sum's 16.9 ms at 1056 MiB)."""
+    2026-11-27, V=128256, H=4096, 16384 tokens, one run: 76.0 ms at 512-token chunks, 67.6 at 1024, 65.4 at
+    2048; V=32768: 17.1 ms at 2048, 16.2 at 4096 at 688 MiB, against the float32 sum's 16.9 ms at 1056 MiB;
+    docs/performance.md)."""
     cap = tokens + (-tokens) % 16
     if dw_accumulation == "weight_dtype" and vocab:
         want = max(256, (2 if fp8 else 1) * tokens * hidden // vocab)
@@ -186,8 +187,13 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
         for v0 in range(0, acc.shape[0], FP8_DW_SLAB):
             rows = dzt._replace(data=dzt.data[v0 : v0 + FP8_DW_SLAB], transpose=None)
             acc[v0 : v0 + FP8_DW_SLAB] += _mm(rows, xb, out_dtype=torch.float32, pad=True)
-    elif dz.dtype != acc.dtype and (acc.device.type == "cuda" or torch.compiler.is_compiling()):
-        _addmm_float32_(acc, dz.t(), xc)  # bf16 operands, float32 sum: no temporary on CUDA
+    elif (
+        acc.dtype == torch.float32
+        and dz.dtype in (torch.bfloat16, torch.float16)
+        and (acc.device.type == "cuda" or torch.compiler.is_compiling())
+    ):
+        _addmm_float32_(acc, dz.t(), xc)  # bf16 operands, float32 sum: no temporary on CUDA (the one mixed
+        # case CUDA's addmm takes: out_dtype float32 for half-precision operands, or the operands' dtype)
     elif acc.dtype == dz.dtype:
         acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
     else:
@@ -220,7 +226,8 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
             continue
         if db is not None:
             db += z.sum(0, dtype=torch.float32)
-        dz = plan.quantizers.grad._quantize(z, plan.need_dw and plan.fp8_dw) if plan.fp8 else z
+        fp8_dz = plan.fp8 and (dx is not None or (plan.fp8_dw and dw is not None))  # else no FP8 GEMM reads it
+        dz = plan.quantizers.grad._quantize(z, plan.need_dw and plan.fp8_dw) if fp8_dz else z
         # The weight gradient's GEMM reads the logits' gradient as it is unless that GEMM is FP8: then only
         # the FP8 copy stays alive through the input gradient's GEMM.
         dz_hp = z if dw is not None and not plan.fp8_dw else None
@@ -310,11 +317,11 @@ def linear_cross_entropy(
     gradient itself, added by each chunk's GEMM epilogue, so nothing beyond one logits chunk is held, at
     the cost of one rounding to the weight's dtype per chunk (what Liger-Kernel does) and of smaller chunks
     (see `default_chunk_tokens`); with FP8 GEMMs that GEMM runs in x's dtype on the logits' gradient before
-    quantization (the logits and input-gradient GEMMs stay FP8). H100, V=128256, H=4096, 16384 tokens, FP8:
-    float32 62.3 ms at 3.95 GiB above the gradients, weight-gradient SQNR 31.5 dB (against the float32
-    sum of bf16 products); weight_dtype at 1024-token chunks (the default gives 1040) 67.3 ms at 1.36 GiB,
-    51.8 dB. At the benchmark model's head (V=32768, 4096-token chunks): 16.9 ms at 1056 MiB against 16.2
-    ms at 688 MiB (2026-11-27; area memory_lce and docs/performance.md).
+    quantization (the logits and input-gradient GEMMs stay FP8). None (default): "weight_dtype" with FP8
+    GEMMs, a weight that takes a gradient and bf16/fp16 x; "float32" otherwise. H100, V=128256, H=4096,
+    16384 tokens, FP8: float32 62.7 ms at 3.95 GiB above the gradients, weight-gradient SQNR 31.5 dB
+    (against the float32 sum of bf16 products); weight_dtype (1040-token chunks) 68.7 ms at 1.36 GiB, 51.8
+    dB (2026-11-27, area memory_lce). At the benchmark model's head (V=32768): docs/performance.md.
     """
     name = "linear_cross_entropy"
     check_cross_entropy_args(x, weight, target, bias, reduction, label_smoothing, name)
@@ -334,14 +341,17 @@ def linear_cross_entropy(
     _check_labels(t, weight.shape[0], ignore_index, name)
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 16 or chunk_tokens % 16):
         raise ValueError(f"{name}: chunk_tokens must be a positive multiple of 16, got {chunk_tokens!r}")
+    grad = torch.is_grad_enabled()
+    needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
     fp8 = recipe is not None or isinstance(weight, Float8Tensor)
     if dw_accumulation is None:
-        dw_accumulation = "weight_dtype" if fp8 else "float32"
+        # weight_dtype where its GEMM runs in half precision; else float32 (nothing to sum without a weight
+        # gradient, and a float32 GEMM would be the slower one).
+        half = x2.dtype in (torch.bfloat16, torch.float16)
+        dw_accumulation = "weight_dtype" if fp8 and needs[1] and half else "float32"
     if dw_accumulation not in _ACCUMULATIONS:
         raise ValueError(f"{name}: dw_accumulation must be one of {_ACCUMULATIONS}, got {dw_accumulation!r}")
     chunk = chunk_tokens or default_chunk_tokens(x2.shape[0], x2.shape[1], weight.shape[0], dw_accumulation, fp8)
-    grad = torch.is_grad_enabled()
-    needs = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
     plan = _Plan(
         x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk, dw_accumulation
     )

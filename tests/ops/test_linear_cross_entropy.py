@@ -139,7 +139,7 @@ def test_fp8_weight_gradient_in_vocabulary_slabs(monkeypatch):
     for slab in (lce.FP8_DW_SLAB, 96):
         monkeypatch.setattr(lce, "FP8_DW_SLAB", slab)
         x, w, _, t = _data(torch.bfloat16, bias=False)
-        linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32).backward()
+        linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32, dw_accumulation="float32").backward()
         grads.append(w.grad)
     assert V % 96 and torch.equal(grads[0], grads[1])
 
@@ -231,3 +231,77 @@ def test_bad_input_names_the_problem():
     w8 = Float8Tensor.quantize(w.detach()).requires_grad_(True)
     with pytest.raises(ValueError, match="no master weight"):
         linear_cross_entropy(x, w8, t)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype",
+    [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+    + [(torch.bfloat16, torch.float32)],
+)
+def test_mixed_dtypes_take_the_float32_addmm_only_where_cuda_takes_it(x_dtype, w_dtype, monkeypatch):
+    """The weight gradient's GEMM adds into the sum with out_dtype only for half-precision operands and a
+    float32 sum (CUDA's addmm refuses the other mixes, a bf16 sum of fp16 or fp32 operands): traced (aot_eager,
+    where that branch is taken off CUDA too), every mix of x and weight dtypes with a recipe keeps to it, and
+    the gradients agree with float64."""
+    import float8.ops.cross_entropy as lce
+
+    real = lce._addmm_float32_
+
+    def checked(acc, a, b):
+        assert acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16), (acc.dtype, a.dtype)
+        return real(acc, a, b)
+
+    monkeypatch.setattr(lce, "_addmm_float32_", checked)
+    x, w, _, t = _data(bias=False)
+    x = x.detach().to(x_dtype).requires_grad_(True)
+    w = w.detach().to(w_dtype).requires_grad_(True)
+    ref, xd, wd, _ = _reference(x, w, None, t)
+    ref.backward()
+    torch._dynamo.reset()
+    run = torch.compile(lambda *a: linear_cross_entropy(*a, recipe=Recipe(), chunk_tokens=32), backend="aot_eager")
+    run(x, w, t).backward()
+    assert w.grad.dtype == w_dtype and sqnr_db(wd.grad, w.grad) >= SQNR_DB["grad"]
+
+
+def test_fp8_logits_gradient_is_quantized_only_for_an_fp8_gemm_that_reads_it():
+    """x that takes no gradient and the weight gradient's GEMM in bf16: no E5M2 copy of the logits' gradient."""
+
+    class CountE5M2(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                self.count += isinstance(o, torch.Tensor) and o.dtype == torch.float8_e5m2
+            return out
+
+    counts = []
+    for x_grad in (False, True):
+        x, w, _, t = _data(torch.bfloat16, bias=False)
+        x.requires_grad_(x_grad)
+        with CountE5M2() as mode:
+            linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32).backward()
+        counts.append(mode.count)
+    assert counts[0] == 0 < counts[1]
+
+
+def test_default_accumulation_is_float32_without_a_half_precision_weight_gradient():
+    """The default sums in the weight's dtype only where the weight takes a gradient and x is bf16/fp16: a
+    frozen weight and float32 x get what dw_accumulation="float32" gives, bit for bit."""
+    x, w, _, t = _data(bias=False)  # float32 x and weight
+    got = []
+    for acc in (None, "float32"):
+        w.grad = x.grad = None
+        linear_cross_entropy(x, w, t, recipe=Recipe(), dw_accumulation=acc).backward()
+        got.append((w.grad, x.grad))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    x, w, _, t = _data(torch.bfloat16, bias=False)
+    w8 = Float8Tensor.quantize(w.detach())  # frozen, FP8-only
+    grads = []
+    for acc in (None, "float32"):
+        x.grad = None
+        linear_cross_entropy(x, w8, t, dw_accumulation=acc).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
