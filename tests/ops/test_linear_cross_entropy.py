@@ -85,22 +85,30 @@ def test_fp8_only_weight_frozen():
     assert sqnr_db(xd.grad, x.grad) >= SQNR_DB["grad"]
 
 
-class _LargestFloat32(TorchDispatchMode):
+class _Outputs(TorchDispatchMode):
+    """Per dtype, how many tensors the ops under it made and the largest one's element count."""
+
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.count, self.largest_of = {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
-                self.largest = max(self.largest, o.numel())
+            if isinstance(o, torch.Tensor):
+                self.count[o.dtype] = self.count.get(o.dtype, 0) + 1
+                self.largest_of[o.dtype] = max(self.largest_of.get(o.dtype, 0), o.numel())
         return out
+
+    @property
+    def largest(self) -> int:
+        """The largest float32 tensor made."""
+        return self.largest_of.get(torch.float32, 0)
 
 
 def test_never_materializes_float32_logits():
     x, w, _, t = _data(torch.bfloat16, bias=False)
-    with _LargestFloat32() as mode:
+    with _Outputs() as mode:
         linear_cross_entropy(x, w, t, chunk_tokens=16).backward()
     # The weight gradient's float32 accumulator (V x H) is the largest; the logits (N x V) never exist in
     # float32, and a chunk of them is 16 x V in bf16.
@@ -111,7 +119,7 @@ def test_weight_dtype_accumulation_holds_no_float32_weight_buffer():
     x, w, _, t = _data(torch.bfloat16, bias=False)
     ref, xd, wd, _ = _reference(x, w, None, t)
     ref.backward()
-    with _LargestFloat32() as mode:
+    with _Outputs() as mode:
         loss = linear_cross_entropy(x, w, t, chunk_tokens=16, dw_accumulation="weight_dtype")
         loss.backward()
     assert mode.largest < V * H  # per-row losses and statistics only
@@ -155,7 +163,7 @@ def test_fp8_with_weight_dtype_accumulation_runs_the_weight_gradient_in_x_dtype(
     got = {}
     for acc in ("float32", "weight_dtype"):
         w.grad = x.grad = None
-        with _LargestFloat32() as mode:
+        with _Outputs() as mode:
             linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32, dw_accumulation=acc).backward()
         got[acc] = (w.grad, x.grad, mode.largest, sqnr_db(wd.grad, w.grad))
     assert got["weight_dtype"][2] < V * H <= got["float32"][2]
@@ -266,24 +274,13 @@ def test_mixed_dtypes_take_the_float32_addmm_only_where_cuda_takes_it(x_dtype, w
 def test_fp8_logits_gradient_is_quantized_only_for_an_fp8_gemm_that_reads_it():
     """x that takes no gradient and the weight gradient's GEMM in bf16: no E5M2 copy of the logits' gradient."""
 
-    class CountE5M2(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for o in out if isinstance(out, (tuple, list)) else (out,):
-                self.count += isinstance(o, torch.Tensor) and o.dtype == torch.float8_e5m2
-            return out
-
     counts = []
     for x_grad in (False, True):
         x, w, _, t = _data(torch.bfloat16, bias=False)
         x.requires_grad_(x_grad)
-        with CountE5M2() as mode:
+        with _Outputs() as mode:
             linear_cross_entropy(x, w, t, recipe=Recipe(), chunk_tokens=32).backward()
-        counts.append(mode.count)
+        counts.append(mode.count.get(torch.float8_e5m2, 0))
     assert counts[0] == 0 < counts[1]
 
 
