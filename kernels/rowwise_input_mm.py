@@ -158,9 +158,9 @@ def fp8_rowwise_input_mm_triton(
 class PreparedRowwiseMM(weight_only.PreparedMM):
     """fp8_rowwise_input_mm for repeated eager calls (weight_only.PreparedMM's contract): one prepared launch,
     its counters kept per stream and thread (as a split K's are), its workspace (x8 and the row scales,
-    M K rounded up to 16 bytes, plus 4 M) the layer's kept buffer (kernels/scratch.py: one per layer, stream
-    and thread, the size of its largest call, whatever the shapes served), or made afresh per call where
-    the caller keeps none."""
+    M K rounded up to 16 bytes, plus 4 M) the kept buffer of the caller's layers (kernels/scratch.py: one per
+    device, stream and thread, the size of the largest call, whatever the shapes served), or made afresh per
+    call where the caller keeps none."""
 
     __slots__ = ("ws_bytes",)
 
@@ -182,7 +182,7 @@ def prepare(
     """(y, PreparedRowwiseMM or None): one call of checked operands (`supports`, K, one CUDA device, the
     bias's dtype and contiguity, x contiguous), and what repeats it with less host time; None where
     weight_only.prepare_call gives None (the interpreter, a CUDA graph capture, another current device).
-    scratch: the layer's kept workspace (kernels/scratch.py) for the repeated calls; None: one per call."""
+    scratch: the kept workspace (kernels/scratch.py) for the repeated calls; None: one per call."""
     if (x.is_cuda and torch.cuda.is_current_stream_capturing()) or x.shape[0] * w_data.shape[0] == 0:
         # A CUDA graph waits for no host: the two launches, whose GEMM waits for nothing (the module
         # docstring). An empty y: nothing to launch or prepare.

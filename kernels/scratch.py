@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-MAX_BUFFERS = 64  # (stream, host thread, dtype) triples kept; the oldest is dropped beyond
+MAX_BUFFERS = 64  # (device, stream, host thread, dtype) keys kept; the oldest is dropped beyond
 
 
 class Scratch:
@@ -56,8 +56,8 @@ class Scratch:
         if buf is None and len(self.buffers) >= MAX_BUFFERS:
             # The buffer made first; a no-op where another thread has just dropped it.
             self.buffers.pop(next(iter(self.buffers), None), None)
-        buf = self.buffers.pop(k, None)  # freed before its successor is made: the peak holds one of them
-        del buf
+        buf = None  # the old buffer, if any, is freed before its successor is made: the peak holds one
+        self.buffers.pop(k, None)
         buf = torch.empty(numel, dtype=dtype, device=device)
         if buf.data_ptr() % 16:
             return None

@@ -341,8 +341,9 @@ class PreparedMM:
         return x, x
 
     def workspace(self, key: tuple, dtype: torch.dtype, numel: int, shape: tuple) -> Optional[torch.Tensor]:
-        """A workspace of numel dtype elements for this call: the layer's kept buffer (kernels/scratch.py; the
-        kernel reads only its address), or, where the caller keeps none, a fresh tensor of `shape`."""
+        """A workspace of numel dtype elements for this call: the kept buffer of the caller's layers
+        (kernels/scratch.py; the kernel reads only its address), or, where it keeps none, a fresh tensor of
+        `shape`."""
         if self.scratch is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         if key is None:
@@ -351,7 +352,7 @@ class PreparedMM:
 
     @staticmethod
     def _stream_key(device: int) -> Optional[tuple]:
-        """The current stream and host thread, what counters and kept workspace belong to; None while a CUDA
+        """The device, its current stream and the host thread: what counters and kept workspace belong to; None while a CUDA
         graph is captured. A graph would keep their addresses but not the tensors (this plan may be dropped
         while the graph lives: a reload, a new shape past the table's bound; a kept workspace may grow), and
         its replays, on whatever stream replays it, would count into the eager calls' counters: a capture
@@ -388,8 +389,8 @@ def prepare(
     device, the bias's dtype and contiguity, x contiguous), and what repeats it with less host time
     (`prepare_call`). out_shape: the shape a repeated call's y is made in (the (M, N) rows, with the
     caller's leading dims: the caller then passes x with its own leading dims too, and no view is made on
-    either side). scratch: the layer's kept workspace (kernels/scratch.py), which a repeated split-K call
-    writes its partial sums to; None: a fresh tensor per call."""
+    either side). scratch: the kept workspace of the caller's layers (kernels/scratch.py), which a repeated
+    split-K call writes its partial sums to; None: a fresh tensor per call."""
     # A split K sums its partials in the main kernel (FIXUP), counting into a zeroed tensor made here.
     call = _launch_plan(x, w_data, w_scale_inv, bias, one_launch=True)
     return prepare_call(call, _launch, x, w_data, w_scale_inv, bias, out_shape, PreparedMM(), scratch)
@@ -437,8 +438,7 @@ def prepare_call(
     p.split_numel = call.out.numel()
     p.scratch = scratch
     p.tiles = counts.numel() if kept else 0
-    key = (x.device.index, torch._C._cuda_getCurrentRawStream(x.device.index), threading.get_ident())
-    p.counts = {key: counts} if kept else {}
+    p.counts = {PreparedMM._stream_key(x.device.index): counts} if kept else {}  # not capturing (above)
     return call.y, p
 
 
