@@ -69,6 +69,9 @@ VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
     "float8 fp8-input eager": ("float8-fp8-input", None),
     # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
     "float8 blockwise eager": ("float8-block", None),
+    # Recipe.rowwise(): one scale per weight row and, above 128 tokens, per input row (one pass, no amax kernel)
+    "float8 rowwise eager": ("float8-rowwise", None),
+    "float8 rowwise compiled": ("float8-rowwise", "default"),
     # Input scales fixed by ops.calibrate (docs/inference.md): one cast per activation above 128 tokens, no
     # amax pass; below, the weight-only kernel casts nothing either way
     "float8 calibrated eager": ("float8-calibrated", None),
@@ -90,6 +93,7 @@ COMPILE_PRIORITY = [  # every variant with a mode (tests/examples/test_benchmark
     "float8 cudagraphs",
     "bf16 cudagraphs",
     "float8 compiled",
+    "float8 rowwise compiled",
     "bf16 compiled",
     "torchao rowwise compiled",
 ]
@@ -233,6 +237,10 @@ def quantize_weights(model: torch.nn.Module, weights: str, device: torch.device)
         if any(d % 128 for d in dims):
             raise Skip(f"128x128 weight blocks need Linear dims that are multiples of 128 (here {sorted(dims)})")
         ops.convert(model, fp8_weights=True, recipe=Recipe.blockwise())
+    elif weights == "float8-rowwise":
+        from float8 import Recipe
+
+        ops.convert(model, fp8_weights=True, recipe=Recipe.rowwise())
     elif weights == "torchao":
         if device.type != "cuda":
             raise Skip(
@@ -310,7 +318,7 @@ def make_call(model_name: str, v: Variant) -> Callable:
 def build_variant(run: Run, model_name: str, name: str) -> Variant:
     """A fresh build of one variant, or one that says why there is none."""
     weights, mode = VARIANTS[name]
-    v = Variant(name, fullgraph=(weights == "float8") if mode not in (None, "graphed") else None)
+    v = Variant(name, fullgraph=weights.startswith("float8") if mode not in (None, "graphed") else None)
     try:
         why = run.skip_reason(compiled=mode is not None)
         if why:

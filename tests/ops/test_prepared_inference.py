@@ -183,6 +183,17 @@ def test_gpu_prepared_calls_see_every_change():
         lin(x)
         lin.bias.data = torch.randn(128, device="cuda", dtype=BF16)
         assert torch.equal(lin(x), _checked(lin, x))
+        # The weight's bytes moved to another storage under the same tensor object (FSDP2 frees and
+        # re-gathers storages so): a prepared call passes addresses, read afresh on each call.
+        lin(x)
+        data, before = lin.weight.fp8_data, lin.weight.fp8_data.data_ptr()
+        moved = Float8Tensor.quantize(
+            torch.randn(128, 256, device="cuda", dtype=BF16), scale=lin.weight.scale_inv.reciprocal()
+        )
+        with torch.inference_mode(False), torch.no_grad():
+            data.set_(moved.fp8_data.clone())
+        assert lin.weight.fp8_data is data and data.data_ptr() != before
+        assert torch.equal(lin(x), _checked(lin, x))
         # The same shape, 2 bytes off a 16-byte boundary (Triton specializes on alignment).
         odd = torch.randn(16 * 256 + 1, device="cuda", dtype=BF16)[1:].view(16, 256)
         assert torch.equal(lin(odd), _checked(lin, odd))
