@@ -21,7 +21,8 @@ Stages (the report is rewritten as it goes; past --budget-s the rest is recorded
              ms: median over rounds; vs_bf16_*: median of the ratios within a round (clocks drift);
              pct_of_floor at <= 16 tokens; peak_MiB at the largest token count, above what was held before.
   profile    (--profile) cProfile of 50 eager float8 llama forwards at 16 tokens: where the host time goes.
-  generate   HF: tokens/s of generate(), greedy, static cache, batch 1 and 16, 16-token prompt. "compiled" is
+  generate   HF: tokens/s of generate(), greedy, static cache, batch 1 and 16, 16-token prompt, in interleaved
+             rounds (--rounds; ms the median, vs_bf16 the median of the ratios within a round). "compiled" is
              transformers' own compile of the decoding step (CompileConfig(mode="reduce-overhead")), what it
              does by itself on a GPU with a static cache; "eager" passes disable_compile=True.
 Compile time: a whole-model compile took 30-110 s per shape on the H100 here (2026-11-25), so the full matrix
@@ -450,9 +451,10 @@ def forward_rows(run: Run, model_name: str, variants: List[Variant]) -> List[dic
     return rows
 
 
-def generate_row(run: Run, model: torch.nn.Module, name: str, batch: int) -> dict:
-    """Tokens/s of one variant's generate() at one batch size: static cache, else the default cache (with
-    which transformers compiles nothing); the row says which ran and why."""
+def generate_setup(run: Run, model: torch.nn.Module, name: str, batch: int) -> tuple[dict, Optional[Callable]]:
+    """(row, call) of one variant's generate() at one batch size, warmed up (compiles happen here): static
+    cache, else the default cache (with which transformers compiles nothing); the row says which and why.
+    call is None where neither ran."""
     n, gen = run.args.decode_tokens, torch.Generator(device=run.device).manual_seed(0)
     prompt = torch.randint(0, run.shape.vocab, (batch, PROMPT), device=run.device, generator=gen)
     kw = dict(
@@ -464,28 +466,31 @@ def generate_row(run: Run, model: torch.nn.Module, name: str, batch: int) -> dic
         from transformers import CompileConfig
 
         kw["compile_config"] = CompileConfig(mode="reduce-overhead")  # transformers' default: fullgraph=False
-    row, notes = {"variant": name, "batch": batch, "new_tokens": n}, []
+    row, notes, call = {"variant": name, "batch": batch, "new_tokens": n}, [], None
     for cache in ("static", "dynamic"):
         extra = {"cache_implementation": "static"} if cache == "static" else {}
         try:
-            if model.generate(prompt, **kw, **extra).shape[1] != PROMPT + n:  # warm-up: compiles happen here
-                raise RuntimeError(f"generate() did not give {n} new tokens")
-            call = lambda: model.generate(prompt, **kw, **extra)  # noqa: E731
-            ms = time_steps(call, run.device, warmup=1, reps=3 if run.cuda else 1)
-            row.update(cache=cache, ms=round(ms, 1), tokens_per_s=round(n * batch / ms * 1e3, 1))
+            for _ in range(2):  # warm-up: compiles, CUDA-graph recording
+                if model.generate(prompt, **kw, **extra).shape[1] != PROMPT + n:
+                    raise RuntimeError(f"generate() did not give {n} new tokens")
+            call = lambda kw=kw, extra=extra: model.generate(prompt, **kw, **extra)  # noqa: E731
+            row["cache"] = cache
             break
         except Exception as e:  # noqa: BLE001 - fall back to the default cache, and say why
             notes.append(f"cache={cache}: {err(e)}")
             run.log(f"hf generate {name} batch {batch}: {notes[-1]}")
     if notes:
-        row["error" if "ms" not in row else "note"] = " / ".join(notes)[:600]
-    return row
+        row["error" if call is None else "note"] = " / ".join(notes)[:600]
+    return row, call
 
 
 def generate_stage(run: Run, deadline: float) -> None:
     """generate() tokens/s of the HF model: the eager variants at both batch sizes, then the compiled ones
-    (batch 1 first) while the deadline allows. One fresh model per kind of weights serves its eager and
-    compiled variants (transformers compiles its call, not the model)."""
+    while the deadline allows, each group timed in interleaved rounds (one generate() per variant and batch
+    a round: the host's speed drifts by tens of percent over a run, and eager decoding waits for the host).
+    ms: the median over rounds; vs_bf16: the median of the ratios to bf16 (eager or compiled, the same batch)
+    within a round. One fresh model per kind of weights serves its eager and compiled variants
+    (transformers compiles its call, not the model)."""
     names, models, failed = run.variants(GENERATE_VARIANTS), {}, {}
     for weights in dict.fromkeys(VARIANTS[n][0] for n in names):
         try:
@@ -495,22 +500,34 @@ def generate_stage(run: Run, deadline: float) -> None:
         except Exception as e:  # noqa: BLE001
             failed[weights] = {"error": err(e)}
         free_memory()
-    order = [(n, b) for n in names if VARIANTS[n][1] is None for b in BATCHES]
     rows = run.report["generate"]
-    for name, batch in order + [(n, b) for b in BATCHES for n in names if VARIANTS[n][1] is not None]:
-        weights, why = VARIANTS[name][0], run.skip_reason(VARIANTS[name][1] is not None, deadline)
-        if weights in failed or why:
-            rows.append({"variant": name, "batch": batch, **failed.get(weights, {"skipped": why})})
-        else:
-            rows.append(generate_row(run, models[weights], name, batch))
-        shown = {k: v for k, v in rows[-1].items() if k in ("tokens_per_s", "cache", "error", "skipped")}
-        run.log(f"hf generate {name} batch {batch}: {shown}")
+    for compiled in (False, True):
+        group = []
+        for name in (n for n in names if (VARIANTS[n][1] is not None) == compiled):
+            for batch in BATCHES:
+                weights, why = VARIANTS[name][0], run.skip_reason(compiled, deadline)
+                if weights in failed or why:
+                    rows.append({"variant": name, "batch": batch, **failed.get(weights, {"skipped": why})})
+                    continue
+                row, call = generate_setup(run, models[weights], name, batch)
+                rows.append(row)
+                if call is not None:
+                    group.append((row, call, []))
+        for r in range(run.args.rounds if run.cuda and group else 1 if group else 0):
+            for row, call, times in group:
+                times.append(time_steps(call, run.device, warmup=0, reps=1))
+            run.log(f"hf generate, {'compiled' if compiled else 'eager'}: round {r + 1} done")
+        ref = "bf16 compiled" if compiled else "bf16 eager"
+        for row, call, times in group:
+            ms = statistics.median(times)
+            row.update(ms=round(ms, 1), tokens_per_s=round(row["new_tokens"] * row["batch"] / ms * 1e3, 1))
+            base = [t for b, _, t in group if b["variant"] == ref and b["batch"] == row["batch"]]
+            if base:
+                row["vs_bf16"] = round(statistics.median(b / o for b, o in zip(base[0], times)), 3)
+            shown = {k: v for k, v in row.items() if k in ("tokens_per_s", "vs_bf16", "cache", "note")}
+            run.log(f"hf generate {row['variant']} batch {row['batch']}: {shown}")
+        group.clear()
         run.save()
-    for r in rows:
-        ref = "bf16 compiled" if VARIANTS[r["variant"]][1] else "bf16 eager"
-        base = [b["tokens_per_s"] for b in rows if b["variant"] == ref and b["batch"] == r["batch"] and "ms" in b]
-        if base and r.get("tokens_per_s"):
-            r["vs_bf16"] = round(r["tokens_per_s"] / base[0], 3)
     models.clear()
     torch._dynamo.reset()
     free_memory()

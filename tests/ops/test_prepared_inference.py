@@ -190,8 +190,7 @@ def test_gpu_prepared_calls_see_every_change():
         moved = Float8Tensor.quantize(
             torch.randn(128, 256, device="cuda", dtype=BF16), scale=lin.weight.scale_inv.reciprocal()
         )
-        with torch.inference_mode(False), torch.no_grad():
-            data.set_(moved.fp8_data.clone())
+        data.set_(moved.fp8_data.clone())  # both inference tensors (the weight was replaced in this block)
         assert lin.weight.fp8_data is data and data.data_ptr() != before
         assert torch.equal(lin(x), _checked(lin, x))
         # The same shape, 2 bytes off a 16-byte boundary (Triton specializes on alignment).
