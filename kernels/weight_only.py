@@ -328,8 +328,16 @@ class PreparedMM:
             if out is None:
                 return None
             out_ptr = out.data_ptr()
-        if out_ptr % 16 or y_ptr % 16:
-            return None  # not from torch's caching allocator (a pluggable one): Triton's own path
+        w_ptr, s_ptr = w_data.data_ptr(), w_scale_inv.data_ptr()
+        b_ptr = x_ptr if bias is None else bias.data_ptr()
+        if (out_ptr | y_ptr | w_ptr | s_ptr | b_ptr) % 16:
+            # Not from torch's caching allocator (a pluggable one), or a weight whose storage was swapped
+            # for a misaligned one: the kernel was compiled for 16-byte aligned addresses. Triton's own path.
+            return None
+        if w_data.get_device() != device or w_scale_inv.get_device() != device:
+            return None  # a storage swapped to another device: the checked path says so (no address is read)
+        if bias is not None and bias.get_device() != device:
+            return None
         sx_ptr = self.operands(x, key)
         if sx_ptr is None:
             return None
@@ -337,10 +345,9 @@ class PreparedMM:
         # (cuPointerGetAttribute, to refuse CPU tensors): a launch with 8 tensors took 11.6 us of host on
         # the H100 machine, with their 8 addresses read in Python 10.5 (2026-11-27, .scratch micro-benchmark).
         # Every tensor here is on the prepared device: x is checked by the caller, the rest were at `prepare`.
-        # The weight's addresses are read on each call: a storage swapped under the same tensor object
-        # (FSDP2 frees and re-gathers storages so) is followed, never read stale.
-        b_ptr = x_ptr if bias is None else bias.data_ptr()
-        args = (x_ptr, sx_ptr, w_data.data_ptr(), w_scale_inv.data_ptr(), b_ptr, out_ptr, y_ptr, counts_ptr)
+        # The weight's addresses are read on each call (above): a storage swapped under the same tensor
+        # object (FSDP2 frees and re-gathers storages so) is followed, never read stale.
+        args = (x_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, counts_ptr)
         run_compiled(self.main, self.grid, device, args + self.tail)
         return y
 

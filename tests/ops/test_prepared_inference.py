@@ -193,6 +193,13 @@ def test_gpu_prepared_calls_see_every_change():
         data.set_(moved.fp8_data.clone())  # both inference tensors (the weight was replaced in this block)
         assert lin.weight.fp8_data is data and data.data_ptr() != before
         assert torch.equal(lin(x), _checked(lin, x))
+        # ... and to an address off a 16-byte boundary, which the compiled kernel does not take: the checked path.
+        lin(x)
+        big = torch.empty(128 * 256 + 1, device="cuda", dtype=data.dtype)
+        big[1:].copy_(moved.fp8_data.reshape(-1))
+        data.set_(big.untyped_storage(), 1, (128, 256), (256, 1))
+        assert data.data_ptr() % 16 and torch.equal(data, moved.fp8_data)
+        assert torch.equal(lin(x), _checked(lin, x))
         # The same shape, 2 bytes off a 16-byte boundary (Triton specializes on alignment).
         odd = torch.randn(16 * 256 + 1, device="cuda", dtype=BF16)[1:].view(16, 256)
         assert torch.equal(lin(odd), _checked(lin, odd))
