@@ -485,9 +485,10 @@ def generate_setup(run: Run, model: torch.nn.Module, name: str, batch: int) -> t
 
 
 def generate_stage(run: Run, deadline: float) -> None:
-    """generate() tokens/s of the HF model: the eager variants at both batch sizes, then the compiled ones
-    while the deadline allows, each group timed in interleaved rounds (one generate() per variant and batch
-    a round: the host's speed drifts by tens of percent over a run, and eager decoding waits for the host).
+    """generate() tokens/s of the HF model: the eager variants, then the compiled ones while the deadline
+    allows; at each batch size the group's variants are timed in interleaved rounds (one generate() per
+    variant a round: the host's speed drifts by tens of percent over a run, and eager decoding waits for the
+    host). Batch sizes are not interleaved: transformers makes a new static cache when the batch changes.
     ms: the median over rounds; vs_bf16: the median of the ratios to bf16 (eager or compiled, the same batch)
     within a round. One fresh model per kind of weights serves its eager and compiled variants
     (transformers compiles its call, not the model)."""
@@ -502,9 +503,9 @@ def generate_stage(run: Run, deadline: float) -> None:
         free_memory()
     rows = run.report["generate"]
     for compiled in (False, True):
-        group = []
-        for name in (n for n in names if (VARIANTS[n][1] is not None) == compiled):
-            for batch in BATCHES:
+        for batch in BATCHES:
+            group = []
+            for name in (n for n in names if (VARIANTS[n][1] is not None) == compiled):
                 weights, why = VARIANTS[name][0], run.skip_reason(compiled, deadline)
                 if weights in failed or why:
                     rows.append({"variant": name, "batch": batch, **failed.get(weights, {"skipped": why})})
@@ -513,24 +514,33 @@ def generate_stage(run: Run, deadline: float) -> None:
                 rows.append(row)
                 if call is not None:
                     group.append((row, call, []))
-        for r in range(run.args.rounds if run.cuda and group else 1 if group else 0):
-            for row, call, times in group:
-                times.append(time_steps(call, run.device, warmup=0, reps=1))
-            run.log(f"hf generate, {'compiled' if compiled else 'eager'}: round {r + 1} done")
-        ref = "bf16 compiled" if compiled else "bf16 eager"
-        for row, call, times in group:
-            ms = statistics.median(times)
-            row.update(ms=round(ms, 1), tokens_per_s=round(row["new_tokens"] * row["batch"] / ms * 1e3, 1))
-            base = [t for b, _, t in group if b["variant"] == ref and b["batch"] == row["batch"]]
-            if base:
-                row["vs_bf16"] = round(statistics.median(b / o for b, o in zip(base[0], times)), 3)
-            shown = {k: v for k, v in row.items() if k in ("tokens_per_s", "vs_bf16", "cache", "note")}
-            run.log(f"hf generate {row['variant']} batch {row['batch']}: {shown}")
-        group.clear()
-        run.save()
+            generate_rounds(run, group, "bf16 compiled" if compiled else "bf16 eager", deadline)
+            run.save()
     models.clear()
     torch._dynamo.reset()
     free_memory()
+
+
+def generate_rounds(run: Run, group: list, ref: str, deadline: float) -> None:
+    """Time the (row, call, times) of one batch size in interleaved rounds until --rounds or the deadline;
+    a call that fails is recorded in its row and leaves the rounds."""
+    for r in range(run.args.rounds if run.cuda else 1):
+        if r and run.skip_reason(False, deadline):
+            break  # past the budget: the rounds done so far stand
+        for row, call, times in list(group):
+            try:
+                times.append(time_steps(call, run.device, warmup=0, reps=1))
+            except Exception as e:  # noqa: BLE001 - one variant's failure is its row's, not the stage's
+                row["error"] = err(e)
+                group.remove((row, call, times))
+    for row, _, times in group:
+        ms = statistics.median(times)
+        row.update(ms=round(ms, 1), tokens_per_s=round(row["new_tokens"] * row["batch"] / ms * 1e3, 1))
+        base = [t for b, _, t in group if b["variant"] == ref]
+        if base:
+            row["vs_bf16"] = round(statistics.median(b / o for b, o in zip(base[0], times)), 3)
+        shown = {k: v for k, v in row.items() if k in ("tokens_per_s", "vs_bf16", "cache", "note")}
+        run.log(f"hf generate {row['variant']} batch {row['batch']}: {shown}")
 
 
 def source_group(path: str, name: str) -> str:

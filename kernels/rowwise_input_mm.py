@@ -164,12 +164,9 @@ class PreparedRowwiseMM(weight_only.PreparedMM):
 
     __slots__ = ("ws_bytes",)
 
-    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[int]:
-        """The workspace's address (the kernel's sx argument)."""
-        ws = self.workspace(key, torch.uint8, self.ws_bytes, (self.ws_bytes,))
-        ptr = None if ws is None else ws.data_ptr()
-        # None, or not 16-byte aligned (not from torch's caching allocator): the checked path.
-        return None if ptr is None or ptr % 16 else ptr
+    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[torch.Tensor]:
+        """The workspace (the kernel's sx argument); None: the caller's checked path."""
+        return self.workspace(key, torch.uint8, self.ws_bytes, (self.ws_bytes,))
 
 
 def prepare(

@@ -314,47 +314,44 @@ class PreparedMM:
             return None
         # x's dtype and device, which the caller guarantees are the prepared ones: new_empty parses one
         # argument where torch.empty parses three (5.9 against 7.0 us on the H100 machine's host, 2026-11-27).
-        y = x.new_empty(self.shape)
-        y_ptr = y.data_ptr()
-        out_ptr = counts_ptr = y_ptr
+        y = out = counts = x.new_empty(self.shape)
         key = None
         if self.tiles:
             key = self._stream_key(device)
             if key is None:
                 return None
-            counts_ptr = self._counts(key).data_ptr()
+            counts = self._counts(key)
         if self.split_shape is not None:
             out = self.workspace(key, torch.float32, self.split_numel, self.split_shape)
             if out is None:
                 return None
-            out_ptr = out.data_ptr()
-        w_ptr, s_ptr = w_data.data_ptr(), w_scale_inv.data_ptr()
-        b_ptr = x_ptr if bias is None else bias.data_ptr()
-        if (out_ptr | y_ptr | w_ptr | s_ptr | b_ptr) % 16:
-            # Not from torch's caching allocator (a pluggable one), or a weight whose storage was swapped
-            # for a misaligned one: the kernel was compiled for 16-byte aligned addresses. Triton's own path.
-            return None
-        if w_data.get_device() != device or w_scale_inv.get_device() != device:
-            return None  # a storage swapped to another device: the checked path says so (no address is read)
-        if bias is not None and bias.get_device() != device:
-            return None
-        sx_ptr = self.operands(x, key)
-        if sx_ptr is None:
+        sx = self.operands(x, key)
+        if sx is None:
             return None
         # Addresses, not tensors: Triton's launcher asks the driver about each tensor argument's address
         # (cuPointerGetAttribute, to refuse CPU tensors): a launch with 8 tensors took 11.6 us of host on
         # the H100 machine, with their 8 addresses read in Python 10.5 (2026-11-27, .scratch micro-benchmark).
-        # Every tensor here is on the prepared device: x is checked by the caller, the rest were at `prepare`.
-        # The weight's addresses are read on each call (above): a storage swapped under the same tensor
-        # object (FSDP2 frees and re-gathers storages so) is followed, never read stale.
-        args = (x_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, counts_ptr)
-        run_compiled(self.main, self.grid, device, args + self.tail)
+        # What the launcher checked is checked here: every address on the prepared device (x by the caller,
+        # the weight's, scale's and bias's on each call: a storage swapped under the same tensor object, as
+        # FSDP2 frees and re-gathers storages, is followed, never read stale) and 16-byte aligned, as the
+        # kernel was compiled for. The tensors stay referenced here until the launch is queued.
+        b = x if bias is None else bias
+        sx_ptr, w_ptr, s_ptr, b_ptr = sx.data_ptr(), w_data.data_ptr(), w_scale_inv.data_ptr(), b.data_ptr()
+        out_ptr, y_ptr, c_ptr = out.data_ptr(), y.data_ptr(), counts.data_ptr()
+        if (sx_ptr | w_ptr | s_ptr | b_ptr | out_ptr | y_ptr | c_ptr) % 16 or not (w_ptr and s_ptr):
+            # Not from torch's caching allocator (a pluggable one), or a swapped storage that is misaligned or
+            # empty: Triton's own path.
+            return None
+        if w_data.get_device() != device or w_scale_inv.get_device() != device or b.get_device() != device:
+            return None  # a storage swapped to another device: the checked path says so
+        args = (x_ptr, sx_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, c_ptr, *self.tail)
+        run_compiled(self.main, self.grid, device, args)
         return y
 
-    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[int]:
-        """The address of the kernel's sx argument for this call's x (None: the caller's checked path): x's
-        own here (sx is not read). key: the call's stream and thread (`_stream_key`), None without counters."""
-        return x.data_ptr()
+    def operands(self, x: torch.Tensor, key: Optional[tuple]) -> Optional[torch.Tensor]:
+        """The kernel's sx argument for this call's x (None: the caller's checked path): x itself here (sx is
+        not read). key: the call's stream and thread (`_stream_key`), None without counters."""
+        return x
 
     def workspace(self, key: tuple, dtype: torch.dtype, numel: int, shape: tuple) -> Optional[torch.Tensor]:
         """A workspace of numel dtype elements for this call: the kept buffer of the caller's layers

@@ -87,6 +87,8 @@ class InferencePlans(dict):
         return new
 
     def add(self, key: Tuple[torch.Size, torch.dtype], prepared: object) -> None:
+        """Keep `prepared` for calls of `key`; past MAX shapes this layer's plans are dropped, not the workspace
+        (the model's other layers share it, and it already has the size of the largest call)."""
         if len(self) >= self.MAX:
-            self.clear()
+            super().clear()
         self[key] = prepared

@@ -64,11 +64,15 @@ def test_copies_and_pickles_carry_no_plans():
 
 def test_plans_are_bounded_and_cleared_by_a_new_weight():
     lin = _linear(device="cpu")
+    kept = lin._inference_plans.scratch.get(("stream",), torch.float32, 64, torch.device("cpu"))
     for i in range(lin._inference_plans.MAX + 1):
         lin._inference_plans.add((i, BF16), object())
     assert len(lin._inference_plans) <= lin._inference_plans.MAX
+    # Past the bound only this layer's plans go: the workspace, shared with the model's other layers, stays.
+    held = lin._inference_plans.scratch.tensors()
+    assert kept is not None and len(held) == 1 and held[0] is kept
     lin.refresh_fp8_weight()
-    assert len(lin._inference_plans) == 0
+    assert len(lin._inference_plans) == 0 and lin._inference_plans.scratch.tensors() == []
     lin._inference_plans.add((0, BF16), object())
     lin.bias = torch.nn.Parameter(torch.zeros(128, dtype=BF16))
     assert len(lin._inference_plans) == 0
@@ -163,7 +167,7 @@ def test_gpu_fp8_input_prepared_calls_on_two_streams_and_threads_count_apart():
 
 
 @gpu
-def test_gpu_prepared_calls_see_every_change():
+def test_gpu_prepared_calls_see_every_change(monkeypatch):
     lin = _linear()
     x = torch.randn(16, 256, device="cuda", dtype=BF16)
     with torch.inference_mode():
@@ -183,23 +187,28 @@ def test_gpu_prepared_calls_see_every_change():
         lin(x)
         lin.bias.data = torch.randn(128, device="cuda", dtype=BF16)
         assert torch.equal(lin(x), _checked(lin, x))
-        # The weight's bytes moved to another storage under the same tensor object (FSDP2 frees and
-        # re-gathers storages so): a prepared call passes addresses, read afresh on each call.
+        # The weight's bytes and its scale moved to other storages under the same tensor objects (FSDP2 frees
+        # and re-gathers storages so): a prepared call (counted: the checked path does not pass here) reads
+        # their addresses afresh on each call.
+        prepared_launches = []
+        launch = weight_only.run_compiled
+        monkeypatch.setattr(weight_only, "run_compiled", lambda *a: (prepared_launches.append(1), launch(*a))[1])
         lin(x)
-        data, before = lin.weight.fp8_data, lin.weight.fp8_data.data_ptr()
-        moved = Float8Tensor.quantize(
-            torch.randn(128, 256, device="cuda", dtype=BF16), scale=lin.weight.scale_inv.reciprocal()
-        )
+        data, scale, before = lin.weight.fp8_data, lin.weight.scale_inv, lin.weight.fp8_data.data_ptr()
+        moved = Float8Tensor.quantize(torch.randn(128, 256, device="cuda", dtype=BF16))
         data.set_(moved.fp8_data.clone())  # both inference tensors (the weight was replaced in this block)
+        scale.set_(moved.scale_inv.clone())
         assert lin.weight.fp8_data is data and data.data_ptr() != before
-        assert torch.equal(lin(x), _checked(lin, x))
+        prepared_launches.clear()
+        assert torch.equal(lin(x), _checked(lin, x)) and prepared_launches == [1]
         # ... and to an address off a 16-byte boundary, which the compiled kernel does not take: the checked path.
-        lin(x)
         big = torch.empty(128 * 256 + 1, device="cuda", dtype=data.dtype)
         big[1:].copy_(moved.fp8_data.reshape(-1))
         data.set_(big.untyped_storage(), 1, (128, 256), (256, 1))
         assert data.data_ptr() % 16 and torch.equal(data, moved.fp8_data)
-        assert torch.equal(lin(x), _checked(lin, x))
+        prepared_launches.clear()
+        assert torch.equal(lin(x), _checked(lin, x)) and prepared_launches == []
+        monkeypatch.undo()
         # The same shape, 2 bytes off a 16-byte boundary (Triton specializes on alignment).
         odd = torch.randn(16 * 256 + 1, device="cuda", dtype=BF16)[1:].view(16, 256)
         assert torch.equal(lin(odd), _checked(lin, odd))
