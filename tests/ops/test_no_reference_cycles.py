@@ -137,3 +137,27 @@ def test_compiled_inference_with_fp8_weights_is_freed_by_one_collection():
         return compiled
 
     assert _freed_without_gc(lambda: _converted(None, fp8_weights=True), infer, collect_once=True) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, Recipe(inference_fp8_input_from=33)], ids=["weight-only", "fp8-input"])
+def test_gpu_prepared_inference_state_is_freed_without_gc(recipe):
+    """Prepared decode-size calls keep plans, tile counters and a workspace shared by the model's Linears
+    (kernels/weight_only.py, kernels/scratch.py): they go with the model, without the collector."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 4096))
+        model = ops.convert(model.to("cuda", BF16), recipe=recipe, fp8_weights=True)
+        with torch.inference_mode():
+            x = torch.randn(64, 4096, device="cuda", dtype=BF16)
+            for _ in range(3):  # the first call of a shape plans it, the later ones take the prepared launch
+                model(x)
+        plans = model[0]._inference_plans
+        kept = plans.scratch.tensors() + [c for p in plans.values() for c in p.counts.values()]
+        assert kept, "a 4096->1024 layer at 64 tokens splits K: its calls keep a workspace and counters"
+        refs = [weakref.ref(t) for t in (*kept, *model.parameters())] + [weakref.ref(m) for m in model.modules()]
+        del model, plans, kept
+        assert [type(r()).__name__ for r in refs if r() is not None] == []
+    finally:
+        gc.enable()
