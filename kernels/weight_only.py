@@ -295,7 +295,8 @@ class PreparedMM:
 
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
-    since, or a call with counters while a CUDA graph is being captured. The caller guarantees the rest: x
+    since, a call with counters while a CUDA graph is being captured, or a weight, scale or bias whose
+    storage was swapped (same tensor object) for one off a 16-byte boundary or on another device. The caller guarantees the rest: x
     contiguous, its rows the prepared (M, K) (any leading dims: the kernel reads its pointer), of the
     prepared dtype on the prepared device, and the same weight tensors and bias (`matches`). y comes in the
     prepared `shape`."""
