@@ -21,8 +21,8 @@ Stages (the report is rewritten as it goes; past --budget-s the rest is recorded
              ms: median over rounds; vs_bf16_*: median of the ratios within a round (clocks drift);
              pct_of_floor at <= 16 tokens; peak_MiB at the largest token count, above what was held before.
   profile    (--profile) cProfile of 50 eager float8 llama forwards at 16 tokens: where the host time goes.
-  generate   HF: tokens/s of generate(), greedy, static cache, batch 1 and 16, 16-token prompt, in interleaved
-             rounds (--rounds; ms the median, vs_bf16 the median of the ratios within a round). "compiled" is
+  generate   HF: tokens/s of generate(), greedy, static cache, batch 1 and 16, 16-token prompt, --rounds calls
+             each (eager variants in interleaved rounds; generate_stage says how the ratios go). "compiled" is
              transformers' own compile of the decoding step (CompileConfig(mode="reduce-overhead")), what it
              does by itself on a GPU with a static cache; "eager" passes disable_compile=True.
 Compile time: a whole-model compile took 30-110 s per shape on the H100 here (2026-11-25), so the full matrix
@@ -486,12 +486,13 @@ def generate_setup(run: Run, model: torch.nn.Module, name: str, batch: int) -> t
 
 def generate_stage(run: Run, deadline: float) -> None:
     """generate() tokens/s of the HF model: the eager variants, then the compiled ones while the deadline
-    allows; at each batch size the group's variants are timed in interleaved rounds (one generate() per
+    allows. At each batch size the eager variants are timed in interleaved rounds (one generate() per
     variant a round: the host's speed drifts by tens of percent over a run, and eager decoding waits for the
-    host). Batch sizes are not interleaved: transformers makes a new static cache when the batch changes.
-    ms: the median over rounds; vs_bf16: the median of the ratios to bf16 (eager or compiled, the same batch)
-    within a round. One fresh model per kind of weights serves its eager and compiled variants
-    (transformers compiles its call, not the model)."""
+    host); the compiled ones one after another (`generate_rounds`). Batch sizes are not interleaved:
+    transformers makes a new static cache when the batch changes. ms: the median of the calls; vs_bf16 (to
+    bf16 eager or compiled, the same batch): the median of the ratios within a round, or for the compiled
+    variants the ratio of the medians. One fresh model per kind of weights serves its eager and compiled
+    variants (transformers compiles its call, not the model)."""
     names, models, failed = run.variants(GENERATE_VARIANTS), {}, {}
     for weights in dict.fromkeys(VARIANTS[n][0] for n in names):
         try:
@@ -514,31 +515,41 @@ def generate_stage(run: Run, deadline: float) -> None:
                 rows.append(row)
                 if call is not None:
                     group.append((row, call, []))
-            generate_rounds(run, group, "bf16 compiled" if compiled else "bf16 eager", deadline)
+            generate_rounds(
+                run, group, "bf16 compiled" if compiled else "bf16 eager", deadline, interleave=not compiled
+            )
             run.save()
     models.clear()
     torch._dynamo.reset()
     free_memory()
 
 
-def generate_rounds(run: Run, group: list, ref: str, deadline: float) -> None:
-    """Time the (row, call, times) of one batch size in interleaved rounds until --rounds or the deadline;
-    a call that fails is recorded in its row and leaves the rounds."""
-    for r in range(run.args.rounds if run.cuda else 1):
-        if r and run.skip_reason(False, deadline):
-            break  # past the budget: the rounds done so far stand
-        for row, call, times in list(group):
-            try:
-                times.append(time_steps(call, run.device, warmup=0, reps=1))
-            except Exception as e:  # noqa: BLE001 - one variant's failure is its row's, not the stage's
-                row["error"] = err(e)
-                group.remove((row, call, times))
+def generate_rounds(run: Run, group: list, ref: str, deadline: float, interleave: bool = True) -> None:
+    """Time the (row, call, times) of one batch size, --rounds calls each until the deadline: in interleaved
+    rounds, or (interleave=False: the compiled variants, whose CUDA graphs transformers records per model and
+    which are not switched call by call here) all of one variant's calls in a row. A call that fails is
+    recorded in its row and leaves the group."""
+    rounds = run.args.rounds if run.cuda else 1
+    order = [(r, e) for r in range(rounds) for e in list(group)]
+    if not interleave:
+        order = [(r, e) for e in list(group) for r in range(rounds)]
+    for r, entry in order:
+        row, call, times = entry
+        if entry not in group or (r and run.skip_reason(False, deadline)):
+            continue  # failed earlier, or past the budget: the calls timed so far stand
+        try:
+            times.append(time_steps(call, run.device, warmup=0, reps=1))
+        except Exception as e:  # noqa: BLE001 - one variant's failure is its row's, not the stage's
+            row["error"] = err(e)
+            group.remove(entry)
     for row, _, times in group:
         ms = statistics.median(times)
         row.update(ms=round(ms, 1), tokens_per_s=round(row["new_tokens"] * row["batch"] / ms * 1e3, 1))
         base = [t for b, _, t in group if b["variant"] == ref]
-        if base:
+        if base and interleave:  # the ratios within a round
             row["vs_bf16"] = round(statistics.median(b / o for b, o in zip(base[0], times)), 3)
+        elif base:  # one variant after another: the medians' ratio
+            row["vs_bf16"] = round(statistics.median(base[0]) / ms, 3)
         shown = {k: v for k, v in row.items() if k in ("tokens_per_s", "vs_bf16", "cache", "note")}
         run.log(f"hf generate {row['variant']} batch {row['batch']}: {shown}")
 
