@@ -224,6 +224,9 @@ def _hf_generate_compiled():
     assert torch.equal(compiled, eager)
 
 
+KNOWN_CRASH_ATTEMPTS = 3
+
+
 def _in_fresh_process(fn, *args):
     """Run fn(*args) of this file in a new interpreter. The Hugging Face tests run there: with a transformers
     model built in the pytest process, a later torch.compile test of this suite crashed the interpreter (a
@@ -232,12 +235,13 @@ def _in_fresh_process(fn, *args):
 
     The same known crash of the toolchain also strikes a fresh interpreter now and then (1 run in 8 of the
     compiled generate() test on torch 2.13 CPU, 2026-11-26: `std::bad_alloc` or a missing operator schema
-    inside dynamo's fake-tensor call of a float8 op): a run that dies of exactly that is run once more, and
-    a second failure of any kind fails the test."""
+    inside dynamo's fake-tensor call of a float8 op): a run that dies of exactly that is run again, up to
+    KNOWN_CRASH_ATTEMPTS runs in all; any other failure fails the test at once. Two crashes in a row failed
+    a full CPU suite on 2 cores on 2026-11-27 (`ValueError('vector::reserve')`), where 12 runs alone passed."""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.float8.test_checkpoint import {fn.__name__} as f; f(*{args!r})"
-    for attempt in range(2):
+    for attempt in range(KNOWN_CRASH_ATTEMPTS):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
-        if run.returncode == 0 or attempt or not _known_toolchain_crash(run):
+        if run.returncode == 0 or attempt == KNOWN_CRASH_ATTEMPTS - 1 or not _known_toolchain_crash(run):
             break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
