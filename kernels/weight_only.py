@@ -296,10 +296,10 @@ class PreparedMM:
     A call gives None, and the caller takes the checked path, where the fixed arguments would not fit: x not
     16-byte aligned (Triton specializes on it), another current device, Triton's runtime settings changed
     since, a call with counters while a CUDA graph is being captured, or a weight, scale or bias whose
-    storage was swapped (same tensor object) for one off a 16-byte boundary or on another device. The caller guarantees the rest: x
-    contiguous, its rows the prepared (M, K) (any leading dims: the kernel reads its pointer), of the
-    prepared dtype on the prepared device, and the same weight tensors and bias (`matches`). y comes in the
-    prepared `shape`."""
+    storage was swapped (same tensor object) for one off a 16-byte boundary or on another device. The
+    caller guarantees the rest: x contiguous, its rows the prepared (M, K) (any leading dims: the kernel
+    reads its pointer), of the prepared dtype on the prepared device, and the same weight tensors and bias
+    (`matches`). y comes in the prepared `shape`."""
 
     __slots__ = ("w_data", "w_scale_inv", "bias", "device", "device_index", "shape", "settings")
     __slots__ += ("main", "grid", "tail", "split_shape", "split_numel", "tiles", "counts", "scratch")
@@ -366,14 +366,14 @@ class PreparedMM:
 
     @staticmethod
     def _stream_key(device: int) -> Optional[tuple]:
-        """The device, its current stream and the host thread: what counters and kept workspace belong to; None while a CUDA
-        graph is captured. A graph would keep their addresses but not the tensors (this plan may be dropped
-        while the graph lives: a reload, a new shape past the table's bound; a kept workspace may grow), and
-        its replays, on whatever stream replays it, would count into the eager calls' counters: a capture
-        takes `prepare`'s path, whose counters are graph memory zeroed by the graph itself. Keyed by the
-        stream's handle and the host thread: one handle can name a stream of each thread
-        (cudaStreamPerThread), whose launches may run at once; counters shared by two running launches would
-        miscount (rowwise_input_mm's programs could wait for ever)."""
+        """The device, its current stream and the host thread: what counters and kept workspace belong to;
+        None while a CUDA graph is captured. A graph would keep their addresses but not the tensors (this
+        plan may be dropped while the graph lives: a reload, a new shape past the table's bound; a kept
+        workspace may grow), and its replays, on whatever stream replays it, would count into the eager
+        calls' counters: a capture takes `prepare`'s path, whose counters are graph memory zeroed by the
+        graph itself. Keyed by the stream's handle and the host thread: one handle can name a stream of each
+        thread (cudaStreamPerThread), whose launches may run at once; counters shared by two running
+        launches would miscount (rowwise_input_mm's programs could wait for ever)."""
         if torch._C._cuda_isCurrentStreamCapturing():
             return None
         # The device too: stream handles repeat across devices (each one's default stream is 0), and a
