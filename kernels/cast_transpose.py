@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .amax import launch_amax
+from .amax import amax_for_cast
 from .common import (
     SMALL_DIM,
     SMALL_NUMEL,
@@ -246,7 +246,6 @@ def quantize_transpose_tensorwise_triton(
     (one launch for a small x), no checks."""
     if config is None and _is_small(x):
         return _quantize_transpose_small(x, fp8_dtype, margin, power_of_2)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     # The amax pass reads a flat contiguous x, in any order: a transposed view (a weight's .t()) is read
     # through its contiguous transpose, other strided views are copied. The cast pass reads x as it is.
     if x.is_contiguous():
@@ -255,7 +254,7 @@ def quantize_transpose_tensorwise_triton(
         flat = x.transpose(-2, -1)
     else:
         flat = x.contiguous()
-    launch_amax(flat, amax)
+    amax = amax_for_cast(flat)
     data, data_t, scale_inv = _launch(
         x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2, config=config
     )
