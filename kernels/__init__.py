@@ -10,15 +10,28 @@ then FP8 x FP8 with an E4M3 weight, for 33-128 tokens). On a CUDA tensor each ru
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
-from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
-from .amax import amax, amax_ref
-from .block_gemm import fp8_block_mm, fp8_block_mm_ref
-from .blockwise import quantize_blockwise, quantize_blockwise_ref
-from .dequantize import dequantize, dequantize_ref
-from .quantize import quantize_tensorwise, quantize_tensorwise_ref
-from .rowwise import quantize_rowwise, quantize_rowwise_ref
-from .rowwise_input_mm import fp8_rowwise_input_mm, fp8_rowwise_input_mm_ref
-from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
+# The repository root holds this folder as `kernels/`. With the root on sys.path (a script or pytest run from
+# a clone) a probe for some other package named `kernels` imports it under that name: transformers'
+# `is_kernels_available()` does, for Hugging Face's kernel hub. Run a second time, its modules would define
+# every float8:: op again, and torch drops an op's first definition when it is defined again, so the
+# operator handles already taken from it dangle: dynamo's fake-tensor calls of our ops then crashed at
+# random (segfaults, std::bad_alloc, basic_string::_M_create; docs/bad_input.md). Under any other name
+# this package is float8.kernels itself, and nothing is defined twice.
+if __name__ == "float8.kernels":
+    from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
+    from .amax import amax, amax_ref
+    from .block_gemm import fp8_block_mm, fp8_block_mm_ref
+    from .blockwise import quantize_blockwise, quantize_blockwise_ref
+    from .dequantize import dequantize, dequantize_ref
+    from .quantize import quantize_tensorwise, quantize_tensorwise_ref
+    from .rowwise import quantize_rowwise, quantize_rowwise_ref
+    from .rowwise_input_mm import fp8_rowwise_input_mm, fp8_rowwise_input_mm_ref
+    from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
+else:
+    import importlib as _importlib
+    import sys as _sys
+
+    _sys.modules[__name__] = _importlib.import_module("float8.kernels")
 
 __all__ = [
     "activation",

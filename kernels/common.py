@@ -219,6 +219,23 @@ def small_num_warps(tile_elems: int) -> int:
 # ---- registering ops ---------------------------------------------------------------------------------
 
 
+def refuse_redefinition(name: str, module: str) -> None:
+    """Raise if the op `name` ("float8::...") is defined already. torch.library drops an op's first definition
+    when the op is defined again, and the operator handles taken from it before (every OpOverload, inductor's
+    and dynamo's caches) then point at freed memory: calls crash at random, far from the cause. A second
+    definition comes from this package's modules run a second time under another name (`kernels.quantize`
+    beside `float8.kernels.quantize`: the repository root on sys.path makes its folders importable)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(name, "")
+    except RuntimeError:
+        return  # not defined yet
+    raise RuntimeError(
+        f"{name} is defined already: module {module!r} is a second copy of a float8 module, imported under "
+        "another name (the repository's kernels/ and ops/ folders are float8.kernels and float8.ops; import "
+        "them by those names)"
+    )
+
+
 def custom_op(name: str) -> Callable[[Callable], Callable]:
     """`torch.library.custom_op(name)`, with a direct call on the eager hot path.
 
@@ -231,6 +248,7 @@ def custom_op(name: str) -> Callable[[Callable], Callable]:
     """
 
     def wrap(fn):
+        refuse_redefinition(name, fn.__module__)
         call = _direct_in_eager(fn, torch.library.custom_op(name, mutates_args=())(fn))
         call.register_fake = call.op.register_fake
         return call
@@ -261,7 +279,11 @@ def triton_op(name: str) -> Callable[[Callable], Callable]:
     reference inside the body is traced as the torch ops it is. No register_fake: tracing the body on fake
     tensors gives the output shapes."""
 
-    return lambda fn: _direct_in_eager(fn, torch.library.triton_op(name, fn, mutates_args=()))
+    def wrap(fn):
+        refuse_redefinition(name, fn.__module__)
+        return _direct_in_eager(fn, torch.library.triton_op(name, fn, mutates_args=()))
+
+    return wrap
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

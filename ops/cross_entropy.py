@@ -31,6 +31,7 @@ import torch
 from float8 import DelayedScaling, Float8Tensor, Recipe
 from float8.gemm import column_major_only, operand
 from float8.gemm import fp8_mm_or_dequantized as _mm
+from float8.kernels.common import refuse_redefinition
 from float8.kernels.cross_entropy import ce_rows
 from float8.ops.base import second_backward_error
 from float8.ops.context import keeps_graph
@@ -158,6 +159,9 @@ def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
         return torch.nn.functional.linear(xc, w, bias), None
     xc8 = plan.quantizers.input._quantize(xc, write_grad and plan.need_dw and plan.fp8_dw)
     return _mm(xc8, operand(w, transposed=True), bias=bias, out_dtype=plan.dtype, pad=True, fast_accum=True), xc8
+
+
+refuse_redefinition("float8::addmm_float32_", __name__)
 
 
 @torch.library.custom_op("float8::addmm_float32_", mutates_args=("acc",))

@@ -224,52 +224,14 @@ def _hf_generate_compiled():
     assert torch.equal(compiled, eager)
 
 
-KNOWN_CRASH_ATTEMPTS = 3
-
-
 def _in_fresh_process(fn, *args):
-    """Run fn(*args) of this file in a new interpreter. The Hugging Face tests run there: with a transformers
-    model built in the pytest process, a later torch.compile test of this suite crashed the interpreter (a
-    segfault in dynamo's fake-tensor call of a float8 op, also before this file existed; found 2026-11-25,
-    docs/bad_input.md, Known problems). Isolated, neither depends on the other's order.
-
-    The crash comes with Triton's interpreter mode, which tests/conftest.py turns on for the kernel tests and
-    which a child process inherits: the compiled generate() test died in 3 of 48 fresh runs with
-    TRITON_INTERPRET=1 (`ValueError('vector::reserve')`, `std::bad_alloc` or a segfault inside dynamo's
-    fake-tensor call of `float8::fp8_weight_mm`) and in none of 60 without it (torch 2.13 CPU, triton 3.9,
-    2026-11-27). These tests run no Triton kernel (CPU tensors take the references), so the child runs
-    without it. Should the crash still come, a run that dies of exactly that is run again, up to
-    KNOWN_CRASH_ATTEMPTS runs in all; any other failure fails the test at once."""
+    """Run fn(*args) of this file in a new interpreter, so that the Hugging Face tests and the rest of the
+    suite do not depend on each other's order or imports. (Built in the pytest process, a transformers model
+    once let later compiled tests crash: transformers imported the repository's kernels/ folder a second
+    time, as a top-level `kernels`; kernels/__init__.py and tests/test_import_names.py.)"""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.float8.test_checkpoint import {fn.__name__} as f; f(*{args!r})"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for attempt in range(KNOWN_CRASH_ATTEMPTS):
-        run = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
-        )
-        if run.returncode == 0 or attempt == KNOWN_CRASH_ATTEMPTS - 1 or not _known_toolchain_crash(run):
-            break
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-
-
-def _known_toolchain_crash(run: subprocess.CompletedProcess) -> bool:
-    """The crash of docs/bad_input.md's Known problems: a segfault, or memory errors from dynamo's fake-tensor
-    call of a float8 op (not an assertion of the test, nor any other error)."""
-    if run.returncode == -11:
-        return True
-    fake_call = "Dynamo failed to run FX node with fake tensors: call_function float8." in run.stderr
-    return fake_call and any(s in run.stderr for s in ("std::bad_alloc", "schema_.has_value()", "vector::reserve"))
-
-
-def test_only_the_known_toolchain_crash_is_run_again():
-    def ran(rc, err):
-        return subprocess.CompletedProcess([], rc, "", err)
-
-    fake_call = "Dynamo failed to run FX node with fake tensors: call_function float8.fp8_weight_mm.default(x)"
-    assert _known_toolchain_crash(ran(-11, ""))
-    assert _known_toolchain_crash(ran(1, fake_call + ": got MemoryError('std::bad_alloc')"))
-    assert not _known_toolchain_crash(ran(1, "AssertionError: the compiled tokens differ from eager's"))
-    assert not _known_toolchain_crash(ran(1, "MemoryError('std::bad_alloc') somewhere else"))
-    assert not _known_toolchain_crash(ran(1, fake_call + ": got ValueError('a real bug of ours')"))
 
 
 def test_hugging_face_save_pretrained_writes_the_hub_layout(tmp_path):
