@@ -41,19 +41,6 @@ def launch_amax(x: torch.Tensor, out: torch.Tensor) -> None:
         _launch_amax((cdiv(n, BLOCK),), x, out, n, BLOCK, num_warps=NUM_WARPS)
 
 
-def amax_for_cast(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as a () float32 tensor for the current-scaling cast that follows, no checks (x contiguous or
-    transposed-contiguous, numel > 0). Eagerly the Triton kernel into a zeroed buffer. Traced (the body of a
-    triton_op under torch.compile, or a dispatch mode), torch's own reduction: inductor fuses it into the
-    kernel that writes x (a SwiGLU's multiply, a residual add), one pass over x fewer than a separate amax
-    kernel. Both are exact (a max does not round) and keep NaN, so eager and compiled casts agree bit for bit."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return _amax_ref(x)
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
-    launch_amax(x, out)
-    return out
-
-
 def amax_triton(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a () float32 tensor, by the Triton kernel (no checks: `amax` checks)."""
     out = torch.zeros((), dtype=torch.float32, device=x.device)

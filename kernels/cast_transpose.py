@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .amax import amax_for_cast
+from .amax import launch_amax
 from .common import (
     SMALL_DIM,
     SMALL_NUMEL,
@@ -246,6 +246,7 @@ def quantize_transpose_tensorwise_triton(
     (one launch for a small x), no checks."""
     if config is None and _is_small(x):
         return _quantize_transpose_small(x, fp8_dtype, margin, power_of_2)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     # The amax pass reads a flat contiguous x, in any order: a transposed view (a weight's .t()) is read
     # through its contiguous transpose, other strided views are copied. The cast pass reads x as it is.
     if x.is_contiguous():
@@ -254,7 +255,7 @@ def quantize_transpose_tensorwise_triton(
         flat = x.transpose(-2, -1)
     else:
         flat = x.contiguous()
-    amax = amax_for_cast(flat)
+    launch_amax(flat, amax)
     data, data_t, scale_inv = _launch(
         x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2, config=config
     )

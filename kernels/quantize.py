@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .amax import amax_for_cast
+from .amax import launch_amax
 from .cast import cast_triton, launch_cast
 from .cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
 from .common import (
@@ -135,7 +135,8 @@ def quantize_tensorwise_triton(
     if x.numel() <= SMALL_NUMEL:
         data, scale_inv, amax = _quantize_small(x, fp8_dtype, margin, power_of_2)
         return data, no_t, scale_inv, amax
-    amax = amax_for_cast(x)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    launch_amax(x, amax)
     data, scale_inv = launch_cast(x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2)
     return data, no_t, scale_inv, amax
 
