@@ -14,6 +14,9 @@ about 0.5 MB of English), read as bytes (a vocabulary of 256). Every variant see
   linear + cross-entropy head in bfloat16: the LM head stays in high precision, as TransformerEngine's
   and torchao's guides advise (its output is the logits themselves).
 - fp8 current + fp8 head: the head's GEMMs in FP8 too (per-tensor current scaling), to show what that costs.
+- fp8 converted / fp8 converted lean: the bf16 variant's own blocks, written in plain PyTorch, through
+  `ops.convert` (the path for existing models; its defaults, or `Recipe(lean_activations=True)`), under the
+  same autocast; the LM head stays bf16.
 --seeds K trains every variant K times (seed k: initial weights and batch order); each FP8 run is compared
 with the bf16 run of its own seed, and the verdict is on the mean gap. Writes train_gpt.json (the curves,
 the losses per seed) and train_gpt.png (mean curves, when matplotlib is installed) in --out, and says
@@ -43,7 +46,14 @@ FP8 = {
 }
 
 
-VARIANTS = ["bf16", "bf16 fp32 residual", *FP8]
+# The plain PyTorch blocks through ops.convert, with its defaults or lean activations.
+CONVERTED = {
+    "fp8 converted": Recipe(min_fp8_gemm_flops=0),
+    "fp8 converted lean": Recipe(min_fp8_gemm_flops=0, lean_activations=True),
+}
+
+
+VARIANTS = ["bf16", "bf16 fp32 residual", *FP8, *CONVERTED]
 
 
 def load_text() -> torch.Tensor:
@@ -99,7 +109,7 @@ def fp8_block(d, heads, kv, ffn, recipe):
 class GPT(torch.nn.Module):
     """Byte embedding, blocks, final norm and LM head; forward(tokens, targets) -> mean loss."""
 
-    def __init__(self, cfg, recipe=None, fp32_residual=False, fp8_head=False):
+    def __init__(self, cfg, recipe=None, fp32_residual=False, fp8_head=False, convert_recipe=None):
         super().__init__()
         self.fp32_residual = fp32_residual
         d, heads, kv, ffn, blocks = cfg["d"], cfg["heads"], cfg["kv"], cfg["ffn"], cfg["blocks"]
@@ -112,6 +122,8 @@ class GPT(torch.nn.Module):
             self.head = ops.Sequential(ops.RMSNorm(d), ops.LinearCrossEntropy(d, 256, recipe=head_recipe))
         else:
             self.blocks = torch.nn.ModuleList(TorchBlock(d, heads, kv, ffn) for _ in range(blocks))
+            if convert_recipe is not None:  # the blocks' Linears become float8 ones; the head stays bf16
+                ops.convert(self.blocks, recipe=convert_recipe)
             self.norm, self.lm_head = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.Linear(d, 256, bias=False)
 
     def forward(self, tokens, targets):
@@ -150,7 +162,13 @@ def learning_rate(step, steps, peak=1e-3, warmup=50):
 def train(variant, cfg, train_data, val_data, device, seed=0):
     """Train one variant from `seed`; returns its loss curve and held-out loss."""
     torch.manual_seed(seed)
-    model = GPT(cfg, FP8.get(variant), fp32_residual=variant == "bf16 fp32 residual", fp8_head="fp8 head" in variant)
+    model = GPT(
+        cfg,
+        FP8.get(variant),
+        fp32_residual=variant == "bf16 fp32 residual",
+        fp8_head="fp8 head" in variant,
+        convert_recipe=CONVERTED.get(variant),
+    )
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     curve, start = [], time.perf_counter()
