@@ -223,16 +223,18 @@ def refuse_redefinition(name: str, module: str) -> None:
     """Raise if the op `name` ("float8::...") is defined already. torch.library drops an op's first definition
     when the op is defined again, and the operator handles taken from it before (every OpOverload, inductor's
     and dynamo's caches) then point at freed memory: calls crash at random, far from the cause. A second
-    definition comes from this package's modules run a second time under another name (`kernels.quantize`
-    beside `float8.kernels.quantize`: the repository root on sys.path makes its folders importable)."""
+    definition comes from one of this package's modules run a second time: imported under another name
+    (`kernels.quantize` beside `float8.kernels.quantize`: the repository root on sys.path makes its folders
+    importable), or reloaded (importlib.reload, an editor's autoreload)."""
     try:
         torch._C._dispatch_find_schema_or_throw(name, "")
     except RuntimeError:
         return  # not defined yet
     raise RuntimeError(
-        f"{name} is defined already: module {module!r} is a second copy of a float8 module, imported under "
-        "another name (the repository's kernels/ and ops/ folders are float8.kernels and float8.ops; import "
-        "them by those names)"
+        f"{name} is defined already: module {module!r} runs a second time, imported under another name or "
+        "reloaded. Defining a torch op again would leave the handles of its first definition dangling. The "
+        "repository's kernels/ and ops/ folders are float8.kernels and float8.ops: import them by those names, "
+        "and restart the interpreter instead of reloading float8"
     )
 
 

@@ -50,3 +50,12 @@ def test_a_second_copy_of_a_module_defining_ops_is_refused(module):
     run = _run(f"import float8.ops\nimport {module}\n")
     assert run.returncode != 0
     assert "is defined already" in run.stderr and "float8.kernels and float8.ops" in run.stderr, run.stderr[-3000:]
+
+
+def test_reloading_a_module_that_defines_ops_is_refused_and_the_first_definition_stays():
+    code = "import importlib, torch, float8\nm = importlib.import_module('float8.kernels.amax')\n"
+    code += "try:\n    importlib.reload(m)\nexcept RuntimeError as e:\n    assert 'reloaded' in str(e), e\n"
+    code += "else:\n    raise AssertionError('the reload went through')\n"
+    code += "assert torch.ops.float8.amax(torch.tensor([2.0, -5.0])).item() == 5.0\nprint('OK')\n"
+    run = _run(code)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
