@@ -10,13 +10,14 @@ then FP8 x FP8 with an E4M3 weight, for 33-128 tokens). On a CUDA tensor each ru
 CPU tensor its reference (`*_ref`); `reference.py` states the semantics they share.
 """
 
-# The repository root holds this folder as `kernels/`. With the root on sys.path (a script or pytest run from
-# a clone) a probe for some other package named `kernels` imports it under that name: transformers'
-# `is_kernels_available()` does, for Hugging Face's kernel hub. Run a second time, its modules would define
-# every float8:: op again, and torch drops an op's first definition when it is defined again, so the
-# operator handles already taken from it dangle: dynamo's fake-tensor calls of our ops then crashed at
-# random (segfaults, std::bad_alloc, basic_string::_M_create; docs/bad_input.md). Under any other name
-# this package is float8.kernels itself, and nothing is defined twice.
+# The repository root holds this folder as `kernels/`. With the root on sys.path (pytest, `python -m`,
+# `python -c` or a REPL started there, a PYTHONPATH naming it) a probe for some other package named
+# `kernels` imports it under that name: transformers' `is_kernels_available()` does, for Hugging Face's
+# kernel hub. Run a second time, its modules would define every float8:: op again, and torch drops an op's
+# first definition when it is defined again, so the operator handles already taken from it dangle: dynamo's
+# fake-tensor calls of our ops then crashed at random (segfaults, std::bad_alloc, basic_string::_M_create;
+# docs/bad_input.md). Under any other name this package is float8.kernels itself, its loaded submodules
+# too (common.alias_package), and a module that defines ops refuses to run twice (common.refuse_redefinition).
 if __name__ == "float8.kernels":
     from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
     from .amax import amax, amax_ref
@@ -28,10 +29,9 @@ if __name__ == "float8.kernels":
     from .rowwise_input_mm import fp8_rowwise_input_mm, fp8_rowwise_input_mm_ref
     from .weight_only import fp8_weight_mm, fp8_weight_mm_ref
 else:
-    import importlib as _importlib
-    import sys as _sys
+    from float8.kernels.common import alias_package as _alias_package
 
-    _sys.modules[__name__] = _importlib.import_module("float8.kernels")
+    _alias_package(__name__, "float8.kernels")
 
 __all__ = [
     "activation",

@@ -52,10 +52,14 @@ from .common import (
     check_flag,
     check_hp_input,
     check_tensorwise_args,
+    refuse_redefinition,
     triton_op,
     use_triton,
 )
 from .reference import FP8_DTYPES
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::act_fwd", __name__)
 
 __all__ = [
     "INV_SQRT_2PI",

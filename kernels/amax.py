@@ -11,9 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import abs_bits, atomic_amax, cdiv, check_hp_input, triton_op, use_triton
+from .common import abs_bits, atomic_amax, cdiv, check_hp_input, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import amax_ref as _amax_ref
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::amax", __name__)
 
 BLOCK = 8192  # elements per program: 16 B accesses, few atomics (one per program)
 NUM_WARPS = 8

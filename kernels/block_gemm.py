@@ -22,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, triton_op, use_triton
+from .common import cdiv, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import FP8_DTYPES
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::fp8_block_mm", __name__)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block's width C (at most 128).
 # GROUP_M: output tiles run GROUP_M row tiles at a time down each column of tiles, so that the weight tiles

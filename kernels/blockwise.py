@@ -27,6 +27,7 @@ from .common import (
     custom_op,
     fp8_constants,
     margin_div,
+    refuse_redefinition,
     scale_from_amax,
     use_triton,
 )
@@ -34,6 +35,9 @@ from .launch import on_device_of
 from .reference import cast_to_fp8_ref, expand_blocks
 from .reference import scale_from_amax as scale_from_amax_ref
 from .rowwise import launch_rowwise
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::quantize_blockwise", __name__)
 
 MAX_BLOCK_ELEMS = 128 * 128  # registers of one program (8 warps: 64 values per thread)
 

@@ -7,7 +7,12 @@ where it has to be careful to give the reference's bits.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import Callable, Sequence
+
+if __name__ != "float8.kernels.common":  # a second copy would define every float8:: op again (kernels/__init__.py)
+    raise ImportError(f"{__file__} is float8.kernels.common, imported here as {__name__!r}: import float8.kernels")
 
 import torch
 import triton
@@ -236,6 +241,20 @@ def refuse_redefinition(name: str, module: str) -> None:
         "repository's kernels/ and ops/ folders are float8.kernels and float8.ops: import them by those names, "
         "and restart the interpreter instead of reloading float8"
     )
+
+
+def alias_package(bare: str, canonical: str) -> None:
+    """Make the package imported under the bare name `bare` (a folder of the repository reached through its
+    root on sys.path: `kernels`, `ops`) the canonical one, with its loaded submodules: afterwards `import
+    kernels.quantize` is float8.kernels.quantize, not a second run of its file (see kernels/__init__.py).
+    Submodules the canonical package has not loaded stay unaliased; one that defines an op refuses to run
+    twice (refuse_redefinition)."""
+    package = importlib.import_module(canonical)
+    prefix = canonical + "."
+    for name, module in list(sys.modules.items()):
+        if name.startswith(prefix):
+            sys.modules.setdefault(bare + "." + name[len(prefix) :], module)
+    sys.modules[bare] = package
 
 
 def custom_op(name: str) -> Callable[[Callable], Callable]:

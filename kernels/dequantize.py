@@ -19,10 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, triton_op, use_triton
+from .common import cdiv, next_pow2, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
 from .reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 from .reference import dequantize_ref as _dequantize_ref
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::dequantize", __name__)
 
 TILE = 4096  # elements per program
 

@@ -25,7 +25,16 @@ from typing import Optional
 
 import torch
 
-from .common import cdiv, custom_op, fake_fp8_outputs, fp8_constants, margin_div, next_pow2, use_triton
+from .common import (
+    cdiv,
+    custom_op,
+    fake_fp8_outputs,
+    fp8_constants,
+    margin_div,
+    next_pow2,
+    refuse_redefinition,
+    use_triton,
+)
 from .launch import FastLauncher
 from .norm_bwd_kernel import _norm_bwd_kernel
 from .norm_checks import _check_bwd, _check_fp8, _check_fwd, _fake_stats, _rows
@@ -40,6 +49,9 @@ from .norm_ref import (
     quantize_y_ref,
     sqrt_rn,
 )
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::norm_fwd", __name__)
 
 _rows_launcher = FastLauncher(_norm_rows_kernel)
 _fp8_tiles_launcher = FastLauncher(_norm_fp8_tiles_kernel)

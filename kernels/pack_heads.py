@@ -46,11 +46,15 @@ from .common import (
     fake_fp8_outputs,
     fp8_constants,
     margin_div,
+    refuse_redefinition,
     scale_from_amax,
     use_triton,
 )
 from .launch import on_device_of
 from .reference import quantize_tensorwise_ref
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::pack_heads_fp8", __name__)
 
 
 @triton.jit

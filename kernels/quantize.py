@@ -46,6 +46,7 @@ from .common import (
     fp8_constants,
     margin_div,
     next_pow2,
+    refuse_redefinition,
     scale_from_amax,
     small_num_warps,
     triton_op,
@@ -53,6 +54,9 @@ from .common import (
 )
 from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::quantize_tensorwise", __name__)
 
 SMALL_MIN_BLOCK = 128  # fewer specializations (one per power of two from here to SMALL_NUMEL)
 

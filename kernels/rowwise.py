@@ -25,6 +25,7 @@ from .common import (
     fp8_constants,
     margin_div,
     next_pow2,
+    refuse_redefinition,
     scale_from_amax,
     triton_op,
     use_triton,
@@ -32,6 +33,9 @@ from .common import (
 from .launch import FastLauncher
 from .reference import cast_to_fp8_ref
 from .reference import scale_from_amax as scale_from_amax_ref
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::quantize_rowwise", __name__)
 
 MAX_SINGLE_K = 8192  # rows up to this long are cast from registers
 LOOP_BLOCK_K = 4096  # column block of the two-pass loop for longer rows

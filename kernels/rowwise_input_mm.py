@@ -49,12 +49,15 @@ from typing import Optional
 import torch
 
 from . import weight_only
-from .common import cdiv, fp8_constants, triton_op, use_triton
+from .common import cdiv, fp8_constants, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
 from .rowwise import _launch as _launch_rowwise
 from .rowwise import quantize_rowwise_ref, row_blocks, rowwise_args
 from .scratch import Scratch
 from .weight_only_kernel import COUNTER_LINE, _rowwise_input_mm_kernel
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::fp8_rowwise_input_mm", __name__)
 
 E4M3 = torch.float8_e4m3fn
 

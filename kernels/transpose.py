@@ -13,9 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, triton_op
+from .common import cdiv, refuse_redefinition, triton_op
 from .launch import FastLauncher
 from .reference import FP8_DTYPES
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::transpose_fp8", __name__)
 
 TILE_M, TILE_N, NUM_WARPS = 64, 128, 4
 

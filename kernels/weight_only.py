@@ -36,11 +36,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .common import cdiv, forward_ad_or_functorch_active, triton_op, use_triton
+from .common import cdiv, forward_ad_or_functorch_active, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher, run_compiled, runtime_settings
 from .reference import FP8_DTYPES
 from .scratch import Scratch
 from .weight_only_kernel import _fp8_weight_mm_kernel, _split_k_sum_kernel
+
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::fp8_weight_mm", __name__)
 
 # Largest token count ops.Linear's inference forward sends here. On GPU time alone the activation's
 # quantization + cuBLASLt's FP8 GEMM wins above 16 tokens (benchmarks/weight_only.py on the H100, 2026-11-25,

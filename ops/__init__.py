@@ -66,3 +66,8 @@ __all__ = [
     "requantize_weights",
     "set_input_scale",
 ]
+
+if __name__ != "float8.ops":  # the repository's ops/ folder reached by a bare name: be float8.ops itself
+    from float8.kernels.common import alias_package as _alias_package
+
+    _alias_package(__name__, "float8.ops")

@@ -36,6 +36,9 @@ from float8.kernels.cross_entropy import ce_rows
 from float8.ops.base import second_backward_error
 from float8.ops.context import keeps_graph
 
+# Before any definition: run a second time (another name, a reload), this module redefines nothing.
+refuse_redefinition("float8::addmm_float32_", __name__)
+
 __all__ = ["LinearCrossEntropy", "check_cross_entropy_args", "default_chunk_tokens", "linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -159,9 +162,6 @@ def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
         return torch.nn.functional.linear(xc, w, bias), None
     xc8 = plan.quantizers.input._quantize(xc, write_grad and plan.need_dw and plan.fp8_dw)
     return _mm(xc8, operand(w, transposed=True), bias=bias, out_dtype=plan.dtype, pad=True, fast_accum=True), xc8
-
-
-refuse_redefinition("float8::addmm_float32_", __name__)
 
 
 @torch.library.custom_op("float8::addmm_float32_", mutates_args=("acc",))

@@ -1,4 +1,4 @@
-"""The repository's kernels/ and ops/ folders are float8.kernels and float8.ops, under any name they are reached by.
+"""The repository's kernels/ and ops/ folders are float8.kernels and float8.ops when reached by their bare names.
 
 With the repository root on sys.path, `import kernels` finds the kernels/ folder; transformers does exactly that
 when it probes for Hugging Face's kernel hub (a package also named `kernels`). Run a second time, the modules
@@ -6,56 +6,108 @@ would define every float8:: op again and torch would drop the first definitions,
 taken from them dangling: dynamo's fake-tensor calls then crashed at random (kernels/__init__.py). Each check
 runs in a fresh interpreter, so that nothing this test process imported answers for it."""
 
+import ast
+import importlib.metadata
+import pathlib
+import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    prelude = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+def _run(code: str, path: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
+    prelude = f"import sys; sys.path.insert(0, {str(path)!r})\n"
     return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+_BEFORE = "import torch\nfrom torch._library.custom_ops import OPDEFS\n"
 _CHECK = """
-import torch, float8
-assert sys.modules["kernels"] is float8.kernels, sys.modules["kernels"]
-second = sorted(m for m in sys.modules if m.startswith("kernels."))
-assert not second, second
-x = torch.tensor([1.0, -3.0, 2.0])
-assert torch.ops.float8.amax(x).item() == 3.0  # the first definitions are the live ones
+import float8, float8.ops
+assert sys.modules.get("kernels", float8.kernels) is float8.kernels, sys.modules["kernels"]
+assert sys.modules.get("ops", float8.ops) is float8.ops, sys.modules["ops"]
+for name, module in list(sys.modules.items()):  # every bare-name submodule is the canonical module
+    if name.split(".")[0] in ("kernels", "ops") and "." in name:
+        assert module is sys.modules.get("float8." + name), (name, module)
+assert OPDEFS["float8::amax"] is first and OPDEFS["float8::addmm_float32_"] is first_ce  # never redefined
+assert torch.ops.float8.amax(torch.tensor([1.0, -3.0, 2.0])).item() == 3.0
 print("OK")
 """
 
 
-@pytest.mark.parametrize("first", ["float8", "kernels"])
-def test_kernels_folder_imported_by_its_bare_name_is_float8_kernels(first):
-    run = _run(f"import {first}\nimport kernels\n" + _CHECK)
+def _first_definitions(imports: str) -> str:
+    return imports + "\nfirst, first_ce = OPDEFS['float8::amax'], OPDEFS['float8::addmm_float32_']\n"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import float8.ops\nimport kernels, ops",
+        "import kernels\nimport float8.ops",  # the bare name first
+        "import float8.ops\nimport kernels.quantize, kernels.launch, ops.linear\nfrom kernels import amax",
+    ],
+)
+def test_bare_names_are_the_canonical_packages_and_define_nothing_twice(imports):
+    code = _BEFORE + _first_definitions(imports) + _CHECK
+    if "ops.linear" in imports:
+        code += "assert ops.linear.Linear is float8.ops.Linear\n"
+    run = _run(code)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
 
 
+def _hub_kernels_installed() -> bool:
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    _hub_kernels_installed(),
+    reason="Hugging Face's kernels package is installed: transformers finds its metadata and imports it by name, "
+    "and with the repository root first on sys.path that name is our folder (docs/bad_input.md)",
+)
 def test_transformers_probe_for_a_kernels_package_defines_nothing_twice():
     pytest.importorskip("transformers")
-    code = "import float8\nfrom transformers.utils import import_utils\n"
+    code = _BEFORE + _first_definitions("import float8.ops\nfrom transformers.utils import import_utils")
     code += "assert not import_utils.is_kernels_available()  # our folder is not Hugging Face's kernel hub\n"
     run = _run(code + _CHECK)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("module", ["kernels.quantize", "ops.cross_entropy"])
-def test_a_second_copy_of_a_module_defining_ops_is_refused(module):
-    run = _run(f"import float8.ops\nimport {module}\n")
-    assert run.returncode != 0
-    assert "is defined already" in run.stderr and "float8.kernels and float8.ops" in run.stderr, run.stderr[-3000:]
-
-
-def test_reloading_a_module_that_defines_ops_is_refused_and_the_first_definition_stays():
+def test_reloading_a_module_that_defines_ops_is_refused_before_it_changes_anything():
     code = "import importlib, torch, float8\nm = importlib.import_module('float8.kernels.amax')\n"
+    code += "launcher = m._launch_amax\n"
     code += "try:\n    importlib.reload(m)\nexcept RuntimeError as e:\n    assert 'reloaded' in str(e), e\n"
     code += "else:\n    raise AssertionError('the reload went through')\n"
+    code += "assert m._launch_amax is launcher  # refused before its first definition: nothing of it re-ran\n"
     code += "assert torch.ops.float8.amax(torch.tensor([2.0, -5.0])).item() == 5.0\nprint('OK')\n"
     run = _run(code)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_kernels_folder_itself_on_sys_path_is_refused_by_name():
+    run = _run("import common\n", path=ROOT / "kernels")
+    assert run.returncode != 0 and "is float8.kernels.common, imported here as 'common'" in run.stderr, run.stderr
+
+
+def test_every_module_defining_ops_refuses_a_second_run_before_its_first_definition():
+    """A module run a second time must raise before it defines anything (a reload would otherwise leave it
+    half new, half old): its first statement after the docstring and the imports is refuse_redefinition of
+    its first op."""
+    found = 0
+    for path in sorted([*(ROOT / "kernels").glob("*.py"), *(ROOT / "ops").glob("*.py")]):
+        text = path.read_text()
+        ops = re.findall(r'(?:custom_op|triton_op)\("(float8::\w+)"', text)
+        if not ops:
+            continue
+        found += 1
+        body = [n for n in ast.parse(text).body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = ast.unparse(body[0])
+        assert first == f"refuse_redefinition('{ops[0]}', __name__)", f"{path.name}: first statement {first!r}"
+    assert found >= 13
