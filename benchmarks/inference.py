@@ -7,7 +7,7 @@ parameters). "llama": plain torch (embedding, benchmarks/llama.py's block withou
 "hf": transformers.LlamaForCausalLM of the same sizes, SDPA. Variants, each a fresh build of the same
 weights: bf16 and float8 (ops.convert(model, fp8_weights=True)), eager, compiled (torch.compile),
 cudagraphs (mode="reduce-overhead") and graphed (ops.graphed_inference: CUDA graphs of the eager forward);
-float8 fp8-input graphed and eager (Recipe(inference_fp8_input_from=33): x quantized per row, FP8 x FP8 at 33-128
+float8 fp8-input graphed and eager (Recipe(inference_fp8_input_from=17): x quantized per row, FP8 x FP8 at 17-128
 tokens);
 float8 blockwise eager (128x128 block-scaled FP8 weights, as a hub FP8 checkpoint loads: ops.convert(model,
 fp8_weights=True, recipe=Recipe.blockwise())); float8 calibrated eager (input scales fixed by ops.calibrate on
@@ -65,7 +65,7 @@ VARIANTS = {  # name: (weights, torch.compile mode; None: eager)
     # ops.graphed_inference: a plain CUDA graph of the eager forward per shape, no dynamo guards
     "bf16 graphed": ("bf16", "graphed"),
     "float8 graphed": ("float8", "graphed"),
-    # Recipe(inference_fp8_input_from=33): x quantized per row, FP8 x FP8 at 33-128 tokens (kernels/rowwise_input_mm.py)
+    # Recipe(inference_fp8_input_from=17): x quantized per row, FP8 x FP8 at 17-128 tokens (kernels/rowwise_input_mm.py)
     "float8 fp8-input graphed": ("float8-fp8-input", "graphed"),
     "float8 fp8-input eager": ("float8-fp8-input", None),
     # 128x128 block-scaled FP8 weights, the layout of hub FP8 checkpoints (float8.load_checkpoint gives these)
@@ -220,7 +220,7 @@ def quantize_weights(model: torch.nn.Module, weights: str, device: torch.device)
     elif weights == "float8-fp8-input":
         from float8 import Recipe
 
-        ops.convert(model, fp8_weights=True, recipe=Recipe(inference_fp8_input_from=33))
+        ops.convert(model, fp8_weights=True, recipe=Recipe(inference_fp8_input_from=17))
     elif weights == "float8-calibrated":
         ops.convert(model, fp8_weights=True)
         vocab = (
