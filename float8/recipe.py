@@ -103,10 +103,11 @@ class Recipe:
     # default, 129, leaves it off: eagerly, where these sizes wait for the host, it was at best level with
     # the weight-only kernel (H100 machine, 2026-11-26, Llama-style model at 33 / 64 / 128 tokens, four
     # runs: 0.76-0.97x / 0.79-0.94x / 0.78-0.89x bf16 eager against 0.83-0.97x for the weight-only kernel).
-    # Under CUDA graphs (ops.graphed_inference), where host time does not count, 33 is faster: 1.40x / 1.36x
-    # / 1.27x bf16 graphed, against 1.11x / 0.93-0.95x for the weight-only kernel at 64 / 128 tokens
-    # (benchmarks/results/profile_rowwise_input_inference.txt). Eager, graphed and compiled calls of one
-    # recipe give the same bits.
+    # Under CUDA graphs (ops.graphed_inference), where host time does not count, 17 is faster: 1.43x / 1.42x
+    # bf16 graphed at 24 / 32 tokens against 1.20x / 1.19x for the weight-only kernel (2026-11-27, area
+    # inference_graphed_17_32), 1.36x / 1.27x against 1.11x / 0.93-0.95x at 64 / 128
+    # (benchmarks/results/profile_rowwise_input_inference.txt); at 16 tokens the weight-only kernel is
+    # ahead. Eager, graphed and compiled calls of one recipe give the same bits.
     inference_fp8_input_from: int = 129
 
     def __post_init__(self):
