@@ -16,8 +16,9 @@ CPU tensor its reference (`*_ref`); `reference.py` states the semantics they sha
 # kernel hub. Run a second time, its modules would define every float8:: op again, and torch drops an op's
 # first definition when it is defined again, so the operator handles already taken from it dangle: dynamo's
 # fake-tensor calls of our ops then crashed at random (segfaults, std::bad_alloc, basic_string::_M_create;
-# docs/bad_input.md). Under any other name this package is float8.kernels itself, its loaded submodules
-# too (common.alias_package), and a module that defines ops refuses to run twice (common.refuse_redefinition).
+# docs/bad_input.md). Under any other name the name means another installed package of that name where
+# there is one (Hugging Face's hub), else float8.kernels itself with its loaded submodules
+# (common.alias_package); and a module that defines ops refuses to run twice (common.refuse_redefinition).
 if __name__ == "float8.kernels":
     from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
     from .amax import amax, amax_ref
@@ -31,7 +32,7 @@ if __name__ == "float8.kernels":
 else:
     from float8.kernels.common import alias_package as _alias_package
 
-    _alias_package(__name__, "float8.kernels")
+    _alias_package(__name__, "float8.kernels", __path__[0])
 
 __all__ = [
     "activation",

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
+import importlib.util
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -243,12 +246,27 @@ def refuse_redefinition(name: str, module: str) -> None:
     )
 
 
-def alias_package(bare: str, canonical: str) -> None:
-    """Make the package imported under the bare name `bare` (a folder of the repository reached through its
-    root on sys.path: `kernels`, `ops`) the canonical one, with its loaded submodules: afterwards `import
-    kernels.quantize` is float8.kernels.quantize, not a second run of its file (see kernels/__init__.py).
-    Submodules the canonical package has not loaded stay unaliased; one that defines an op refuses to run
-    twice (refuse_redefinition)."""
+def alias_package(bare: str, canonical: str, folder: str) -> None:
+    """Settle what the bare name `bare` means after the import system found this repository's `folder`
+    (`kernels/`, `ops/`) under it, through the repository root on sys.path (see kernels/__init__.py).
+
+    Another package of that name installed elsewhere on sys.path (Hugging Face's kernel hub is `kernels`
+    too) is what the name means: it is loaded in its place, as if the root were not on sys.path. Otherwise
+    the name becomes the canonical package, with its loaded submodules: `import kernels.quantize` is then
+    float8.kernels.quantize, not a second run of its file. Submodules the canonical package has not loaded
+    stay unaliased; one that defines an op refuses to run twice (refuse_redefinition)."""
+    root = os.path.realpath(os.path.dirname(folder))
+    elsewhere = [p for p in sys.path if isinstance(p, str) and os.path.realpath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec(bare, elsewhere)
+    if spec is not None and spec.loader is not None:
+        other = importlib.util.module_from_spec(spec)
+        sys.modules[bare] = other
+        try:
+            spec.loader.exec_module(other)
+        except BaseException:
+            del sys.modules[bare]
+            raise
+        return
     package = importlib.import_module(canonical)
     prefix = canonical + "."
     for name, module in list(sys.modules.items()):

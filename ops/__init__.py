@@ -67,7 +67,7 @@ __all__ = [
     "set_input_scale",
 ]
 
-if __name__ != "float8.ops":  # the repository's ops/ folder reached by a bare name: be float8.ops itself
+if __name__ != "float8.ops":  # the repository's ops/ folder reached by a bare name (kernels/__init__.py)
     from float8.kernels.common import alias_package as _alias_package
 
-    _alias_package(__name__, "float8.ops")
+    _alias_package(__name__, "float8.ops", __path__[0])

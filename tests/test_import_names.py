@@ -23,14 +23,16 @@ def _run(code: str, path: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-_BEFORE = "import torch\nfrom torch._library.custom_ops import OPDEFS\n"
+_BEFORE = f"import torch\nfrom torch._library.custom_ops import OPDEFS\nROOT_STR = {str(ROOT)!r}\n"
 _CHECK = """
 import float8, float8.ops
-assert sys.modules.get("kernels", float8.kernels) is float8.kernels, sys.modules["kernels"]
-assert sys.modules.get("ops", float8.ops) is float8.ops, sys.modules["ops"]
-for name, module in list(sys.modules.items()):  # every bare-name submodule is the canonical module
-    if name.split(".")[0] in ("kernels", "ops") and "." in name:
-        assert module is sys.modules.get("float8." + name), (name, module)
+for bare in ("kernels", "ops"):  # the canonical package, or another installed package of that name
+    module = sys.modules.get(bare, getattr(float8, bare))
+    ours = module is getattr(float8, bare)
+    assert ours or not str(getattr(module, "__file__", "")).startswith(ROOT_STR), module
+    for name, sub in list(sys.modules.items()):  # and then every bare-name submodule is the canonical one
+        if ours and name.startswith(bare + "."):
+            assert sub is sys.modules.get("float8." + name), (name, sub)
 assert OPDEFS["float8::amax"] is first and OPDEFS["float8::addmm_float32_"] is first_ce  # never redefined
 assert torch.ops.float8.amax(torch.tensor([1.0, -3.0, 2.0])).item() == 3.0
 print("OK")
@@ -65,15 +67,25 @@ def _hub_kernels_installed() -> bool:
     return True
 
 
-@pytest.mark.skipif(
-    _hub_kernels_installed(),
-    reason="Hugging Face's kernels package is installed: transformers finds its metadata and imports it by name, "
-    "and with the repository root first on sys.path that name is our folder (docs/bad_input.md)",
-)
 def test_transformers_probe_for_a_kernels_package_defines_nothing_twice():
     pytest.importorskip("transformers")
     code = _BEFORE + _first_definitions("import float8.ops\nfrom transformers.utils import import_utils")
-    code += "assert not import_utils.is_kernels_available()  # our folder is not Hugging Face's kernel hub\n"
+    # Our folder is not Hugging Face's kernel hub; where the hub is installed, the probe finds it.
+    code += f"assert import_utils.is_kernels_available() == {_hub_kernels_installed()}\n"
+    run = _run(code + _CHECK)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
+
+
+def test_another_installed_package_of_the_bare_name_is_what_the_name_means(tmp_path):
+    """Hugging Face's kernel hub is also `kernels`: with it installed, `import kernels` must give it, not our
+    folder, even with the repository root first on sys.path."""
+    hub = tmp_path / "kernels"
+    hub.mkdir()
+    (hub / "__init__.py").write_text("def get_kernel(name):\n    return 'hub:' + name\n")
+    (hub / "layers.py").write_text("NAME = 'hub layers'\n")
+    code = f"sys.path.append({str(tmp_path)!r})\n" + _BEFORE + _first_definitions("import float8.ops")
+    code += "import kernels, kernels.layers\nfrom kernels import get_kernel\n"
+    code += "assert get_kernel('x') == 'hub:x' and kernels.layers.NAME == 'hub layers', kernels\n"
     run = _run(code + _CHECK)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
 
