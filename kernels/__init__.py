@@ -16,10 +16,10 @@ CPU tensor its reference (`*_ref`); `reference.py` states the semantics they sha
 # kernel hub. Run a second time, its modules would define every float8:: op again, and torch drops an op's
 # first definition when it is defined again, so the operator handles already taken from it dangle: dynamo's
 # fake-tensor calls of our ops then crashed at random (segfaults, std::bad_alloc, basic_string::_M_create;
-# docs/bad_input.md). Under any other name the name means another installed package of that name where
+# docs/bad_input.md). Under a bare name the name means another installed package of that name where
 # there is one (Hugging Face's hub), else float8.kernels itself with its loaded submodules
 # (common.alias_package); and a module that defines ops refuses to run twice (common.refuse_redefinition).
-if __name__ == "float8.kernels":
+if "." in __name__:  # float8.kernels (or its __init__ imported as a submodule: the same names)
     from . import activation, norm, pack_heads  # the fused kernels registering float8::act_*, norm_*, pack_heads_fp8
     from .amax import amax, amax_ref
     from .block_gemm import fp8_block_mm, fp8_block_mm_ref

@@ -258,14 +258,18 @@ def alias_package(bare: str, canonical: str, folder: str) -> None:
     root = os.path.realpath(os.path.dirname(folder))
     elsewhere = [p for p in sys.path if isinstance(p, str) and os.path.realpath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec(bare, elsewhere)
-    if spec is not None and spec.loader is not None:
+    if spec is not None and spec.loader is not None and spec.origin and not _float8_folder(spec.origin):
         other = importlib.util.module_from_spec(spec)
         sys.modules[bare] = other
+        spec._initializing = True  # other threads importing the name wait for it, as importlib's own load does
         try:
             spec.loader.exec_module(other)
         except BaseException:
-            del sys.modules[bare]
+            if sys.modules.get(bare) is other:
+                del sys.modules[bare]
             raise
+        finally:
+            spec._initializing = False
         return
     package = importlib.import_module(canonical)
     prefix = canonical + "."
@@ -273,6 +277,16 @@ def alias_package(bare: str, canonical: str, folder: str) -> None:
         if name.startswith(prefix):
             sys.modules.setdefault(bare + "." + name[len(prefix) :], module)
     sys.modules[bare] = package
+
+
+def _float8_folder(init_file: str) -> bool:
+    """Whether a package's __init__.py is this folder's kind (another checkout of this repository, a copy):
+    loading it as "another package" would resolve the bare name again, without end. Read, not run."""
+    try:
+        with open(init_file, encoding="utf-8") as f:
+            return "_alias_package(__name__, " in f.read()
+    except OSError:
+        return False
 
 
 def custom_op(name: str) -> Callable[[Callable], Callable]:
