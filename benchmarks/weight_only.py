@@ -1,6 +1,6 @@
 """The weight-only FP8 GEMM (float8.kernels.fp8_weight_mm) at decode sizes, against bf16 and FP8 x FP8.
 
-    python -m benchmarks.weight_only [--out DIR]          # on a CUDA machine: tile sweep, table, results
+    python -m benchmarks.weight_only [--out DIR] [--tokens 24,32 --area A]   # on a CUDA machine: tile sweep
     python -m benchmarks.weight_only --tiny [--out DIR]   # plumbing only (CPU, reference path)
 
 For the Linears of the benchmark models (benchmarks/llama.py and Hugging Face's Llama: d 4096, GQA 32/8 of
@@ -47,8 +47,11 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 
 def candidate_tiles(m: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP) to sweep for m tokens, in both orientations (SWAP: the
-    widened weight as the MMA's A operand), plus the table's wide-layer tile."""
+    """((BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP), split) to sweep for m tokens, in both orientations
+    (SWAP: the widened weight as the MMA's A operand), plus the table's wide-layer tile. split None: the
+    table's split of K for that tile; "decode": K split as at <= 16 tokens too (DECODE_STEPS_PER_SPLIT).
+    At 17-32 tokens the 16-token family (narrow unswapped tiles, long BLOCK_K) is swept too, both ways: the
+    table's 32-row tile made a graphed forward 1.17-1.22x slower at 24-32 tokens than at 16 (2026-11-27)."""
     block_m = max(16, 1 << (m - 1).bit_length())
     if block_m <= 16:
         plain = itertools.product((32, 64), (128, 256, 512), (4,), (3, 5))
@@ -56,9 +59,20 @@ def candidate_tiles(m: int):
     else:
         plain = itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
         swap = itertools.product((64, 128), (64, 128), (4, 8), (3, 4, 5))
-    tiles = [(block_m, n, k, w, s, False) for n, k, w, s in plain]
-    tiles += [(block_m, n, k, w, s, True) for n, k, w, s in swap]
-    return tiles + ([weight_only.WIDE_CONFIG] if m > 64 else [])
+    tiles = [((block_m, n, k, w, s, False), None) for n, k, w, s in plain]
+    tiles += [((block_m, n, k, w, s, True), None) for n, k, w, s in swap]
+    if block_m == 32:
+        decode = [(block_m, n, k, 4, s, False) for n, k, s in itertools.product((32, 64), (256, 512), (3, 4, 5))]
+        tiles += [(t, split) for t in decode for split in (None, "decode")]
+    return tiles + ([(weight_only.WIDE_CONFIG, None)] if m > 64 else [])
+
+
+def split_for(tile, split, n: int, k: int, device) -> int | None:
+    """The split of K a candidate asks for (None: the table's rule for its tile)."""
+    if split != "decode":
+        return None
+    programs = weight_only._sm_count(device.index)
+    return weight_only.split_k_for(n, k, tile[1], tile[2], programs, weight_only.DECODE_STEPS_PER_SPLIT)
 
 
 def copy_bandwidth(timer, device) -> float:
@@ -102,21 +116,26 @@ def sweep(timer, device, tokens, shapes, tiles_for, bandwidth, log=None):
             "tiles": {},
         }
 
-        def run(tile, i=0):
+        def run(candidate, i=0):
             w8 = w8s[i]
-            if tile is None:  # CPU: the op, i.e. its reference
+            if candidate is None:  # CPU: the op, i.e. its reference
                 return weight_only.fp8_weight_mm(x, w8.fp8_data, w8.scale_inv)
-            return weight_only.fp8_weight_mm_triton(x, w8.fp8_data, w8.scale_inv, config=tile)
+            tile, split = candidate
+            split_k = split_for(tile, split, n, k, x.device)
+            return weight_only.fp8_weight_mm_triton(x, w8.fp8_data, w8.scale_inv, config=tile, split_k=split_k)
 
-        for tile in tiles_for(m):
+        for candidate in tiles_for(m):
             try:
-                got = run(tile)
+                got = run(candidate)
             except OutOfResources:  # too many stages of too large a tile for shared memory: not a candidate
                 continue
             bad = int(((got.double() - want).abs() > allowed).sum())
             if bad:
-                raise AssertionError(f"tile {tile} at {name}, {m} tokens: {bad} outputs off")
-            row["tiles"][str(tile)] = per_call(lambda i: run(tile, i))
+                raise AssertionError(f"tile {candidate} at {name}, {m} tokens: {bad} outputs off")
+            key = (
+                "None" if candidate is None else str(candidate[0]) + (f" split {candidate[1]}" if candidate[1] else "")
+            )
+            row["tiles"][key] = per_call(lambda i: run(candidate, i))
         best_tile = min(row["tiles"], key=row["tiles"].get)
         row.update(
             best_ms=row["tiles"][best_tile],
@@ -251,6 +270,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--tiny", action="store_true", help="CPU plumbing run: one small shape, reference path")
+    p.add_argument("--tokens", default=None, help=f"comma-separated token counts (default {TOKENS})")
+    p.add_argument("--area", default="weight_only", help="the results area this run replaces")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -261,7 +282,8 @@ def main(argv=None):
     else:
         timer = make_timer(False)
     if cuda:
-        shapes, tokens, tiles_for = SHAPES, TOKENS, candidate_tiles
+        shapes, tiles_for = SHAPES, candidate_tiles
+        tokens = tuple(int(t) for t in a.tokens.split(",")) if a.tokens else TOKENS
         bandwidth = copy_bandwidth(timer, device)
     else:  # the reference path; the tile argument is not read on the CPU
         shapes, tokens, tiles_for, bandwidth = {"tiny 64->32": (64, 32)}, (1, 16), lambda m: [None], 1e6
@@ -279,7 +301,7 @@ def main(argv=None):
     copy_gbps = bandwidth / 1e6
     detail = {"copy_GBps": copy_gbps, "rows": rows, "best_per_bucket": buckets, "host": host}
     args = rows, buckets, host, copy_gbps
-    md = record("weight_only", a.out, env, figures(*args), markdown(*args), detail)
+    md = record(a.area, a.out, env, figures(*args), markdown(*args), detail)
     if kept:
         print(f"wrote {md.with_suffix('.json')}, {md} and {md.with_name('history.csv')}")
 

@@ -154,3 +154,26 @@ def test_timeline_figures_split_communication_compute_and_host_waits():
         "kernels_per_step": 2.5,
     }
     assert timeline_figures([], steps=1)["gpu_idle_ms_per_step"] == 0.0
+
+
+def test_weight_only_tiny_records_its_area(tmp_path):
+    """`python -m benchmarks.weight_only --tiny` runs the reference path and records the area it is given."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.weight_only", "--tiny", "--out", str(tmp_path), "--area", "wo_test"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert list(latest) == ["wo_test"] and latest["wo_test"]["figures"]
+
+
+def test_weight_only_sweeps_the_decode_family_at_17_to_32_tokens():
+    from benchmarks.weight_only import candidate_tiles
+
+    decode = lambda m: [c for c in candidate_tiles(m) if c[1] == "decode"]  # noqa: E731
+    assert decode(24) and decode(32) and not decode(16) and not decode(64)
+    assert all(tile[0] == 32 and not tile[5] for tile, _ in decode(32))  # 32-row unswapped tiles
+    assert {c for c in candidate_tiles(32) if c[1] is None} >= {(tile, None) for tile, _ in decode(32)}
