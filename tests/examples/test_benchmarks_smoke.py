@@ -11,14 +11,13 @@ import torch
 ROOT = pathlib.Path(__file__).parents[2]
 
 
+def _run_module(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """`python -m <args>` from the repository root, output captured."""
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_llama", "--tiny", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    run = _run_module("benchmarks.step_llama", "--tiny", "--out", str(tmp_path), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     section = json.loads((tmp_path / "latest.json").read_text())["step_llama"]
     rows = {r["variant"]: r for r in section["detail"]["rows"]}
@@ -49,13 +48,7 @@ def test_kernel_groups_name_each_family():
 
 
 def test_gaps_tiny_runs(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gaps", "--tiny", "--json", str(tmp_path / "gaps.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    run = _run_module("benchmarks.gaps", "--tiny", "--json", str(tmp_path / "gaps.json"), timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     # No kernels on the CPU: an empty report per variant, recorded in the folder the old --json path names.
     section = json.loads((tmp_path / "latest.json").read_text())["gaps"]
@@ -65,13 +58,7 @@ def test_gaps_tiny_runs(tmp_path):
 def test_inference_tiny_runs_every_cpu_variant(tmp_path):
     """`python -m benchmarks.inference --tiny` on the CPU: eager variants timed, compiled, CUDA-graph and
     torchao ones skipped with their reason, generate() timed for bf16 and float8, the report written."""
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.inference", "--tiny", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    run = _run_module("benchmarks.inference", "--tiny", "--out", str(tmp_path), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     section = json.loads((tmp_path / "latest.json").read_text())["inference"]
     result = section["detail"]
@@ -158,13 +145,7 @@ def test_timeline_figures_split_communication_compute_and_host_waits():
 
 def test_weight_only_tiny_records_its_area(tmp_path):
     """`python -m benchmarks.weight_only --tiny` runs the reference path and records the area it is given."""
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.weight_only", "--tiny", "--out", str(tmp_path), "--area", "wo_test"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    run = _run_module("benchmarks.weight_only", "--tiny", "--out", str(tmp_path), "--area", "wo_test", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert list(latest) == ["wo_test"] and latest["wo_test"]["figures"]
