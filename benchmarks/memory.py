@@ -17,7 +17,7 @@ train: 8 Llama blocks (d=4096, FFN 14336, 32 heads, 8 KV heads), 8x2048 tokens, 
 activations: peaks of a training step (weights, AdamW states and activations) of the seed #1119 layer
     (hidden 4096, FFN 16384, 32 heads and 8 KV heads of 128, biases, LayerNorm, GELU, no mask, 32x1024
     tokens) and of the MLP block (RMSNorm, SwiGLU, d=4096, FFN 14336, 16384 tokens), bf16 against float8.ops
-    (default and lean-activation recipes).
+    (default and lean-activation recipes) and against the bf16 layer itself through ops.convert (both recipes).
 The training cases' loss is out.sum(), as in the seed thread's script (TE #1119): no float32 copy of the
 output joins the peak.
 Public APIs only. Timings are medians of CUDA-event times after warm-up; on a CPU (--tiny) it only checks
@@ -405,6 +405,7 @@ def _step_peaks(model, x, dev):
 
 
 def bench_activations(dev, tiny):
+    import float8.ops as ops
     from benchmarks.blocks import Bf16MLP, fp8_mlp
 
     layer_cfg = (64, 256, 4, 2, 16) if tiny else (4096, 16384, 32, 8, 128)
@@ -426,6 +427,12 @@ def bench_activations(dev, tiny):
             ("bf16 eager", make_bf16),
             ("float8 eager", lambda: make_ours(None)),
             ("float8 eager, lean activations", lambda: make_ours(_lean())),
+            # The layer as users write it (plain torch), converted: the path the README recommends.
+            ("float8 ops.convert", lambda: ops.convert(make_bf16().to(torch.bfloat16))),
+            (
+                "float8 ops.convert, lean activations",
+                lambda: ops.convert(make_bf16().to(torch.bfloat16), recipe=_lean()),
+            ),
         )
         for name, make in variants:
             gc.collect()

@@ -8,7 +8,11 @@ training forward of that model, a tensor that `F.silu`, `F.gelu` or a product (`
 that is (a view of) the output of a lean converted Linear is kept as an E4M3 Float8Tensor (current scaling,
 one scale per row, one kernel) and widened back when the backward reads it. The high-precision output is
 then freed after the forward. Only those functions: their backward reads the saved tensor elementwise, so
-E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its input in E4M3 too). A norm or
+E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its input in E4M3 too). `F.gelu` or
+`F.silu` of a whole output (not a view) runs as `_LeanActivation`: torch's forward, the input kept as one
+E4M3 copy with a per-tensor scale that the backward kernel (float8::act_bwd) reads as it is, so that no
+widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 -> 5303 MiB,
+bf16 6198; docs/memory.md). A norm or
 attention saves statistics of its exact input with it, and a rounded input would not match them; they and
 everything else are saved as they are.
 
@@ -32,6 +36,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from float8 import Float8Tensor, RowwiseScaling
+from float8.kernels.activation import SAVED_X_DTYPE, act_bwd
+from float8.kernels.quantize import quantize_tensorwise
 from float8.ops.linear import Linear
 
 __all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
@@ -64,16 +70,54 @@ class _Saved:
         self.tensor, self.version = tensor, tensor._version
 
 
+def _activation_kind(func, args: tuple, kwargs: dict) -> Optional[str]:
+    """The act_bwd kind of an `F.gelu` / `F.silu` call on one tensor, out of place; else None."""
+    if len(args) != 1:
+        return None
+    if func is F.silu:
+        return "silu" if set(kwargs) <= {"inplace"} and not kwargs.get("inplace", False) else None
+    if func is F.gelu and set(kwargs) <= {"approximate"}:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(kwargs.get("approximate", "none"))
+    return None
+
+
+class _LeanActivation(torch.autograd.Function):
+    """torch's own F.gelu / F.silu forward (its bits), with the input kept for backward as one E4M3 copy
+    (per-tensor scale, the copy ops.GELU keeps under lean activations) that the backward kernel reads
+    directly: no widened bf16 copy of the input exists in the backward, which was the lean converted seed
+    #1119 layer's peak (docs/memory.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, func, kwargs: dict, kind: str) -> torch.Tensor:
+        y = func(x, **kwargs)
+        saved_x, _, x_scale_inv, _ = quantize_tensorwise(x, SAVED_X_DTYPE)
+        ctx.save_for_backward(saved_x, x_scale_inv)
+        ctx.kind = kind
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        saved_x, x_scale_inv = ctx.saved_tensors
+        return act_bwd(dy.contiguous(), saved_x, ctx.kind, None, x_scale_inv), None, None, None
+
+
 class _NoteElementwise(TorchFunctionMode):
-    """Marks the calls of ELEMENTWISE functions, during which their saves may be compressed."""
+    """Marks the calls of ELEMENTWISE functions, during which their saves may be compressed; runs
+    `F.gelu` / `F.silu` of a whole lean Linear output as `_LeanActivation`."""
 
     def __init__(self, owner: "SavedOutputs"):
         super().__init__()
         self.owner = owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in ELEMENTWISE:
+        # Nothing while traced (a compiled block inside the model: the compiler decides what its graph saves;
+        # torch 2.11's dynamo also refuses the counter's update inside an autograd.Function it traces).
+        if func not in ELEMENTWISE or torch.compiler.is_compiling():
             return func(*args, **(kwargs or {}))
+        kind = _activation_kind(func, args, kwargs or {})
+        if kind is not None and self.owner._fuses_activation(args[0]):
+            self.owner._count(args[0], args[0].numel() * (args[0].element_size() - 1) - 4)
+            return _LeanActivation.apply(args[0], func, kwargs or {}, kind)
         self.owner._in_elementwise += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -176,14 +220,34 @@ class SavedOutputs:
             fp8 = Float8Tensor.quantize(t, scaling=RowwiseScaling())
         packed = _Packed(fp8, t.dtype)
         self._packed[key] = (weakref.ref(t), packed)
-        self.last_forward["tensors"] += 1
-        self.last_forward["bytes_saved"] += t.numel() * (t.element_size() - 1) - 4 * fp8.scale_inv.numel()
+        self._count(t, t.numel() * (t.element_size() - 1) - 4 * fp8.scale_inv.numel())
         return packed
 
+    def _fuses_activation(self, x: Any) -> bool:
+        """Whether an activation's input is a whole lean Linear output that `_LeanActivation` keeps: a plain
+        contiguous 16-bit tensor that needs a gradient (a view such as chunk's halves keeps the per-row
+        copy of `_pack`)."""
+        return (
+            torch.is_grad_enabled()
+            and type(x) is torch.Tensor
+            and x.requires_grad
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.is_contiguous()
+            and x.storage_offset() == 0
+            and self._is_lean_output(x)
+        )
+
+    def _count(self, t: torch.Tensor, saved_bytes: int) -> None:
+        self.last_forward["tensors"] += 1
+        self.last_forward["bytes_saved"] += saved_bytes
+
     def _compresses(self, t: torch.Tensor) -> bool:
+        return self._in_elementwise > 0 and self._is_lean_output(t)
+
+    def _is_lean_output(self, t: torch.Tensor) -> bool:
+        """Whether t is (a view of) a lean Linear's output of this forward, large enough to keep in E4M3."""
         if (
-            not self._in_elementwise
-            or type(t) is not torch.Tensor
+            type(t) is not torch.Tensor
             or not t.is_floating_point()
             or t.element_size() < 2
             or t.numel() < self.min_numel

@@ -313,3 +313,145 @@ def test_a_lean_model_is_freed_without_the_garbage_collector_after_a_step_that_k
         return None
 
     assert _freed_without_gc(lambda: _model(LEAN), step) == []
+
+
+class GeluFFN(torch.nn.Module):
+    """The seed #1119 layer's FFN as users write it: F.gelu on a whole Linear output (optionally tanh)."""
+
+    def __init__(self, d=256, f=512, approximate="none"):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, f), torch.nn.Linear(f, d)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class SiluGLU(MLP):
+    """A Hugging Face-style MLP: separate gate and up Linears, so silu's input is a whole output."""
+
+    def __init__(self, d=256, f=512):
+        super().__init__(d, f)
+        self.gate = torch.nn.Linear(d, f, bias=False)
+        self.up = torch.nn.Linear(d, f, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def _saved_dtypes(y: torch.Tensor, name: str) -> set:
+    """dtypes of the saved tensors of the first node named `name` in y's backward graph."""
+    todo, seen = [y.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if name in type(fn).__name__:
+            return {t.dtype for t in fn.saved_tensors}
+        todo.extend(f for f, _ in fn.next_functions)
+    raise AssertionError(f"no {name} node in the graph")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_of_a_whole_output_keeps_one_e4m3_copy_read_by_the_backward_kernel(approximate):
+    """F.gelu of a whole lean Linear output runs as _LeanActivation: torch's forward bits, its input kept as
+    an E4M3 copy that the backward kernel reads without a widened bf16 copy (the backward's peak of the
+    lean converted seed #1119 layer); gradients within the default recipe's rounding against float64."""
+    x, dy = _data()
+    torch.manual_seed(0)
+    base = GeluFFN(approximate=approximate).to(BF16)
+    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
+    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
+    a, b = _step(plain, x, dy), _step(lean, x, dy)
+    assert torch.equal(a[0], b[0])  # torch's own gelu in the forward
+    assert saved_outputs_of(lean).last_forward == {"tensors": 1, "bytes_saved": 512 * 512 - 4}
+    xr = x.clone().requires_grad_(True)
+    assert _saved_dtypes(lean(xr), "_LeanActivation") == {torch.float8_e4m3fn, torch.float32}
+    ref = copy.deepcopy(base).double()
+    xd = x.double().requires_grad_(True)
+    ref(xd).backward(dy.double())
+    want = [xd.grad] + [p.grad for p in ref.parameters()]
+    for r, p, q in zip(want, a[1:], b[1:]):
+        assert sqnr_db(r, q) >= sqnr_db(r, p) - 1.25
+
+
+def test_silu_of_a_whole_output_and_the_product_of_another():
+    # silu(gate) runs as _LeanActivation (one per-tensor E4M3 copy of gate's output); the product saves up's
+    # output (kept per row by the saved-tensor hooks) and silu's output (not a Linear's: as it is).
+    x, dy = _data()
+    torch.manual_seed(0)
+    base = SiluGLU().to(BF16)
+    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
+    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
+    a, b = _step(plain, x, dy), _step(lean, x, dy)
+    assert torch.equal(a[0], b[0])
+    assert saved_outputs_of(lean).last_forward["tensors"] == 2
+    ref = copy.deepcopy(base).double()
+    xd = x.double().requires_grad_(True)
+    ref(xd).backward(dy.double())
+    for r, p, q in zip([xd.grad] + [p.grad for p in ref.parameters()], a[1:], b[1:]):
+        assert sqnr_db(r, q) >= sqnr_db(r, p) - 1.25
+
+
+def test_activations_that_do_not_fuse_keep_their_own_saves():
+    """An in-place silu, a view (chunk's halves: per-row copies by the hooks), an input that needs no
+    gradient, and a float32 output run torch's own functions; each still gives the default's forward."""
+
+    class Variants(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 512)
+
+        def forward(self, x):
+            h = self.fc(x)
+            a = F.silu(h.clone(), inplace=True)  # a clone is not a Linear output; in place
+            b = F.gelu(h[:, :256])  # a view
+            with torch.no_grad():
+                c = F.gelu(self.fc(x))  # no gradient
+            return a[:, :256] + b + c[:, 256:]
+
+    x, dy = _data()
+    torch.manual_seed(0)
+    base = Variants().to(BF16)
+    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
+    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
+    a, b = _step(plain, x, dy), _step(lean, x, dy)
+    assert torch.equal(a[0], b[0])
+    assert saved_outputs_of(lean).last_forward["tensors"] == 1  # the view, per row
+    for p, q in zip(a[1:], b[1:]):
+        assert sqnr_db(p, q) >= 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gelu_of_a_whole_output_backward_reads_its_e4m3_copy(monkeypatch):
+    # 8192 tokens, f 4096: gelu's input h is 64 MiB of bf16, kept as a 32 MiB E4M3 copy either way. Without
+    # the fused activation (its kind lookup turned off here) the backward widened the copy to a 64 MiB bf16
+    # tensor for torch's gelu backward; the fused backward kernel reads the copy as it is, so the backward's
+    # peak is lower by about that, at the same forward bits and gradients within the FP8 rounding.
+    import float8.ops.saved_outputs as saved_outputs
+
+    def run():
+        torch.manual_seed(0)
+        model = ops.convert(GeluFFN(1024, 4096).to(BF16).cuda(), recipe=LEAN)
+        x = torch.randn(8192, 1024, device="cuda", dtype=BF16)
+        dy = torch.randn_like(x)
+        _step(model, x, dy)  # warm-up
+        model.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        y = model(xr)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        y.backward(dy)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), [y, xr.grad] + [p.grad for p in model.parameters()]
+
+    fused_peak, fused = run()
+    monkeypatch.setattr(saved_outputs, "_activation_kind", lambda *args: None)
+    widened_peak, widened = run()
+    assert fused_peak <= widened_peak - 56 * 2**20, (widened_peak / 2**20, fused_peak / 2**20)
+    assert torch.equal(fused[0], widened[0])
+    for a, b in zip(fused[1:], widened[1:]):
+        assert sqnr_db(a, b) >= 20
