@@ -354,6 +354,25 @@ def _saved_dtypes(y: torch.Tensor, name: str) -> set:
     raise AssertionError(f"no {name} node in the graph")
 
 
+def _default_and_lean(base: torch.nn.Module, x, dy):
+    """(default recipe's step, lean recipe's step, the lean model): copies of `base` converted each way."""
+    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
+    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
+    a, b = _step(plain, x, dy), _step(lean, x, dy)
+    assert torch.equal(a[0], b[0])  # torch's own activation in the forward: the same bits
+    return a, b, lean
+
+
+def _assert_lean_within_default_of_float64(base: torch.nn.Module, x, dy, a, b) -> None:
+    """Each lean gradient within 1.25 dB of the default's, both against float64 (the bound of
+    tests/ops/test_lean_activations.py)."""
+    ref = copy.deepcopy(base).double()
+    xd = x.double().requires_grad_(True)
+    ref(xd).backward(dy.double())
+    for r, p, q in zip([xd.grad] + [p.grad for p in ref.parameters()], a[1:], b[1:]):
+        assert sqnr_db(r, q) >= sqnr_db(r, p) - 1.25
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_of_a_whole_output_keeps_one_e4m3_copy_read_by_the_backward_kernel(approximate):
     """F.gelu of a whole lean Linear output runs as _LeanActivation: torch's forward bits, its input kept as
@@ -362,19 +381,11 @@ def test_gelu_of_a_whole_output_keeps_one_e4m3_copy_read_by_the_backward_kernel(
     x, dy = _data()
     torch.manual_seed(0)
     base = GeluFFN(approximate=approximate).to(BF16)
-    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
-    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
-    a, b = _step(plain, x, dy), _step(lean, x, dy)
-    assert torch.equal(a[0], b[0])  # torch's own gelu in the forward
+    a, b, lean = _default_and_lean(base, x, dy)
     assert saved_outputs_of(lean).last_forward == {"tensors": 1, "bytes_saved": 512 * 512 - 4}
     xr = x.clone().requires_grad_(True)
     assert _saved_dtypes(lean(xr), "_LeanActivation") == {torch.float8_e4m3fn, torch.float32}
-    ref = copy.deepcopy(base).double()
-    xd = x.double().requires_grad_(True)
-    ref(xd).backward(dy.double())
-    want = [xd.grad] + [p.grad for p in ref.parameters()]
-    for r, p, q in zip(want, a[1:], b[1:]):
-        assert sqnr_db(r, q) >= sqnr_db(r, p) - 1.25
+    _assert_lean_within_default_of_float64(base, x, dy, a, b)
 
 
 def test_silu_of_a_whole_output_and_the_product_of_another():
@@ -383,21 +394,14 @@ def test_silu_of_a_whole_output_and_the_product_of_another():
     x, dy = _data()
     torch.manual_seed(0)
     base = SiluGLU().to(BF16)
-    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
-    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
-    a, b = _step(plain, x, dy), _step(lean, x, dy)
-    assert torch.equal(a[0], b[0])
+    a, b, lean = _default_and_lean(base, x, dy)
     assert saved_outputs_of(lean).last_forward["tensors"] == 2
-    ref = copy.deepcopy(base).double()
-    xd = x.double().requires_grad_(True)
-    ref(xd).backward(dy.double())
-    for r, p, q in zip([xd.grad] + [p.grad for p in ref.parameters()], a[1:], b[1:]):
-        assert sqnr_db(r, q) >= sqnr_db(r, p) - 1.25
+    _assert_lean_within_default_of_float64(base, x, dy, a, b)
 
 
 def test_activations_that_do_not_fuse_keep_their_own_saves():
-    """An in-place silu, a view (chunk's halves: per-row copies by the hooks), an input that needs no
-    gradient, and a float32 output run torch's own functions; each still gives the default's forward."""
+    """An in-place silu, a view (chunk's halves: per-row copies by the hooks) and an input that needs no
+    gradient run torch's own functions; each still gives the default's forward."""
 
     class Variants(torch.nn.Module):
         def __init__(self):
@@ -414,11 +418,7 @@ def test_activations_that_do_not_fuse_keep_their_own_saves():
 
     x, dy = _data()
     torch.manual_seed(0)
-    base = Variants().to(BF16)
-    plain = ops.convert(copy.deepcopy(base), recipe=Recipe())
-    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
-    a, b = _step(plain, x, dy), _step(lean, x, dy)
-    assert torch.equal(a[0], b[0])
+    a, b, lean = _default_and_lean(Variants().to(BF16), x, dy)
     assert saved_outputs_of(lean).last_forward["tensors"] == 1  # the view, per row
     for p, q in zip(a[1:], b[1:]):
         assert sqnr_db(p, q) >= 20
