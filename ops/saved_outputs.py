@@ -33,10 +33,12 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from float8 import Float8Tensor, RowwiseScaling
 from float8.kernels.activation import SAVED_X_DTYPE, act_bwd
+from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.quantize import quantize_tensorwise
 from float8.ops.linear import Linear
 
@@ -96,6 +98,7 @@ class _LeanActivation(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernel has no derivative of its own: a double backward says so
     def backward(ctx, dy: torch.Tensor):
         saved_x, x_scale_inv = ctx.saved_tensors
         return act_bwd(dy.contiguous(), saved_x, ctx.kind, None, x_scale_inv), None, None, None
@@ -229,6 +232,7 @@ class SavedOutputs:
         copy of `_pack`)."""
         return (
             torch.is_grad_enabled()
+            and not forward_ad_or_functorch_active()  # torch's own function differentiates those
             and type(x) is torch.Tensor
             and x.requires_grad
             and x.dtype in (torch.bfloat16, torch.float16)

@@ -399,6 +399,17 @@ def test_silu_of_a_whole_output_and_the_product_of_another():
     _assert_lean_within_default_of_float64(base, x, dy, a, b)
 
 
+def test_a_double_backward_through_the_fused_activation_is_refused_by_name():
+    # (A converted Linear refuses one too: _scaled_mm has no derivative.) Not a silent zero second derivative.
+    from float8.ops.saved_outputs import _LeanActivation
+
+    h = torch.randn(64, 256, dtype=BF16, requires_grad=True)
+    y = _LeanActivation.apply(h, F.gelu, {}, "gelu")
+    (g,) = torch.autograd.grad(y.float().square().sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.float().sum().backward()
+
+
 def test_activations_that_do_not_fuse_keep_their_own_saves():
     """An in-place silu, a view (chunk's halves: per-row copies by the hooks) and an input that needs no
     gradient run torch's own functions; each still gives the default's forward."""
