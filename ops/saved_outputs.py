@@ -233,6 +233,9 @@ class SavedOutputs:
         return (
             torch.is_grad_enabled()
             and not forward_ad_or_functorch_active()  # torch's own function differentiates those
+            # Our hooks innermost: not inside activation checkpointing (whose recomputation, without this
+            # mode, must save what the forward saved) or other hooks of the model's own code.
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) == (self._pack, self._unpack)
             and type(x) is torch.Tensor
             and x.requires_grad
             and x.dtype in (torch.bfloat16, torch.float16)

@@ -410,6 +410,32 @@ def test_a_double_backward_through_the_fused_activation_is_refused_by_name():
         g.float().sum().backward()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_inside_a_lean_model(reentrant):
+    """Inside a checkpointed block the checkpoint's hooks are innermost: its activation stays torch's, so the
+    recomputation (which runs without this mode) saves what the forward saved; the other block fuses."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = GeluFFN(), GeluFFN()
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=reentrant))
+
+    x, dy = _data()
+    torch.manual_seed(0)
+    base = Two().to(BF16)
+    lean = ops.convert(copy.deepcopy(base), recipe=LEAN)
+    got = _step(lean, x, dy)
+    assert saved_outputs_of(lean).last_forward["tensors"] == 1  # b's gelu input
+    want = _step(ops.convert(copy.deepcopy(base), recipe=Recipe()), x, dy)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(want[1:], got[1:]):
+        assert sqnr_db(a, b) >= 20
+
+
 def test_activations_that_do_not_fuse_keep_their_own_saves():
     """An in-place silu, a view (chunk's halves: per-row copies by the hooks) and an input that needs no
     gradient run torch's own functions; each still gives the default's forward."""
