@@ -23,7 +23,8 @@ the values the function used).
 
 Not applied: under no_grad/inference, when the model is compiled (the compiler decides what a graph saves;
 the model's code under a compiled block is left to it too), and inside a `saved_tensors_hooks` context of
-the caller (activation offloading, for example), whose hooks keep precedence.
+the caller (activation offloading, for example), whose hooks keep precedence; likewise inside the model,
+within hooks of its own code (activation checkpointing), an activation is not fused.
 """
 
 from __future__ import annotations
