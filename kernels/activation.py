@@ -134,10 +134,17 @@ def _check_saved_x(op, x, x_scale_inv) -> None:
             f"{op}: x_scale_inv is given, so x must be the FP8 copy of the input (act_fp8_save_input), "
             f"got {getattr(x, 'dtype', type(x).__name__)}"
         )
-    if not isinstance(x_scale_inv, torch.Tensor) or x_scale_inv.dtype != torch.float32 or x_scale_inv.dim() != 0:
+    rows = (*x.shape[:-1], 1)
+    if (
+        not isinstance(x_scale_inv, torch.Tensor)
+        or x_scale_inv.dtype != torch.float32
+        or tuple(x_scale_inv.shape) not in ((), rows)
+        or not x_scale_inv.is_contiguous()
+    ):
         raise ValueError(
-            f"{op}: x_scale_inv must be a () float32 tensor, got "
-            f"{getattr(x_scale_inv, 'dtype', type(x_scale_inv).__name__)} {tuple(getattr(x_scale_inv, 'shape', ()))}"
+            f"{op}: x_scale_inv must be a () float32 tensor (one scale) or a contiguous {rows} one (one per row "
+            f"of x), got {getattr(x_scale_inv, 'dtype', type(x_scale_inv).__name__)} "
+            f"{tuple(getattr(x_scale_inv, 'shape', ()))}"
         )
     if x_scale_inv.device != x.device:
         raise ValueError(f"{op}: x_scale_inv is on {x_scale_inv.device} but x is on {x.device}")
@@ -219,7 +226,8 @@ def act_bwd(
 ) -> torch.Tensor:
     """dx = dy * act'(x + bias), x's shape (2H columns for swiglu), in x.dtype (dy.dtype for an FP8 x).
 
-    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv."""
+    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv; () or,
+    for a copy quantized per row, (..., 1)."""
     _check("act_bwd", x, kind, bias, dy=dy, x_scale_inv=x_scale_inv)
     if use_triton(x, writes_fp8=False):
         return act_bwd_triton(dy, x, kind, bias, x_scale_inv=x_scale_inv)
@@ -247,7 +255,8 @@ def dact_fp8(
     scale None: current scaling (margin, power_of_2); else a one-element fp32 scale (delayed scaling;
     margin and power_of_2 ignored). with_dbias=False skips the sums (no bias to train) and returns an
     empty (0,) dbias. kind "identity" with x = dy is a bias's backward (dbias and dy's FP8 cast).
-    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv.
+    x_scale_inv: x is the forward's FP8 copy (act_fp8_save_input) and its values are x * x_scale_inv; () or,
+    for a copy quantized per row, (..., 1).
     """
     _check_fp8("dact_fp8", x, kind, bias, fp8_dtype, scale, margin, power_of_2, with_transpose, dy, x_scale_inv)
     check_flag(with_dbias, "with_dbias", "dact_fp8")

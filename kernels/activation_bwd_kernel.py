@@ -3,7 +3,8 @@ FP8 cast.
 
 _act_bwd_kernel, one MODE a launch: "hp" stores dx; "amax" folds max|dx| and (DBIAS) writes one row of
 column sums per program; "current" / "delayed" cast dx at the scale from that amax / the given scale, in
-rows and (WITH_T) transposed. X_FP8: x is the forward's saved E4M3 copy, read as x * x_scale_inv.
+rows and (WITH_T) transposed. X_FP8: x is the forward's saved E4M3 copy, read as x * x_scale_inv (one
+scale, or with X_ROW_SCALES one per row of x).
 Numerics: float32 registers; silu and silu' from one IEEE reciprocal (kernels/activation_math.py).
 Launcher: kernels/activation_launch.py; design notes: docs/design.md §10.
 """
@@ -28,7 +29,7 @@ def _act_bwd_kernel(
     scale_ptr,  # (1,) fp32: the given scale (MODE "delayed"), else unused
     amax_ptr,  # () fp32, zeroed: receives max|dx| ("amax"); holds it ("current")
     scale_inv_ptr,  # () fp32: 1 / scale ("current", "delayed")
-    x_scale_inv_ptr,  # () fp32: x's scale-inverse (X_FP8), else unused
+    x_scale_inv_ptr,  # () fp32, or (B * S,) with X_ROW_SCALES: x's scale-inverse (X_FP8), else unused
     S,
     N,
     tiles_s,
@@ -40,6 +41,7 @@ def _act_bwd_kernel(
     WITH_T: tl.constexpr,
     DBIAS: tl.constexpr,
     X_FP8: tl.constexpr,  # x is FP8 (the forward's saved E4M3 copy): its values are x * x_scale_inv
+    X_ROW_SCALES: tl.constexpr,  # X_FP8 with one scale-inverse per row of x (a per-row copy), not one
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,  # reference.min_scale(fp8_dtype), for scale_from_amax
     POWER_OF_2: tl.constexpr,
@@ -57,8 +59,8 @@ def _act_bwd_kernel(
         scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE, margin_div, POWER_OF_2)
     elif MODE == "delayed":
         scale = tl.load(scale_ptr)
-    if X_FP8:
-        x_scale_inv = tl.load(x_scale_inv_ptr)
+    if X_FP8 and not X_ROW_SCALES:
+        xs = tl.load(x_scale_inv_ptr)
     amax_acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
     # dbias: elementwise sums over the row tiles, reduced across rows once at the end (not per tile)
     dbias_a = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
@@ -70,18 +72,20 @@ def _act_bwd_kernel(
         row = b * S + rows.to(tl.int64)
         g = tl.load(dy_ptr + row[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x_tile = x_ptr + (row * n_in)[:, None] + cols[None, :]
+        if X_FP8 and X_ROW_SCALES:
+            xs = tl.load(x_scale_inv_ptr + row, mask=rows < S, other=1.0)[:, None]
         if KIND == "identity":
             v = g  # x is not read
         else:
             v = tl.load(x_tile, mask=mask, other=0.0).to(tl.float32)
             if X_FP8:
-                v = v * x_scale_inv
+                v = v * xs
             if HAS_BIAS:
                 v = v + bias_a[None, :]
         if KIND == "swiglu":
             u = tl.load(x_tile + N, mask=mask, other=0.0).to(tl.float32)
             if X_FP8:
-                u = u * x_scale_inv
+                u = u * xs
             if HAS_BIAS:
                 u = u + bias_b[None, :]
             silu_v, dsilu_v = _silu_dsilu(v)

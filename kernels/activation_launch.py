@@ -140,7 +140,8 @@ def launch_bwd(
     x_scale_inv: torch.Tensor | None = None,
 ) -> None:
     """One pass of _act_bwd_kernel over dy, x (contiguous) in `mode`; None for what the mode does not use.
-    dbias_parts (mode "amax"): a dbias_partials buffer. x_scale_inv: x is FP8 with this scale-inverse."""
+    dbias_parts (mode "amax"): a dbias_partials buffer. x_scale_inv: x is FP8 with this scale-inverse, () or
+    (..., 1) one per row (contiguous)."""
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
     meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
@@ -167,6 +168,7 @@ def launch_bwd(
         WITH_T=dx_t is not None,
         DBIAS=dbias_parts is not None,
         X_FP8=x_scale_inv is not None,
+        X_ROW_SCALES=x_scale_inv is not None and x_scale_inv.dim() > 0,
         **(fp8_constants(fp8_dtype) if fp8_dtype is not None else NO_FP8),
         POWER_OF_2=power_of_2,
         **meta,

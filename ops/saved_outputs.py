@@ -9,8 +9,8 @@ that is (a view of) the output of a lean converted Linear is kept as an E4M3 Flo
 one scale per row, one kernel) and widened back when the backward reads it. The high-precision output is
 then freed after the forward. Only those functions: their backward reads the saved tensor elementwise, so
 E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its input in E4M3 too). `F.gelu` or
-`F.silu` of a whole output (not a view) runs as `_LeanActivation`: torch's forward, the input kept as one
-E4M3 copy with a per-tensor scale that the backward kernel (float8::act_bwd) reads as it is, so that no
+`F.silu` of such an output runs as `_LeanActivation`: torch's forward, the input kept as the same per-row
+E4M3 copy, which the backward kernel (float8::act_bwd) reads as it is, so that no
 widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 -> 5303 MiB,
 bf16 6198; docs/memory.md). A norm or
 attention saves statistics of its exact input with it, and a rounded input would not match them; they and
@@ -34,13 +34,11 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from float8 import Float8Tensor, RowwiseScaling
-from float8.kernels.activation import SAVED_X_DTYPE, act_bwd
+from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
-from float8.kernels.quantize import quantize_tensorwise
 from float8.ops.linear import Linear
 
 __all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
@@ -85,22 +83,29 @@ def _activation_kind(func, args: tuple, kwargs: dict) -> Optional[str]:
 
 
 class _LeanActivation(torch.autograd.Function):
-    """torch's own F.gelu / F.silu forward (its bits), with the input kept for backward as one E4M3 copy
-    (per-tensor scale, the copy ops.GELU keeps under lean activations) that the backward kernel reads
-    directly: no widened bf16 copy of the input exists in the backward, which was the lean converted seed
-    #1119 layer's peak (docs/memory.md)."""
+    """torch's own F.gelu / F.silu forward (its bits), with the input kept for backward as its E4M3 copy
+    with one scale per row (as `_pack` keeps a saved output: a loud row does not coarsen the others) that
+    the backward kernel reads directly: no widened bf16 copy of the input exists in the backward, which was
+    the lean converted seed #1119 layer's peak (docs/memory.md)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, func, kwargs: dict, kind: str) -> torch.Tensor:
         y = func(x, **kwargs)
-        saved_x, _, x_scale_inv, _ = quantize_tensorwise(x, SAVED_X_DTYPE)
-        ctx.save_for_backward(saved_x, x_scale_inv)
+        saved = Float8Tensor.quantize(x, scaling=RowwiseScaling())  # as `_pack` keeps it: one pass, views read
+        ctx.save_for_backward(saved.fp8_data, saved.scale_inv)
         ctx.kind = kind
         return y
 
     @staticmethod
-    @once_differentiable  # the kernel has no derivative of its own: a double backward says so
     def backward(ctx, dy: torch.Tensor):
+        if torch.is_grad_enabled():
+            # create_graph=True. (once_differentiable would refuse only where dy needs a gradient, and let
+            # the terms through h be dropped without a word: a penalty on dL/dh.)
+            raise RuntimeError(
+                "float8 lean activations: F.gelu / F.silu of a lean converted Linear's output keeps its input "
+                "as an E4M3 copy and has no second derivative; a backward with create_graph=True through it "
+                "(a gradient penalty) is refused. Convert with Recipe(lean_activations=False) for that."
+            )
         saved_x, x_scale_inv = ctx.saved_tensors
         return act_bwd(dy.contiguous(), saved_x, ctx.kind, None, x_scale_inv), None, None, None
 
@@ -120,8 +125,9 @@ class _NoteElementwise(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         kind = _activation_kind(func, args, kwargs or {})
         if kind is not None and self.owner._fuses_activation(args[0]):
-            self.owner._count(args[0], args[0].numel() * (args[0].element_size() - 1) - 4)
-            return _LeanActivation.apply(args[0], func, kwargs or {}, kind)
+            x = args[0]
+            self.owner._count(x, x.numel() * (x.element_size() - 1) - 4 * (x.numel() // x.shape[-1]))
+            return _LeanActivation.apply(x, func, kwargs or {}, kind)
         self.owner._in_elementwise += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -228,9 +234,8 @@ class SavedOutputs:
         return packed
 
     def _fuses_activation(self, x: Any) -> bool:
-        """Whether an activation's input is a whole lean Linear output that `_LeanActivation` keeps: a plain
-        contiguous 16-bit tensor that needs a gradient (a view such as chunk's halves keeps the per-row
-        copy of `_pack`)."""
+        """Whether an activation's input is (a view of) a lean Linear output that `_LeanActivation` keeps:
+        a plain 16-bit tensor with at least one dim that needs a gradient."""
         return (
             torch.is_grad_enabled()
             and not forward_ad_or_functorch_active()  # torch's own function differentiates those
@@ -240,8 +245,7 @@ class SavedOutputs:
             and type(x) is torch.Tensor
             and x.requires_grad
             and x.dtype in (torch.bfloat16, torch.float16)
-            and x.is_contiguous()
-            and x.storage_offset() == 0
+            and x.dim() > 0
             and self._is_lean_output(x)
         )
 

@@ -16,6 +16,7 @@ import torch
 
 from float8.kernels import activation as act
 from float8.kernels.reference import fp8_max, quantize_tensorwise_ref
+from float8.kernels.rowwise import quantize_rowwise_ref
 
 from .helpers import assert_bits, make_x, needs_interpreter
 from .test_activation import (
@@ -40,8 +41,11 @@ from .test_activation import (
 OUTS = ("data", "data_t", "scale_inv", "amax")
 
 
-def saved_copy(x):
-    """(x_data, x_scale_inv): what the forward must save, by the reference quantization."""
+def saved_copy(x, per_row=False):
+    """(x_data, x_scale_inv): what the forward must save, by the reference quantization; per_row: the
+    per-row copy a lean converted model keeps (ops/saved_outputs.py), one scale per row of x."""
+    if per_row:
+        return quantize_rowwise_ref(x, act.SAVED_X_DTYPE)
     data, _, scale_inv, _ = quantize_tensorwise_ref(x, act.SAVED_X_DTYPE)
     return data, scale_inv
 
@@ -55,9 +59,9 @@ def check_saved_forward(out, plain, x):
     assert_bits(out[5], xs, "x_scale_inv")
 
 
-def check_saved_backward(kind, dy, x, bias, fp8_dtype, scale, margin, p2, with_t, ulps, launcher=True):
+def check_saved_backward(kind, dy, x, bias, fp8_dtype, scale, margin, p2, with_t, ulps, launcher=True, per_row=False):
     """act_bwd / dact_fp8 with the saved copy of x against their references with the same copy."""
-    x8, xs = saved_copy(x)
+    x8, xs = saved_copy(x, per_row)
     xd = x8.float() * xs  # the values the backward reads
     bwd = act.act_bwd_triton if launcher else (lambda *a, out_dtype=None, **k: act.act_bwd(*a, **k))
     ours32 = act.act_bwd_triton(dy, x8, kind, bias, out_dtype=F32, x_scale_inv=xs)
@@ -102,6 +106,23 @@ def test_saved_input_backward_launchers(kind, case):
     x, bias, dy = inputs(case, kind)
     _, _, _, fp8_dtype, with_t, margin, p2 = case
     check_saved_backward(kind, dy, x, bias, fp8_dtype, None, margin, p2, with_t, ULPS_CPU)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES[1:4], ids=CASE_IDS[1:4])
+@pytest.mark.parametrize("kind", ["gelu", "silu", "swiglu"])
+def test_saved_input_backward_with_a_scale_per_row(kind, case):
+    # A per-row copy (one scale-inverse per row, (..., 1)): each row read at its own scale, as the reference.
+    x, bias, dy = inputs(case, kind)
+    _, _, _, fp8_dtype, with_t, margin, p2 = case
+    check_saved_backward(kind, dy, x, bias, fp8_dtype, None, margin, p2, with_t, ULPS_CPU, per_row=True)
+
+
+def test_a_scale_inverse_of_another_shape_is_refused():
+    x8, _ = saved_copy(torch.randn(6, 8))
+    for bad in (torch.ones(6), torch.ones(6, 2), torch.ones(1, 1), torch.ones(8, 6)[:, :1]):
+        with pytest.raises(ValueError, match="x_scale_inv must be"):
+            act.act_bwd(torch.ones(6, 8), x8, "gelu", None, bad)
 
 
 @needs_interpreter
@@ -196,6 +217,7 @@ def test_cuda_saved_input_vs_refs(kind, shape, dtype, bias_dtype, fp8_dtype, wit
         out = act.act_fp8_save_input(x, kind, bias, fp8_dtype, scale, 0, False, with_t)
         check_saved_forward(out, act.act_fp8(x, kind, bias, fp8_dtype, scale, 0, False, with_t), x)
     check_saved_backward(kind, dy, x, bias, fp8_dtype, None, 0, False, with_t, ULPS_GPU, launcher=False)
+    check_saved_backward(kind, dy, x, bias, fp8_dtype, None, 0, False, with_t, ULPS_GPU, launcher=False, per_row=True)
 
 
 @pytest.mark.gpu
