@@ -188,7 +188,13 @@ def test_memory_bench_runs_tiny(tmp_path):
     assert "error" not in train["float8 eager + requantize_weights"]
     for case in ("seed #1119 layer", "MLP block"):
         variants = [r["variant"] for r in result["activations"][case]["rows"]]
-        assert variants == ["bf16 eager", "float8 eager", "float8 eager, lean activations"]
+        assert variants == [
+            "bf16 eager",
+            "float8 eager",
+            "float8 eager, lean activations",
+            "float8 ops.convert",
+            "float8 ops.convert, lean activations",
+        ]
     assert "requantize" not in result["inference"]["host_profile"] and "forward" in result["inference"]["host_profile"]
 
 
