@@ -5,16 +5,15 @@ A model written in plain torch.nn saves what its own elementwise code needs for 
 16384 tokens x 14336 features), although they are outputs of Linears that `ops.convert` replaced. Under
 `Recipe(lean_activations=True)`, `ops.convert` attaches a `SavedOutputs` to the model it converts. During a
 training forward of that model, a tensor that `F.silu`, `F.gelu` or a product (`*`, `torch.mul`) saves and
-that is (a view of) the output of a lean converted Linear is kept as an E4M3 Float8Tensor (current scaling,
-one scale per row, one kernel) and widened back when the backward reads it. The high-precision output is
-then freed after the forward. Only those functions: their backward reads the saved tensor elementwise, so
-E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its input in E4M3 too). `F.gelu` or
-`F.silu` of such an output runs as `_LeanActivation`: torch's forward, the input kept as the same per-row
-E4M3 copy, which the backward kernel (float8::act_bwd) reads as it is, so that no
-widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 -> 5303 MiB,
-bf16 6198; docs/memory.md). A norm or
-attention saves statistics of its exact input with it, and a rounded input would not match them; they and
-everything else are saved as they are.
+that is (a view of) the output of a lean converted Linear, or of `F.gelu` / `F.silu` of one, is kept as an
+E4M3 Float8Tensor (current scaling, one scale per row, one kernel) and widened back when the backward reads
+it. The high-precision output is then freed after the forward. Only those functions: their backward reads
+the saved tensor elementwise, so E4M3 rounding stays local (ops.SwiGLU under lean activations keeps its
+input in E4M3 too). `F.gelu` or `F.silu` of a lean output runs as `_LeanActivation`: torch's forward, the
+input kept as the same per-row E4M3 copy, which the backward kernel (float8::act_bwd) reads as it is, so
+that no widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 ->
+5303 MiB, bf16 6198; docs/memory.md). A norm or attention saves statistics of its exact input with it,
+and a rounded input would not match them; they and everything else are saved as they are.
 
 Saved-tensor hooks turn off autograd's check that a saved tensor was not written in place before the
 backward; the check is made here instead, with autograd's message, for every tensor saved as it is. A
@@ -127,7 +126,11 @@ class _NoteElementwise(TorchFunctionMode):
         if kind is not None and self.owner._fuses_activation(args[0]):
             x = args[0]
             self.owner._count(x, x.numel() * (x.element_size() - 1) - 4 * (x.numel() // x.shape[-1]))
-            return _LeanActivation.apply(x, func, kwargs or {}, kind)
+            y = _LeanActivation.apply(x, func, kwargs or {}, kind)
+            # Its output is a lean output too: a product saves it for its backward (SwiGLU's silu(g) * u
+            # keeps silu(g) for u's gradient, 448 MiB of bf16 per Llama block of 16384 tokens).
+            self.owner._note_output(y)
+            return y
         self.owner._in_elementwise += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -212,10 +215,15 @@ class SavedOutputs:
         if torch.compiler.is_compiling() or not self._contexts or self._contexts[-1] is None:
             return
         if isinstance(output, torch.Tensor) and module.recipe.lean_activations:
-            # The storage's Python object lives exactly as long as the storage (views keep it), unlike the
-            # output's own, which a view such as chunk may outlive.
-            storage = output.untyped_storage()
-            self._outputs[storage.data_ptr()] = weakref.ref(storage)
+            self._note_output(output)
+
+    def _note_output(self, output: torch.Tensor) -> None:
+        """Mark output's storage as a lean output of this forward: the ELEMENTWISE functions' saves of it
+        are kept in E4M3."""
+        # The storage's Python object lives exactly as long as the storage (views keep it), unlike the
+        # output's own, which a view such as chunk may outlive.
+        storage = output.untyped_storage()
+        self._outputs[storage.data_ptr()] = weakref.ref(storage)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._compresses(t):
