@@ -214,7 +214,15 @@ class SavedOutputs:
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._contexts or self._contexts[-1] is None:
             return
-        if isinstance(output, torch.Tensor) and module.recipe.lean_activations:
+        if (
+            isinstance(output, torch.Tensor)
+            and output.dim() > 0
+            and module.recipe.lean_activations
+            # Its GEMMs ran in FP8: E4M3 copies add rounding of the FP8 backward's own size. A Linear run in
+            # the activation dtype (ops.high_precision, the small-layer policy) keeps its outputs exact: a
+            # copy cost the up projection's weight gradient 17 dB against float64 (CPU review, 2026-11-27).
+            and module.runs_in_fp8(output.numel() // max(1, output.shape[-1]), output.device)
+        ):
             self._note_output(output)
 
     def _note_output(self, output: torch.Tensor) -> None:
