@@ -23,7 +23,9 @@ the values the function used).
 Not applied: under no_grad/inference, when the model is compiled (the compiler decides what a graph saves;
 the model's code under a compiled block is left to it too), and inside a `saved_tensors_hooks` context of
 the caller (activation offloading, for example), whose hooks keep precedence; likewise inside the model,
-within hooks of its own code (activation checkpointing), an activation is not fused.
+within hooks of its own code (activation checkpointing), an activation is not fused. Nor to the outputs of
+Linears whose GEMMs run in the activation dtype (ops.high_precision, the small-layer policy): they stay
+exact.
 """
 
 from __future__ import annotations
