@@ -12,7 +12,8 @@ the saved tensor elementwise, so E4M3 rounding stays local (ops.SwiGLU under lea
 input in E4M3 too). `F.gelu` or `F.silu` of a lean output runs as `_LeanActivation`: torch's forward, the
 input kept as the same per-row E4M3 copy, which the backward kernel (float8::act_bwd) reads as it is, so
 that no widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 ->
-5303 MiB, bf16 6198; docs/memory.md). A norm or attention saves statistics of its exact input with it,
+5303 MiB, bf16 6198; docs/memory.md). SwiGLU's `F.silu(g) * u` then runs as `_LeanSiluProduct`, whose
+backward recomputes silu(g) from g's copy: silu(g) is not kept at all. A norm or attention saves statistics of its exact input with it,
 and a rounded input would not match them; they and everything else are saved as they are.
 
 Saved-tensor hooks turn off autograd's check that a saved tensor was not written in place before the
@@ -83,6 +84,23 @@ def _activation_kind(func, args: tuple, kwargs: dict) -> Optional[str]:
     return None
 
 
+def _refuse_double_backward() -> None:
+    """In a backward with create_graph=True (a gradient penalty): refused by name. (once_differentiable would
+    refuse only where dy needs a gradient, and let the terms through the saved copies drop without a word:
+    a penalty on dL/dh.)"""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "float8 lean activations: F.gelu / F.silu of a lean converted Linear's output (and SwiGLU's product "
+            "after it) keep their inputs as E4M3 copies and have no second derivative; a backward with "
+            "create_graph=True through them (a gradient penalty) is refused. Convert with "
+            "Recipe(lean_activations=False) for that."
+        )
+
+
+def _widen(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale_inv).to(dtype)
+
+
 class _LeanActivation(torch.autograd.Function):
     """torch's own F.gelu / F.silu forward (its bits), with the input kept for backward as its E4M3 copy
     with one scale per row (as `_pack` keeps a saved output: a loud row does not coarsen the others) that
@@ -99,21 +117,42 @@ class _LeanActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():
-            # create_graph=True. (once_differentiable would refuse only where dy needs a gradient, and let
-            # the terms through h be dropped without a word: a penalty on dL/dh.)
-            raise RuntimeError(
-                "float8 lean activations: F.gelu / F.silu of a lean converted Linear's output keeps its input "
-                "as an E4M3 copy and has no second derivative; a backward with create_graph=True through it "
-                "(a gradient penalty) is refused. Convert with Recipe(lean_activations=False) for that."
-            )
+        _refuse_double_backward()
         saved_x, x_scale_inv = ctx.saved_tensors
         return act_bwd(dy.contiguous(), saved_x, ctx.kind, None, x_scale_inv), None, None, None
 
 
+class _LeanSiluProduct(torch.autograd.Function):
+    """silu(g) * u (either order), silu(g) straight from `_LeanActivation`: torch's product in the forward
+    (its bits). For u's gradient the backward recomputes silu(g) from that function's E4M3 copy of g, so
+    silu(g) itself is not kept (448 MiB of bf16 per Llama block of 16384 tokens, or its E4M3 copy); u is
+    kept as its per-row E4M3 copy."""
+
+    @staticmethod
+    def forward(ctx, x0, x1, func, a_index: int, g8: torch.Tensor, g_scale_inv: torch.Tensor) -> torch.Tensor:
+        y = func(x0, x1)
+        u8 = Float8Tensor.quantize(x1 if a_index == 0 else x0, scaling=RowwiseScaling())
+        ctx.save_for_backward(g8, g_scale_inv, u8.fp8_data, u8.scale_inv)
+        ctx.a_index = a_index
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        _refuse_double_backward()
+        g8, g_scale_inv, u8, u_scale_inv = ctx.saved_tensors
+        da = dy * _widen(u8, u_scale_inv, dy.dtype)  # what the product's backward computes, from u's copy
+        du = dy * F.silu(_widen(g8, g_scale_inv, dy.dtype))
+        grads = (da, du) if ctx.a_index == 0 else (du, da)
+        return (*grads, None, None, None, None)
+
+
+_MUL = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+
+
 class _NoteElementwise(TorchFunctionMode):
-    """Marks the calls of ELEMENTWISE functions, during which their saves may be compressed; runs
-    `F.gelu` / `F.silu` of a whole lean Linear output as `_LeanActivation`."""
+    """Marks the calls of ELEMENTWISE functions, during which their saves may be compressed; runs `F.gelu`
+    / `F.silu` of a lean Linear output as `_LeanActivation`, and its silu times another lean output as
+    `_LeanSiluProduct`."""
 
     def __init__(self, owner: "SavedOutputs"):
         super().__init__()
@@ -129,10 +168,14 @@ class _NoteElementwise(TorchFunctionMode):
             x = args[0]
             self.owner._count(x, x.numel() * (x.element_size() - 1) - 4 * (x.numel() // x.shape[-1]))
             y = _LeanActivation.apply(x, func, kwargs or {}, kind)
-            # Its output is a lean output too: a product saves it for its backward (SwiGLU's silu(g) * u
-            # keeps silu(g) for u's gradient, 448 MiB of bf16 per Llama block of 16384 tokens).
+            # Its output is a lean output too: a product that does not fuse (`_silu_product`) saves it for
+            # its backward in E4M3 (silu(g) for u's gradient, 448 MiB of bf16 per Llama block of 16384 tokens).
             self.owner._note_output(y)
             return y
+        if func in _MUL and not kwargs:
+            fused = self.owner._silu_product(func, args)
+            if fused is not None:
+                return fused
         self.owner._in_elementwise += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -266,6 +309,29 @@ class SavedOutputs:
             and x.dim() > 0
             and self._is_lean_output(x)
         )
+
+    def _silu_product(self, func, args: tuple) -> Optional[torch.Tensor]:
+        """func(*args) as `_LeanSiluProduct` where one factor is silu(g) straight from `_LeanActivation`
+        (its grad_fn: not written in place since, not a view) and the other a lean output of the same shape
+        and dtype; else None."""
+        if len(args) != 2 or args[0] is args[1]:
+            return None
+        for a_index in (0, 1):
+            a, u = args[a_index], args[1 - a_index]
+            node = getattr(a, "grad_fn", None)
+            if (
+                type(a) is torch.Tensor
+                and isinstance(node, _LeanActivation._backward_cls)
+                and getattr(node, "kind", None) == "silu"
+                and isinstance(u, torch.Tensor)
+                and u.shape == a.shape
+                and u.dtype == a.dtype
+                and self._fuses_activation(u)
+            ):
+                g8, g_scale_inv = node.saved_tensors
+                self._count(u, u.numel() * (u.element_size() - 1) - 4 * (u.numel() // u.shape[-1]))
+                return _LeanSiluProduct.apply(args[0], args[1], func, a_index, g8, g_scale_inv)
+        return None
 
     def _count(self, t: torch.Tensor, saved_bytes: int) -> None:
         self.last_forward["tensors"] += 1

@@ -22,9 +22,9 @@ from tests.tolerances import sqnr_db
 
 LEAN = Recipe(lean_activations=True)
 BF16 = torch.bfloat16
-# What a lean MLP forward keeps in E4M3: g (silu's input, by the fused activation), silu(g) and u (the
-# product's saves).
-KEPT = 3
+# What a lean MLP forward keeps in E4M3: g (silu's input, by the fused activation) and u (by the fused
+# product, whose backward recomputes silu(g) from g's copy).
+KEPT = 2
 
 
 class MLP(torch.nn.Module):
@@ -65,8 +65,8 @@ def test_lean_convert_keeps_gate_and_up_in_e4m3_and_the_forward_unchanged():
     a, b = _step(plain, x, dy), _step(lean, x, dy)
     assert torch.equal(a[0], b[0])
     stats = saved_outputs_of(lean).last_forward
-    # g, silu(g) and u: (512, 512) bf16 tensors (g and u views of the up projection's output), one byte per
-    # element kept instead of two, plus a float32 scale per row
+    # g and u: (512, 512) bf16 views of the up projection's output, one byte per element kept instead of two,
+    # plus a float32 scale per row; silu(g) not at all
     assert stats == {"tensors": KEPT, "bytes_saved": KEPT * (512 * 512 - 4 * 512)}
 
 
@@ -395,8 +395,8 @@ def test_gelu_of_a_whole_output_keeps_one_e4m3_copy_read_by_the_backward_kernel(
 
 
 def test_silu_of_a_whole_output_and_the_product_of_another():
-    # silu(gate) runs as _LeanActivation (a per-row E4M3 copy of gate's output); the product saves up's
-    # output and silu's, both kept per row by the saved-tensor hooks.
+    # silu(gate) runs as _LeanActivation (a per-row E4M3 copy of gate's output), the product as
+    # _LeanSiluProduct (a per-row copy of up's output; silu(gate) recomputed in the backward).
     x, dy = _data()
     torch.manual_seed(0)
     base = SiluGLU().to(BF16)
@@ -450,6 +450,32 @@ def test_linears_run_in_high_precision_keep_their_outputs_exact():
     assert saved_outputs_of(lean).last_forward["tensors"] == 0
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+def test_a_product_that_does_not_fuse_keeps_its_own_saves():
+    """silu(g) written in place before the product, or a product that broadcasts, is torch's own product:
+    its saves go through the hooks (silu(g), a lean output, and u kept per row); the forward is unchanged
+    and the gradients stay within the default's rounding against float64."""
+
+    class InPlace(SiluGLU):
+        def forward(self, x):
+            h = self.norm(x)
+            a = F.silu(self.gate(h))
+            a.mul_(0.5)
+            return x + self.down(a * self.up(h))
+
+    class Broadcast(SiluGLU):
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h)[:1])
+
+    x, dy = _data()
+    for cls, kept in ((InPlace, 3), (Broadcast, 2)):  # Broadcast: g, and silu(g) (u[:1] is below MIN_NUMEL)
+        torch.manual_seed(0)
+        base = cls().to(BF16)
+        a, b, lean = _default_and_lean(base, x, dy)
+        assert saved_outputs_of(lean).last_forward["tensors"] == kept, cls.__name__
+        _assert_lean_within_default_of_float64(base, x, dy, a, b)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
