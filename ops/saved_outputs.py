@@ -171,6 +171,8 @@ class _NoteElementwise(TorchFunctionMode):
             # Its output is a lean output too: a product that does not fuse (`_silu_product`) saves it for
             # its backward in E4M3 (silu(g) for u's gradient, 448 MiB of bf16 per Llama block of 16384 tokens).
             self.owner._note_output(y)
+            if kind == "silu":
+                self.owner._silu_outputs[id(y)] = (weakref.ref(y), y._version)
             return y
         if func in _MUL and not kwargs:
             fused = self.owner._silu_product(func, args)
@@ -201,6 +203,7 @@ class SavedOutputs:
         self._contexts: list = []  # per model forward in progress: (hooks, mode), or None where not applied
         self._outputs: dict = {}  # storage address -> weakref to the storage of a lean Linear's output
         self._packed: dict = {}  # _key(saved tensor) -> (weakref to it, _Packed): one copy per tensor
+        self._silu_outputs: dict = {}  # id -> (weakref, version at creation) of the fused silus' outputs
         self._in_elementwise = 0
 
     def __getstate__(self) -> dict:
@@ -254,6 +257,7 @@ class SavedOutputs:
         if not self._contexts:  # the copies live on in autograd's graph; these tables only served the forward
             self._outputs.clear()
             self._packed.clear()
+            self._silu_outputs.clear()
             self._in_elementwise = 0
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -311,18 +315,21 @@ class SavedOutputs:
         )
 
     def _silu_product(self, func, args: tuple) -> Optional[torch.Tensor]:
-        """func(*args) as `_LeanSiluProduct` where one factor is silu(g) straight from `_LeanActivation`
-        (its grad_fn: not written in place since, not a view) and the other a lean output of the same shape
-        and dtype; else None."""
+        """func(*args) as `_LeanSiluProduct` where one factor is silu(g) straight from `_LeanActivation` of
+        this forward (the same tensor object at the same version: not written in place since, under no_grad
+        either; a write through `.data`, which moves no version, is not seen, as autograd does not see it)
+        and the other a lean output of the same shape and dtype; else None."""
         if len(args) != 2 or args[0] is args[1]:
             return None
         for a_index in (0, 1):
             a, u = args[a_index], args[1 - a_index]
+            entry = self._silu_outputs.get(id(a))
             node = getattr(a, "grad_fn", None)
             if (
-                type(a) is torch.Tensor
+                entry is not None
+                and entry[0]() is a
+                and entry[1] == a._version
                 and isinstance(node, _LeanActivation._backward_cls)
-                and getattr(node, "kind", None) == "silu"
                 and isinstance(u, torch.Tensor)
                 and u.shape == a.shape
                 and u.dtype == a.dtype

@@ -453,9 +453,9 @@ def test_linears_run_in_high_precision_keep_their_outputs_exact():
 
 
 def test_a_product_that_does_not_fuse_keeps_its_own_saves():
-    """silu(g) written in place before the product, or a product that broadcasts, is torch's own product:
-    its saves go through the hooks (silu(g), a lean output, and u kept per row); the forward is unchanged
-    and the gradients stay within the default's rounding against float64."""
+    """silu(g) written in place before the product (with or without grad), or a product that broadcasts, is
+    torch's own product: its saves go through the hooks (silu(g), a lean output, and u kept per row); the
+    forward is unchanged and the gradients stay within the default's rounding against float64."""
 
     class InPlace(SiluGLU):
         def forward(self, x):
@@ -464,13 +464,22 @@ def test_a_product_that_does_not_fuse_keeps_its_own_saves():
             a.mul_(0.5)
             return x + self.down(a * self.up(h))
 
+    class InPlaceNoGrad(SiluGLU):  # the write moves the version, not the grad_fn: the backward must see it
+        def forward(self, x):
+            h = self.norm(x)
+            a = F.silu(self.gate(h))
+            with torch.no_grad():
+                a.clamp_(max=0.5)
+            return x + self.down(a * self.up(h))
+
     class Broadcast(SiluGLU):
         def forward(self, x):
             h = self.norm(x)
             return x + self.down(F.silu(self.gate(h)) * self.up(h)[:1])
 
     x, dy = _data()
-    for cls, kept in ((InPlace, 3), (Broadcast, 2)):  # Broadcast: g, and silu(g) (u[:1] is below MIN_NUMEL)
+    # Broadcast: g, and silu(g) (u[:1] is below MIN_NUMEL)
+    for cls, kept in ((InPlace, 3), (InPlaceNoGrad, 3), (Broadcast, 2)):
         torch.manual_seed(0)
         base = cls().to(BF16)
         a, b, lean = _default_and_lean(base, x, dy)
