@@ -13,8 +13,9 @@ input in E4M3 too). `F.gelu` or `F.silu` of a lean output runs as `_LeanActivati
 input kept as the same per-row E4M3 copy, which the backward kernel (float8::act_bwd) reads as it is, so
 that no widened bf16 copy exists in the backward (the seed #1119 layer's lean step peak, H100: 6327 ->
 5303 MiB, bf16 6198; docs/memory.md). SwiGLU's `F.silu(g) * u` then runs as `_LeanSiluProduct`, whose
-backward recomputes silu(g) from g's copy: silu(g) is not kept at all. A norm or attention saves statistics of its exact input with it,
-and a rounded input would not match them; they and everything else are saved as they are.
+backward recomputes silu(g) from g's copy: silu(g) is not kept at all. A norm or attention saves statistics
+of its exact input with it, and a rounded input would not match them; they and everything else are saved
+as they are.
 
 Saved-tensor hooks turn off autograd's check that a saved tensor was not written in place before the
 backward; the check is made here instead, with autograd's message, for every tensor saved as it is. A
@@ -41,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from float8 import Float8Tensor, RowwiseScaling
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
+from float8.kernels.dequantize import dequantize
 from float8.ops.linear import Linear
 
 __all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
@@ -97,10 +99,6 @@ def _refuse_double_backward() -> None:
         )
 
 
-def _widen(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale_inv).to(dtype)
-
-
 class _LeanActivation(torch.autograd.Function):
     """torch's own F.gelu / F.silu forward (its bits), with the input kept for backward as its E4M3 copy
     with one scale per row (as `_pack` keeps a saved output: a loud row does not coarsen the others) that
@@ -140,8 +138,9 @@ class _LeanSiluProduct(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         _refuse_double_backward()
         g8, g_scale_inv, u8, u_scale_inv = ctx.saved_tensors
-        da = dy * _widen(u8, u_scale_inv, dy.dtype)  # what the product's backward computes, from u's copy
-        du = dy * F.silu(_widen(g8, g_scale_inv, dy.dtype))
+        # float8::dequantize: one pass straight to dy's dtype (no float32 copy of the whole tensor)
+        da = dy * dequantize(u8, u_scale_inv, dy.dtype)  # what the product's backward computes, from u's copy
+        du = dy * F.silu(dequantize(g8, g_scale_inv, dy.dtype))
         grads = (da, du) if ctx.a_index == 0 else (du, da)
         return (*grads, None, None, None, None)
 
@@ -166,7 +165,7 @@ class _NoteElementwise(TorchFunctionMode):
         kind = _activation_kind(func, args, kwargs or {})
         if kind is not None and self.owner._fuses_activation(args[0]):
             x = args[0]
-            self.owner._count(x, x.numel() * (x.element_size() - 1) - 4 * (x.numel() // x.shape[-1]))
+            self.owner._count(x)
             y = _LeanActivation.apply(x, func, kwargs or {}, kind)
             # Its output is a lean output too: a product that does not fuse (`_silu_product`) saves it for
             # its backward in E4M3 (silu(g) for u's gradient, 448 MiB of bf16 per Llama block of 16384 tokens).
@@ -295,7 +294,7 @@ class SavedOutputs:
             fp8 = Float8Tensor.quantize(t, scaling=RowwiseScaling())
         packed = _Packed(fp8, t.dtype)
         self._packed[key] = (weakref.ref(t), packed)
-        self._count(t, t.numel() * (t.element_size() - 1) - 4 * fp8.scale_inv.numel())
+        self._count(t)
         return packed
 
     def _fuses_activation(self, x: Any) -> bool:
@@ -323,11 +322,12 @@ class SavedOutputs:
             return None
         for a_index in (0, 1):
             a, u = args[a_index], args[1 - a_index]
-            entry = self._silu_outputs.get(id(a))
-            node = getattr(a, "grad_fn", None)
+            entry = self._silu_outputs.get(id(a))  # None for nearly every product: nothing more looked at
+            if entry is None:
+                continue
+            node = a.grad_fn
             if (
-                entry is not None
-                and entry[0]() is a
+                entry[0]() is a
                 and entry[1] == a._version
                 and isinstance(node, _LeanActivation._backward_cls)
                 and isinstance(u, torch.Tensor)
@@ -336,13 +336,14 @@ class SavedOutputs:
                 and self._fuses_activation(u)
             ):
                 g8, g_scale_inv = node.saved_tensors
-                self._count(u, u.numel() * (u.element_size() - 1) - 4 * (u.numel() // u.shape[-1]))
+                self._count(u)
                 return _LeanSiluProduct.apply(args[0], args[1], func, a_index, g8, g_scale_inv)
         return None
 
-    def _count(self, t: torch.Tensor, saved_bytes: int) -> None:
+    def _count(self, t: torch.Tensor) -> None:
+        """Note one tensor kept as its per-row E4M3 copy: a byte per element less, a float32 scale per row more."""
         self.last_forward["tensors"] += 1
-        self.last_forward["bytes_saved"] += saved_bytes
+        self.last_forward["bytes_saved"] += t.numel() * (t.element_size() - 1) - 4 * (t.numel() // t.shape[-1])
 
     def _compresses(self, t: torch.Tensor) -> bool:
         return self._in_elementwise > 0 and self._is_lean_output(t)
