@@ -150,7 +150,7 @@ def _quantize_transpose_small_kernel(
 
 
 _launch_ct = FastLauncher(_cast_transpose_kernel)
-_launch_small_t = FastLauncher(_quantize_transpose_small_kernel)
+launch_small_t = FastLauncher(_quantize_transpose_small_kernel)
 
 
 def _is_small(x: torch.Tensor) -> bool:
@@ -159,8 +159,9 @@ def _is_small(x: torch.Tensor) -> bool:
     return M <= SMALL_DIM and K <= SMALL_DIM and M * K <= SMALL_NUMEL and all(b == 1 for b in batch)
 
 
-def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
-    """One launch for a small x (see _is_small), read in place with its strides."""
+def small_transpose_launch(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool) -> tuple:
+    """(outputs (data, data_t, scale_inv, amax), args, named) of the one-launch path for a small x (see
+    _is_small), read in place with its strides: what `launch_small_t((1,), *args, **named)` takes."""
     M, K = x.shape[-2:]
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty(transposed_shape(x.shape), dtype=fp8_dtype, device=x.device)
@@ -168,25 +169,22 @@ def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     block_m = max(SMALL_MIN_TILE, next_pow2(M))
     block_k = max(SMALL_MIN_TILE, next_pow2(K))
-    _launch_small_t(
-        (1,),
-        x,
-        data,
-        data_t,
-        scale_inv,
-        amax,
-        M,
-        K,
-        x.stride(-2),
-        x.stride(-1),
-        margin_div(margin),
+    args = (x, data, data_t, scale_inv, amax, M, K, x.stride(-2), x.stride(-1), margin_div(margin))
+    named = dict(
         **fp8_constants(fp8_dtype),
         POWER_OF_2=power_of_2,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         num_warps=small_num_warps(block_m * block_k),
     )
-    return data, data_t, scale_inv, amax
+    return (data, data_t, scale_inv, amax), args, named
+
+
+def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
+    """One launch for a small x (see _is_small), read in place with its strides."""
+    outputs, args, named = small_transpose_launch(x, fp8_dtype, margin, power_of_2)
+    launch_small_t((1,), *args, **named)
+    return outputs
 
 
 def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False, amax_out=None, config=None):

@@ -169,6 +169,53 @@ class FastLauncher:
         compiled = self(grid, *args, num_warps=num_warps, num_stages=num_stages, **named)
         return compiled if ready and shortcut_ready(compiled) else None
 
+    def prepare(
+        self, grid: tuple, slots: tuple, *args: Any, num_warps: int = 4, num_stages: int = 3, **named: Any
+    ) -> "PreparedLaunch | None":
+        """Launch as `__call__` does, and return a PreparedLaunch for later launches that differ from this one
+        only in the tensors at `slots` (positions among the kernel's parameters; those of this call must be
+        16-byte aligned), or None where a later call could not skip the checks (`launch_and_keep`)."""
+        compiled = self.launch_and_keep(grid, *args, num_warps=num_warps, num_stages=num_stages, **named)
+        if compiled is None:
+            return None
+        full = self.bind(args, {k: v for k, v in named.items() if k not in _COMPILE_OPTIONS})
+        if any(full[i].data_ptr() % 16 for i in slots):
+            return None
+        return PreparedLaunch(compiled, grid, full[slots[0]].device.index, full, slots)
+
+
+class PreparedLaunch:
+    """One compiled kernel's launch with every argument fixed but the tensors at `slots` (positions among the
+    kernel's parameters), which each call passes and which go to the kernel by address (Triton's launcher asks
+    the driver about each tensor argument's address; an int it passes as it is). Made by
+    `FastLauncher.prepare`. The caller guarantees that each tensor is on the prepared device with the dtype
+    (and, where the kernel was given its shape or strides, the shape and strides) of the prepared call: that
+    is what Triton's specialization key would otherwise check."""
+
+    __slots__ = ("compiled", "grid", "device", "args", "slots", "settings")
+
+    def __init__(self, compiled: Any, grid: tuple, device: int, args: tuple, slots: tuple):
+        self.compiled, self.grid, self.device, self.slots = compiled, grid, device, slots
+        # The prepared call's own tensors are not kept (a first input would stay alive with the plan).
+        self.args = tuple(0 if i in slots else a for i, a in enumerate(args))
+        self.settings = runtime_settings()
+
+    def __call__(self, *tensors: torch.Tensor) -> bool:
+        """Launch with `tensors` at the slots, in order; False, and nothing launched, where the prepared launch
+        does not fit this call: another current device, Triton's runtime settings changed since, an address
+        off a 16-byte boundary (the kernel was compiled for aligned pointers)."""
+        device = self.device
+        if torch._C._cuda_getDevice() != device or runtime_settings() != self.settings:
+            return False
+        args = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            ptr = t.data_ptr()
+            if ptr % 16 or not ptr:
+                return False
+            args[i] = ptr
+        run_compiled(self.compiled, self.grid, device, args)
+        return True
+
 
 def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """The context for a direct `kernel[grid](...)` launch on t's device: Triton launches on the current

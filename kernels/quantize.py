@@ -87,31 +87,26 @@ def _quantize_small_kernel(
     tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
-_launch_small = FastLauncher(_quantize_small_kernel)
+launch_small = FastLauncher(_quantize_small_kernel)
 
 
-def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool):
-    """One launch for x.numel() <= SMALL_NUMEL. x: contiguous."""
+def small_launch(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool) -> tuple:
+    """(outputs (data, scale_inv, amax), args, named) of the one-launch path for x.numel() <= SMALL_NUMEL,
+    x contiguous: what `launch_small((1,), *args, **named)` takes."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     block = max(SMALL_MIN_BLOCK, next_pow2(x.numel()))
     c = fp8_constants(fp8_dtype)
-    _launch_small(
-        (1,),
-        x,
-        data,
-        scale_inv,
-        amax,
-        x.numel(),
-        margin_div(margin),
-        c["FP8_MAX"],
-        c["MIN_SCALE"],
-        power_of_2,
-        block,
-        num_warps=small_num_warps(block),
-    )
-    return data, scale_inv, amax
+    args = (x, data, scale_inv, amax, x.numel(), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"], power_of_2, block)
+    return (data, scale_inv, amax), args, {"num_warps": small_num_warps(block)}
+
+
+def _quantize_small(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool):
+    """One launch for x.numel() <= SMALL_NUMEL. x: contiguous."""
+    outputs, args, named = small_launch(x, fp8_dtype, margin, power_of_2)
+    launch_small((1,), *args, **named)
+    return outputs
 
 
 def quantize_tensorwise_triton(

@@ -56,6 +56,7 @@ from float8.ops.linear_engine import (
     rebuilds_weight,
     requantizes_input,
 )
+from float8.ops.linear_train import TrainPlans, train_forward
 from float8.ops.parallel import check_parallel, parallel_expansion
 from float8.ops.weight_cache import InferencePlans, WeightCache
 from float8.quantizer import (
@@ -139,6 +140,7 @@ class Linear(BasicOp):
         )
         self._weight_cache = WeightCache()
         self._inference_plans = InferencePlans()
+        self._train_plans = TrainPlans()
         self._expansion: Optional[list] = None
         self._amax_group = check_amax_group(amax_group)
         self.set_recipe(recipe)
@@ -272,6 +274,10 @@ class Linear(BasicOp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             check_dense(x, "Linear")
+        if type(x) is torch.Tensor and torch.is_grad_enabled():
+            y = train_forward(self, x)  # the common eager training step, without the op runner
+            if y is not None:
+                return y
         tracing = torch.compiler.is_compiling()
         if type(x) is torch.Tensor and not tracing:  # dynamo never reads the plans
             prepared = self._inference_plans.get((x.shape, x.dtype))

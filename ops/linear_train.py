@@ -1,0 +1,213 @@
+"""The eager training step of a lone ops.Linear under per-tensor current scaling, without the op runner.
+
+A converted model's Linears each run alone (ops.convert makes one op per nn.Linear), and in eager training
+every one of them went through the general machinery of ops/runner.py: the run plan, the fusion match,
+the per-op contexts, Float8Tensor and Operand objects, the GEMM's operand checks. On the H100 machine's
+host that cost a 16x64x64 Linear 1867 us per forward+backward against 258 us for nn.Linear, and kept the
+whole AdamW step of a 1024x4096x4096 Linear, which waits on the host, at 0.90x bf16's speed
+(.scratch/host_train_probe.py, 2026-11-27).
+
+`train_forward` takes the common case (a high-precision weight being trained, per-tensor current scaling
+for input, weight and gradient, no amax group, no tensor parallelism, eager, shapes that need no padding)
+and runs the same kernels with the same arguments as the general path (ops/linear_engine.py `linear_fwd`
+and `linear_bwd` for that case), so the bits are the same (tests/ops/test_linear_train.py compares them
+with the runner's on every output and gradient). Everything else returns None and takes the general path.
+
+What it keeps from the forward to the backward is what the general path keeps: the input's FP8 transpose
+(the layout the weight-gradient GEMM reads) and its scale; the weight itself, which the backward quantizes
+again (the same bits: current scaling of an unchanged tensor); nothing in high precision.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from float8 import Float8Tensor
+from float8.kernels import quantize_tensorwise
+from float8.kernels.activation import dact_fp8
+from float8.kernels.common import SMALL_DIM, SMALL_NUMEL, forward_ad_or_functorch_active
+from float8.kernels.prepared_quantize import prepare_quantize
+from float8.ops.context import second_backward_error, take
+from float8.ops.linear_engine import fp8_pays_off
+from float8.quantizer import TensorwiseQuantizer
+
+if TYPE_CHECKING:
+    from float8.ops.linear import Linear
+
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class TrainPlan:
+    """One input layout's quantizations in a Linear's training step, prepared on first use
+    (kernels/prepared_quantize.py): the input (with its transpose), the weight (without), the output gradient
+    (with) and the weight again for the input gradient (its transpose). Each is None until first used,
+    False where it cannot be prepared (then quantized the checked way on every call), else the prepared
+    call. Made for one set of quantizers (`quantizers`, by identity)."""
+
+    __slots__ = ("quantizers", "small_weight", "x", "w", "dy", "w_t")
+
+    def __init__(self, quantizers: tuple, weight_shape: torch.Size):
+        self.quantizers = quantizers
+        n, k = weight_shape
+        # A weight that one program quantizes (kernels/common.py SMALL_NUMEL): the forward writes its transpose
+        # too, in the same launch, and keeps it (at most 16 KiB) for the input gradient, one quantization fewer
+        # per step where host time is all a step waits for.
+        self.small_weight = n <= SMALL_DIM and k <= SMALL_DIM and n * k <= SMALL_NUMEL
+        self.x = self.w = self.dy = self.w_t = None
+
+    def quantize(self, role: str, t: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> tuple:
+        """(data, data_t or None, scale_inv, amax): t quantized by q at current scaling, through the prepared
+        call of `role` where there is one that fits t."""
+        prepared = getattr(self, role)
+        if prepared:
+            out = prepared(t)
+            if out is not None:
+                return out
+        elif prepared is None:
+            out, prepared = prepare_quantize(t, q.fp8_dtype, q.margin, q.power_of_2, with_transpose)
+            setattr(self, role, prepared if prepared is not None else False)
+            return out
+        data, data_t, scale_inv, amax = quantize_tensorwise(
+            t, q.fp8_dtype, None, q.margin, q.power_of_2, with_transpose
+        )
+        return data, data_t, scale_inv, amax
+
+
+class TrainPlans(dict):
+    """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device). Derived and never saved:
+    pickling or copying a model drops them. Bounded: past MAX layouts the plans start over."""
+
+    MAX = 64
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def plan(self, key: tuple, quantizers: tuple, weight_shape: torch.Size) -> TrainPlan:
+        """The plan for `key`, made anew where it is missing or was made for other quantizers."""
+        plan = self.get(key)
+        if plan is None or plan.quantizers != quantizers:
+            if len(self) >= self.MAX:
+                self.clear()
+            plan = self[key] = TrainPlan(quantizers, weight_shape)
+        return plan
+
+
+def _stateless_per_tensor(q) -> bool:
+    return type(q) is TensorwiseQuantizer and q.amax_group is None
+
+
+def train_forward(op: "Linear", x: torch.Tensor) -> Optional[torch.Tensor]:
+    """op(x) for a training forward of a lone ops.Linear `op`, or None where this path does not apply (the
+    caller then runs the general path). x: a plain tensor, grad mode on (the caller checked both)."""
+    params = op._parameters
+    w = params["weight"]
+    if type(w) is not torch.nn.Parameter or not w.requires_grad:
+        return None  # an FP8-only weight, a DTensor shard, a frozen weight (its FP8 copy is cached): general
+    k, n = op.in_features, op.out_features
+    if x.dtype not in _ACTIVATION_DTYPES or x.dim() < 2 or x.shape[-1] != k:
+        return None  # float32 activations (the general path warns), a bad shape (it raises)
+    m = x.numel() // k
+    recipe = op.recipe
+    # First the small-layer policy (F.linear follows): a layer under it pays for no more checks here.
+    # K, N and the weight gradient's reduction dim (the tokens) multiples of 16: no padding for cuBLASLt.
+    if not fp8_pays_off(recipe, m, k, n, x.device) or m == 0 or m % 16 or k % 16 or n % 16:
+        return None
+    d = op.__dict__
+    qi, qw, qg = d.get("input_quantizer"), d.get("weight_quantizer"), d.get("grad_quantizer")
+    if not (_stateless_per_tensor(qi) and _stateless_per_tensor(qw) and _stateless_per_tensor(qg)):
+        return None  # delayed, static, per-row, block scaling, an amax group
+    if qi.fp8_dtype != torch.float8_e4m3fn or qw.fp8_dtype != torch.float8_e4m3fn:
+        return None  # the general path refuses an E5M2 x E5M2 GEMM by name
+    if recipe.lean_activations or op.high_precision or op.parallel is not None or op._weight_cache.w8 is not None:
+        return None  # lean copies, ops.high_precision, tensor parallelism; a copy cached by an inference forward
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or forward_ad_or_functorch_active()
+        or torch._C._is_any_autocast_enabled()
+    ):
+        return None
+    b = params.get("bias")
+    if x.device != w.device or (b is not None and b.device != x.device):
+        return None  # the general path says which device is wrong
+    plans = d.get("_train_plans")
+    if plans is None:  # a Linear unpickled from before the plans existed
+        plans = d["_train_plans"] = TrainPlans()
+    plan = plans.plan((x.shape, x.dtype, w.dtype, x.device), (qi, qw, qg), w.shape)
+    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda)
+
+
+class _TrainLinear(torch.autograd.Function):
+    """y = x @ w.t() (+ b): FP8 forward GEMM; FP8 weight- and input-gradient GEMMs in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan, fast_accum):
+        qi, qw, _ = plan.quantizers
+        need_dgrad = ctx.needs_input_grad[0]
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        # The input with its transpose (the weight gradient reads the transpose); the weight without: the
+        # backward quantizes it again for the input gradient rather than keeping its transpose (linear_engine
+        # `rebuilds_weight`), except a small one (TrainPlan.small_weight).
+        x_data, x_t, x_scale_inv, _ = plan.quantize("x", x2, qi, True)
+        w_t = None
+        if need_dgrad and plan.small_weight:
+            w_data, w_t, w_scale_inv, _ = plan.quantize("w_t", weight, qw, True)
+        else:
+            w_data, _, w_scale_inv, _ = plan.quantize("w", weight, qw, False)
+        b = None if bias is None else bias.to(x.dtype).contiguous()
+        y = torch._scaled_mm(
+            x_data, w_data.t(), scale_a=x_scale_inv, scale_b=w_scale_inv, bias=b, out_dtype=x.dtype,
+            use_fast_accum=fast_accum,
+        )  # fmt: skip
+        del x_data
+        # The parameters are saved (no copy) so that autograd refuses a backward after an in-place write into
+        # one, as the general path does (ops/runner.py _RunFunction).
+        ctx.save_for_backward(weight, *(() if bias is None else (bias,)))
+        ctx.state = (x_t, x_scale_inv, w_t, w_scale_inv if w_t is not None else None)
+        ctx.plan, ctx.need_dgrad, ctx.has_bias = plan, need_dgrad, bias is not None
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        if x.dim() == 2:
+            return y
+        # A view made inside a Function refuses in-place writes (nn.ReLU(inplace=True) after the Linear): an
+        # output of its own over the same memory, as the general path hands out.
+        return y.view(*x.shape[:-1], y.shape[-1]).detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors  # raises if a parameter was written in place since the forward
+        weight, bias = saved[0], (saved[1] if ctx.has_bias else None)
+        state = take(ctx, "state")
+        if state is None:
+            raise second_backward_error("ops.Linear")
+        x_t, x_scale_inv, w_t, w_scale_inv = state
+        plan = ctx.plan
+        _, qw, qg = plan.quantizers
+        if isinstance(dy, Float8Tensor):
+            # An FP8 gradient (from a custom op after the Linear): quantized again from its values, where the
+            # general path would have multiplied its own bits. Autograd never hands ops' gradients over in FP8.
+            dy = dy.dequantize()
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dbias = None
+        if bias is not None:
+            # The bias gradient and dy's cast-transpose in one kernel, as the general path's Linear + Bias.
+            dy_data, dy_t, dy_scale_inv, _, dbias = dact_fp8(
+                dy2, dy2, "identity", None, qg.fp8_dtype, None, qg.margin, qg.power_of_2, True, True
+            )
+            dbias = dbias.to(bias.dtype)
+        else:
+            dy_data, dy_t, dy_scale_inv, _ = plan.quantize("dy", dy2, qg, True)
+        dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_scale_inv, scale_b=x_scale_inv, out_dtype=weight.dtype)
+        del x_t, dy_t
+        dx = None
+        if ctx.need_dgrad:
+            if w_t is None:
+                _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
+            dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
+            dx = dx.view(ctx.x_shape)
+        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None

@@ -1,0 +1,231 @@
+"""The eager training path of a lone ops.Linear (ops/linear_train.py) against the general path (the op
+runner, which the same Linear takes inside an ops.Sequential): the same bits for the output and every
+gradient, the same refusals, and the general path wherever the fast one does not apply."""
+
+import copy
+
+import pytest
+import torch
+
+import float8.ops as ops
+from float8 import Format, Recipe, TensorwiseScaling
+from float8.scaling import DelayedScaling
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TRAIN_NODE = "_TrainLinearBackward"
+
+
+def _pair(k, n, bias, recipe=None, w_dtype=torch.bfloat16, device="cpu"):
+    torch.manual_seed(0)
+    fast = ops.Linear(k, n, bias=bias, recipe=recipe).to(device, w_dtype)
+    general = ops.Sequential(copy.deepcopy(fast))  # the same op, run by the op runner
+    return fast, general
+
+
+def _step(model, x, dy):
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    y = model(x)
+    y.backward(dy)
+    lin = model if isinstance(model, ops.Linear) else model[0]
+    grads = [lin.weight.grad] + ([lin.bias.grad] if lin.bias is not None else [])
+    return y, x.grad, grads
+
+
+def _same(a, b):
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("lead", [(32,), (2, 16)])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
+)
+def test_same_bits_as_the_op_runner(device, bias, x_grad, lead, x_dtype, w_dtype):
+    recipe = Recipe(min_fp8_gemm_flops=0)
+    fast, general = _pair(48, 64, bias, recipe, w_dtype, device)
+    x = (torch.randn(*lead, 48, device=device) * 3).to(x_dtype).requires_grad_(x_grad)
+    dy = torch.randn(*lead, 64, device=device).to(x_dtype)
+    y = fast(x.detach().requires_grad_(x_grad))
+    assert type(y.grad_fn).__name__ == TRAIN_NODE  # the fast path ran
+    assert type(general(x).grad_fn).__name__ != TRAIN_NODE
+    for a, b in zip(_flat(_step(fast, x, dy)), _flat(_step(general, x, dy))):
+        _same(a, b)
+
+
+def _flat(result):
+    y, dx, grads = result
+    return [y, dx, *grads]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        Recipe(min_fp8_gemm_flops=0, fprop_fast_accum=False),
+        Recipe(min_fp8_gemm_flops=0, format=Format.E4M3),
+        Recipe(min_fp8_gemm_flops=0, input=TensorwiseScaling(margin=1), grad=TensorwiseScaling(power_of_2=True)),
+    ],
+    ids=["no-fast-accum", "e4m3-gradients", "margin-power-of-2"],
+)
+def test_same_bits_under_other_per_tensor_settings(recipe):
+    fast, general = _pair(32, 48, True, recipe)
+    x = torch.randn(64, 32).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(64, 48).to(torch.bfloat16)
+    assert type(fast(x).grad_fn).__name__ == TRAIN_NODE
+    for a, b in zip(_flat(_step(fast, x, dy)), _flat(_step(general, x, dy))):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("k,n,small", [(32, 48, True), (256, 64, False)])
+def test_keeps_the_input_transpose_a_small_weights_transpose_and_the_parameters(k, n, small):
+    lin = ops.Linear(k, n, bias=True, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    x = torch.randn(64, k, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    x_t, scale_inv, w_t, w_scale_inv = y.grad_fn.state
+    assert x_t.dtype == torch.float8_e4m3fn and tuple(x_t.shape) == (k, 64) and scale_inv.dim() == 0
+    if small:  # 1 byte per weight element, at most 16 KiB: one quantization fewer in the backward
+        assert tuple(w_t.shape) == (k, n) and w_scale_inv.dim() == 0
+    else:  # the backward quantizes the weight again
+        assert w_t is None and w_scale_inv is None
+    assert [t.data_ptr() for t in y.grad_fn.saved_tensors] == [lin.weight.data_ptr(), lin.bias.data_ptr()]
+
+
+def test_second_backward_is_refused_by_name_and_retain_graph_keeps_the_state():
+    lin = ops.Linear(32, 32, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    first = lin.weight.grad.clone()
+    y.backward(dy)  # the state was kept by retain_graph
+    torch.testing.assert_close(lin.weight.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="second time|second backward"):
+        y.backward(dy)  # torch's own error: the parameters were saved through autograd
+
+
+def test_weight_written_in_place_between_forward_and_backward_is_refused():
+    lin = ops.Linear(32, 32, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    y = lin(torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_output_takes_an_in_place_write():
+    lin = ops.Linear(32, 32, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.nn.ReLU(inplace=True)(lin(x))
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def _general(lin, x):
+    y = lin(x)
+    return type(y.grad_fn).__name__ != TRAIN_NODE
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tokens-not-multiple-of-16", "float32-input", "frozen-weight", "no-grad", "autocast", "delayed", "rowwise",
+     "lean", "high-precision", "1-d-input"],
+)  # fmt: skip
+def test_falls_back_to_the_general_path(case):
+    recipe = Recipe(min_fp8_gemm_flops=0)
+    if case == "delayed":
+        recipe = Recipe(min_fp8_gemm_flops=0, input=DelayedScaling())
+    elif case == "rowwise":
+        recipe = Recipe.rowwise()
+    elif case == "lean":
+        recipe = Recipe(min_fp8_gemm_flops=0, lean_activations=True)
+    lin = ops.Linear(32, 32, bias=False, recipe=recipe).to(torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    if case == "tokens-not-multiple-of-16":
+        x = torch.randn(10, 32, dtype=torch.bfloat16, requires_grad=True)
+    elif case == "float32-input":
+        lin.float()
+        x = x.float()
+    elif case == "frozen-weight":
+        lin.weight.requires_grad_(False)
+    elif case == "1-d-input":
+        x = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+    if case == "no-grad":
+        with torch.no_grad():
+            assert lin(x).grad_fn is None
+        return
+    if case == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert _general(lin, x)
+        return
+    if case == "high-precision":
+        with ops.high_precision(lin):
+            assert _general(lin, x)
+        return
+    with pytest.warns() if case == "float32-input" else _nothing():
+        assert _general(lin, x)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_converted_model_trains_on_the_fast_path_like_the_runner():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(torch.bfloat16)
+    fast = ops.convert(copy.deepcopy(model), recipe=Recipe(min_fp8_gemm_flops=0))
+    general = ops.convert(copy.deepcopy(model), recipe=Recipe(min_fp8_gemm_flops=0))
+    general[0], general[2] = ops.Sequential(general[0]), ops.Sequential(general[2])
+    x = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fast, general)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((fast, general), opts):
+            opt.zero_grad()
+            loss = m(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1])
+    for a, b in zip(fast.parameters(), general.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(16, 64, 64), (32, 128, 96), (1024, 512, 256)], ids=["tiny", "small", "tiled"])
+def test_gpu_repeated_steps_same_bits_as_the_op_runner(bias, shape):
+    """Steps after the first run the prepared quantizations (tiny and small shapes): still the runner's bits,
+    AdamW updates included."""
+    m, k, n = shape
+    fast, general = _pair(k, n, bias, Recipe(min_fp8_gemm_flops=0), device="cuda")
+    opts = [torch.optim.AdamW(mod.parameters(), lr=1e-2) for mod in (fast, general)]
+    for step in range(4):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+        results = []
+        for mod, opt in zip((fast, general), opts):
+            opt.zero_grad()
+            results.append(_flat(_step(mod, x, dy)))
+            opt.step()
+        for a, b in zip(*results):
+            _same(a, b)
+    plan = next(iter(fast._train_plans.values()))
+    prepared = [bool(getattr(plan, r)) for r in ("x", "w", "dy", "w_t")]
+
+    def small(a, b):
+        return a <= 128 and b <= 128
+
+    # A small weight is quantized with its transpose in the forward ("w_t"), "w" never; with a bias, dy's
+    # quantization is the bias gradient's fused kernel, not prepared.
+    assert prepared == [small(m, k), False, not bias and small(m, n), small(n, k)]
