@@ -34,6 +34,8 @@ class PreparedQuantize:
     def __call__(self, x: torch.Tensor) -> Optional[tuple]:
         if x.shape != self.shape or x.dtype != self.dtype or x.stride() != self.strides:
             return None
+        if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+            return None  # a dispatch mode or a trace sees the checked op, not a launch by address
         if x.get_device() != self.device:
             return None
         data = x.new_empty(self.shape, dtype=self.fp8_dtype)
@@ -48,6 +50,15 @@ class PreparedQuantize:
         return (data, data_t, scale_inv, amax) if launched else None
 
 
+def small_layout(x: torch.Tensor, with_transpose: bool) -> bool:
+    """Whether x's layout takes a one-launch small path on the GPU (what `prepare_quantize` prepares)."""
+    if not (x.numel() > 0 and x.is_cuda and use_triton(x)):
+        return False
+    if with_transpose:
+        return x.dim() == 2 and _is_small(x)
+    return x.is_contiguous() and x.numel() <= SMALL_NUMEL
+
+
 def prepare_quantize(
     x: torch.Tensor, fp8_dtype: torch.dtype, margin: int, power_of_2: bool, with_transpose: bool
 ) -> Tuple[tuple, Optional[PreparedQuantize]]:
@@ -55,12 +66,12 @@ def prepare_quantize(
     None, scale_inv, amax), and a PreparedQuantize for later calls on x's layout, or None where x does not
     take a one-launch path on the GPU from plain eager code (call quantize_tensorwise then). fp8_dtype,
     margin and power_of_2 as a quantizer validated them."""
-    small = x.numel() > 0 and x.is_cuda and use_triton(x) and _plain_eager((x,), {})
-    if small and with_transpose and x.dim() == 2 and _is_small(x):
+    small = _plain_eager((x,), {}) and small_layout(x, with_transpose)
+    if small and with_transpose:
         outputs, args, named = small_transpose_launch(x, fp8_dtype, margin, power_of_2)
         launch = launch_small_t.prepare((1,), (0, 1, 2, 3, 4), *args, **named)
         t_shape = outputs[1].shape
-    elif small and not with_transpose and x.is_contiguous() and x.numel() <= SMALL_NUMEL:
+    elif small:
         (data, scale_inv, amax), args, named = small_launch(x, fp8_dtype, margin, power_of_2)
         launch = launch_small.prepare((1,), (0, 1, 2, 3), *args, **named)
         outputs, t_shape = (data, None, scale_inv, amax), None

@@ -274,7 +274,8 @@ class Linear(BasicOp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             check_dense(x, "Linear")
-        if type(x) is torch.Tensor and torch.is_grad_enabled():
+        # Not while dynamo traces: the fast path's checks would each add a guard to the compiled call.
+        if type(x) is torch.Tensor and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             y = train_forward(self, x)  # the common eager training step, without the op runner
             if y is not None:
                 return y

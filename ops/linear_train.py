@@ -15,7 +15,12 @@ with the runner's on every output and gradient). Everything else returns None an
 
 What it keeps from the forward to the backward is what the general path keeps: the input's FP8 transpose
 (the layout the weight-gradient GEMM reads) and its scale; the weight itself, which the backward quantizes
-again (the same bits: current scaling of an unchanged tensor); nothing in high precision.
+again (the same bits: current scaling of an unchanged tensor); nothing in high precision. One exception: a
+weight one program quantizes (at most 16384 elements) has its FP8 transpose written by the forward's launch
+and kept (at most 16 KiB), one quantization fewer where host time is all the step waits for. A write
+through `weight.data` between the forward and the backward (which moves no version counter, so neither
+path refuses it) then leaves the input gradient with the forward's weight, where the general path reads
+the new one.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from float8 import Float8Tensor
+from float8.gemm import Operand
 from float8.kernels import quantize_tensorwise
 from float8.kernels.activation import dact_fp8
 from float8.kernels.common import SMALL_DIM, SMALL_NUMEL, forward_ad_or_functorch_active
-from float8.kernels.prepared_quantize import prepare_quantize
-from float8.ops.context import second_backward_error, take
-from float8.ops.linear_engine import fp8_pays_off
-from float8.quantizer import TensorwiseQuantizer
+from float8.kernels.prepared_quantize import prepare_quantize, small_layout
+from float8.ops.context import take
+from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd
+from float8.quantizer import LinearQuantizers, ScaleLayout, TensorwiseQuantizer
 
 if TYPE_CHECKING:
     from float8.ops.linear import Linear
@@ -67,7 +73,10 @@ class TrainPlan:
                 return out
         elif prepared is None:
             out, prepared = prepare_quantize(t, q.fp8_dtype, q.margin, q.power_of_2, with_transpose)
-            setattr(self, role, prepared if prepared is not None else False)
+            if prepared is not None:
+                setattr(self, role, prepared)
+            elif not small_layout(t, with_transpose):
+                setattr(self, role, False)  # never preparable; a first call that did not fit (alignment) retries
             return out
         data, data_t, scale_inv, amax = quantize_tensorwise(
             t, q.fp8_dtype, None, q.margin, q.power_of_2, with_transpose
@@ -109,7 +118,7 @@ def train_forward(op: "Linear", x: torch.Tensor) -> Optional[torch.Tensor]:
     if type(w) is not torch.nn.Parameter or not w.requires_grad:
         return None  # an FP8-only weight, a DTensor shard, a frozen weight (its FP8 copy is cached): general
     k, n = op.in_features, op.out_features
-    if x.dtype not in _ACTIVATION_DTYPES or x.dim() < 2 or x.shape[-1] != k:
+    if x.dtype not in _ACTIVATION_DTYPES or x.dim() < 2 or x.shape[-1] != k or w.shape != (n, k):
         return None  # float32 activations (the general path warns), a bad shape (it raises)
     m = x.numel() // k
     recipe = op.recipe
@@ -180,18 +189,19 @@ class _TrainLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved = ctx.saved_tensors  # raises if a parameter was written in place since the forward
+        saved = ctx.saved_tensors  # raises if a parameter was written in place since the forward, or freed
         weight, bias = saved[0], (saved[1] if ctx.has_bias else None)
-        state = take(ctx, "state")
-        if state is None:
-            raise second_backward_error("ops.Linear")
-        x_t, x_scale_inv, w_t, w_scale_inv = state
+        # Unpacked, not held as a tuple: the input's transpose is let go before the input-gradient GEMM, whose
+        # output is the backward's largest tensor when K > N (as linear_engine.linear_bwd does).
+        x_t, x_scale_inv, w_t, w_scale_inv = take(ctx, "state")
         plan = ctx.plan
         _, qw, qg = plan.quantizers
         if isinstance(dy, Float8Tensor):
-            # An FP8 gradient (from a custom op after the Linear): quantized again from its values, where the
-            # general path would have multiplied its own bits. Autograd never hands ops' gradients over in FP8.
-            dy = dy.dequantize()
+            dy = dy.dequantize() if bias is not None else dy  # the general path's Linear + Bias dequantizes too
+        if isinstance(dy, Float8Tensor):
+            # An FP8 gradient from a custom op after the Linear: its own bits are multiplied, by the engine.
+            dx, dw = _engine_backward(ctx, dy, weight, x_t, x_scale_inv, w_t, w_scale_inv)
+            return dx, dw, None, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
         dbias = None
         if bias is not None:
@@ -211,3 +221,17 @@ class _TrainLinear(torch.autograd.Function):
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
         return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None
+
+
+def _engine_backward(ctx, dy8: Float8Tensor, weight, x_t, x_scale_inv, w_t, w_scale_inv) -> tuple:
+    """(dx, dw) of an FP8 output gradient through linear_engine.linear_bwd, the general path's own backward,
+    from what this path saved (the same operands the general path would have saved)."""
+    tensor = ScaleLayout.TENSOR
+    x = Operand(x_t.mT, x_scale_inv, None, ctx.x_dtype, tensor)
+    w = None if w_t is None else Operand(w_t.mT, w_scale_inv, None, weight.dtype, tensor)
+    rebuild = None if w_t is not None or not ctx.need_dgrad else (weight.detach(), None)
+    saved = LinearSaved(tensor, x, w, ctx.x_dtype, True, ctx.need_dgrad, rebuild)
+    dx, dw = linear_bwd(dy8.reshape(-1, dy8.shape[-1]), saved, LinearQuantizers(*ctx.plan.quantizers), weight.dtype)
+    if isinstance(dx, Float8Tensor):
+        dx = dx.dequantize()
+    return (None if dx is None else dx.reshape(ctx.x_shape)), dw

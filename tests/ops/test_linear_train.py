@@ -3,12 +3,13 @@ runner, which the same Linear takes inside an ops.Sequential): the same bits for
 gradient, the same refusals, and the general path wherever the fast one does not apply."""
 
 import copy
+import weakref
 
 import pytest
 import torch
 
 import float8.ops as ops
-from float8 import Format, Recipe, TensorwiseScaling
+from float8 import Float8Tensor, Format, Recipe, TensorwiseScaling
 from float8.scaling import DelayedScaling
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -94,6 +95,59 @@ def test_keeps_the_input_transpose_a_small_weights_transpose_and_the_parameters(
     else:  # the backward quantizes the weight again
         assert w_t is None and w_scale_inv is None
     assert [t.data_ptr() for t in y.grad_fn.saved_tensors] == [lin.weight.data_ptr(), lin.bias.data_ptr()]
+
+
+def test_backward_lets_the_input_transpose_go_before_the_input_gradient(monkeypatch):
+    """As the general path: the saved FP8 input is freed after the weight gradient's GEMM, before the input
+    gradient's (the backward's largest output when K > N)."""
+    lin = ops.Linear(256, 256, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    y = lin(torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True))
+    x_t = weakref.ref(y.grad_fn.state[0])
+    alive, scaled_mm = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        alive.append(x_t() is not None)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    y.backward(torch.ones_like(y))
+    assert alive == [True, False]
+
+
+class _FP8Gradient(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on as a Float8Tensor (a custom op after the Linear)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return Float8Tensor.quantize(dy, torch.float8_e4m3fn, with_transpose=True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k", [64, 256], ids=["small-weight", "weight-quantized-again"])
+def test_fp8_output_gradient_same_bits_as_the_op_runner(bias, k):
+    fast, general = _pair(k, 48, bias, Recipe(min_fp8_gemm_flops=0))
+    x = torch.randn(32, k).to(torch.bfloat16)
+    dy = torch.randn(32, 48).to(torch.bfloat16)
+    results = []
+    for model in (fast, general):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        _FP8Gradient.apply(y).backward(dy)
+        lin = model if isinstance(model, ops.Linear) else model[0]
+        results.append([y, xi.grad, lin.weight.grad] + ([lin.bias.grad] if bias else []))
+    for a, b in zip(*results):
+        _same(a, b)
+
+
+def test_a_replaced_weight_of_the_wrong_shape_is_refused_as_the_general_path_refuses_it():
+    lin = ops.Linear(64, 48, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    lin.weight = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16))
+    with pytest.raises((ValueError, RuntimeError)):
+        lin(torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
 
 
 def test_second_backward_is_refused_by_name_and_retain_graph_keeps_the_state():
@@ -229,3 +283,16 @@ def test_gpu_repeated_steps_same_bits_as_the_op_runner(bias, shape):
     # A small weight is quantized with its transpose in the forward ("w_t"), "w" never; with a bias, dy's
     # quantization is the bias gradient's fused kernel, not prepared.
     assert prepared == [small(m, k), False, not bias and small(m, n), small(n, k)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_a_first_call_that_cannot_be_prepared_is_prepared_later():
+    lin = ops.Linear(64, 64, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to("cuda", torch.bfloat16)
+    buf = torch.randn(16 * 64 + 1, device="cuda").to(torch.bfloat16)
+    misaligned = buf[1:].view(16, 64).requires_grad_(True)  # 2 bytes off: the kernel compiles unaligned
+    lin(misaligned).sum().backward()
+    plan = next(iter(lin._train_plans.values()))
+    assert plan.x is None  # not prepared, and not given up on
+    lin(torch.randn(16, 64, device="cuda").to(torch.bfloat16).requires_grad_(True)).sum().backward()
+    assert plan.x
