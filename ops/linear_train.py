@@ -25,7 +25,7 @@ the new one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -38,9 +38,6 @@ from float8.kernels.prepared_quantize import prepare_quantize, small_layout
 from float8.ops.context import take
 from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd
 from float8.quantizer import LinearQuantizers, ScaleLayout, TensorwiseQuantizer
-
-if TYPE_CHECKING:
-    from float8.ops.linear import Linear
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -110,7 +107,7 @@ def _stateless_per_tensor(q) -> bool:
     return type(q) is TensorwiseQuantizer and q.amax_group is None
 
 
-def train_forward(op: "Linear", x: torch.Tensor) -> Optional[torch.Tensor]:
+def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
     """op(x) for a training forward of a lone ops.Linear `op`, or None where this path does not apply (the
     caller then runs the general path). x: a plain tensor, grad mode on (the caller checked both)."""
     params = op._parameters
