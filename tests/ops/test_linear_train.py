@@ -296,3 +296,30 @@ def test_gpu_a_first_call_that_cannot_be_prepared_is_prepared_later():
     assert plan.x is None  # not prepared, and not given up on
     lin(torch.randn(16, 64, device="cuda").to(torch.bfloat16).requires_grad_(True)).sum().backward()
     assert plan.x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_graphed_steps_of_a_tiny_linear_equal_eager_ones():
+    """Prepared launches inside a CUDA graph (make_graphed_callables warms up, then captures them): each
+    replay quantizes that step's input and weight, and the steps give the eager steps' bits."""
+    torch.manual_seed(0)
+    eager = ops.Linear(64, 64, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).cuda().to(torch.bfloat16)
+    graphed_model = copy.deepcopy(eager)
+    x0 = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(graphed_model, (x0,))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, graphed_model)]
+    for _ in range(3):
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+        got = []
+        for model, fn, opt in ((eager, eager, opts[0]), (graphed_model, graphed, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            y.backward(dy)
+            got.append([y.detach().clone(), xi.grad.clone(), model.weight.grad.clone()])
+            opt.step()
+        for a, b in zip(*got):
+            assert torch.equal(a, b)
+    assert next(iter(eager._train_plans.values())).x  # the eager steps ran prepared launches too
