@@ -3,7 +3,7 @@
 A training step of a small Linear quantizes its input, its weight, its output gradient and its weight again
 (for the input gradient), each through float8::quantize_tensorwise's checks, its dispatch to a path, the
 path's argument set-up and FastLauncher's specialization key: about 55 us of host per quantization on the
-H100 machine's host (.scratch/host_train_probe.py, 2026-11-27), of which the one-launch kernel's own
+H100 machine's host (benchmarks/results/profile_lone_linear.txt, 2026-11-27), of which the one-launch kernel's own
 launch and its four allocations are about half. `prepare_quantize` does one quantization the usual way and
 keeps what a later call of the same layout needs (kernels/launch.py `PreparedLaunch`): such a call
 allocates the outputs and launches, nothing else. Same kernel, same arguments: the same bits.

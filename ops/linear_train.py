@@ -3,9 +3,8 @@
 A converted model's Linears each run alone (ops.convert makes one op per nn.Linear), and in eager training
 every one of them went through the general machinery of ops/runner.py: the run plan, the fusion match,
 the per-op contexts, Float8Tensor and Operand objects, the GEMM's operand checks. On the H100 machine's
-host that cost a 16x64x64 Linear 1867 us per forward+backward against 258 us for nn.Linear, and kept the
-whole AdamW step of a 1024x4096x4096 Linear, which waits on the host, at 0.90x bf16's speed
-(.scratch/host_train_probe.py, 2026-11-27).
+host that cost a 16x64x64 Linear forced onto FP8 1867 us per forward+backward against 258 us for nn.Linear
+(benchmarks/results/profile_lone_linear.txt, 2026-11-27; 618-784 us on this path in later runs there).
 
 `train_forward` takes the common case (a high-precision weight being trained, per-tensor current scaling
 for input, weight and gradient, no amax group, no tensor parallelism, eager, shapes that need no padding)
