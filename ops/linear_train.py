@@ -6,8 +6,9 @@ the per-op contexts, Float8Tensor and Operand objects, the GEMM's operand checks
 host that cost a 16x64x64 Linear forced onto FP8 1867 us per forward+backward against 258 us for nn.Linear
 (benchmarks/results/profile_lone_linear.txt, 2026-11-27; 618-784 us on this path in later runs there).
 
-`train_forward` takes the common case (a high-precision weight being trained, per-tensor current scaling
-for input, weight and gradient, no amax group, no tensor parallelism, eager, shapes that need no padding)
+`train_forward` takes the common case (a high-precision weight being trained, or frozen with the input's
+gradient wanted, as in fine-tuning adapters; per-tensor current scaling for input, weight and gradient, no
+amax group, no tensor parallelism, eager, shapes that need no padding)
 and runs the same kernels with the same arguments as the general path (ops/linear_engine.py `linear_fwd`
 and `linear_bwd` for that case), so the bits are the same (tests/ops/test_linear_train.py compares them
 with the runner's on every output and gradient). Everything else returns None and takes the general path.
@@ -48,7 +49,7 @@ class TrainPlan:
     False where it cannot be prepared (then quantized the checked way on every call), else the prepared
     call. Made for one set of quantizers (`quantizers`, by identity)."""
 
-    __slots__ = ("quantizers", "small_weight", "x", "w", "dy", "w_t")
+    __slots__ = ("quantizers", "small_weight", "x", "w", "dy", "w_t", "x_rows", "dy_rows")
 
     def __init__(self, quantizers: tuple, weight_shape: torch.Size):
         self.quantizers = quantizers
@@ -58,6 +59,7 @@ class TrainPlan:
         # per step where host time is all a step waits for.
         self.small_weight = n <= SMALL_DIM and k <= SMALL_DIM and n * k <= SMALL_NUMEL
         self.x = self.w = self.dy = self.w_t = None
+        self.x_rows = self.dy_rows = None  # a frozen weight's step: no transposes of x and dy
 
     def quantize(self, role: str, t: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> tuple:
         """(data, data_t or None, scale_inv, amax): t quantized by q at current scaling, through the prepared
@@ -111,8 +113,8 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
     caller then runs the general path). x: a plain tensor, grad mode on (the caller checked both)."""
     params = op._parameters
     w = params["weight"]
-    if type(w) is not torch.nn.Parameter or not w.requires_grad:
-        return None  # an FP8-only weight, a DTensor shard, a frozen weight (its FP8 copy is cached): general
+    if type(w) is not torch.nn.Parameter or not (w.requires_grad or x.requires_grad):
+        return None  # an FP8-only weight, a DTensor shard; nothing to differentiate: general
     k, n = op.in_features, op.out_features
     if x.dtype not in _ACTIVATION_DTYPES or x.dim() < 2 or x.shape[-1] != k or w.shape != (n, k):
         return None  # float32 activations (the general path warns), a bad shape (it raises)
@@ -128,8 +130,10 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
         return None  # delayed, static, per-row, block scaling, an amax group
     if qi.fp8_dtype != torch.float8_e4m3fn or qw.fp8_dtype != torch.float8_e4m3fn:
         return None  # the general path refuses an E5M2 x E5M2 GEMM by name
-    if recipe.lean_activations or op.high_precision or op.parallel is not None or op._weight_cache.w8 is not None:
-        return None  # lean copies, ops.high_precision, tensor parallelism; a copy cached by an inference forward
+    if recipe.lean_activations or op.high_precision or op.parallel is not None:
+        return None  # lean copies, ops.high_precision, tensor parallelism
+    if w.requires_grad and op._weight_cache.w8 is not None:
+        return None  # a copy cached by an inference forward, which the general path takes out of the cache
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -144,38 +148,47 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
     if plans is None:  # a Linear unpickled from before the plans existed
         plans = d["_train_plans"] = TrainPlans()
     plan = plans.plan((x.shape, x.dtype, w.dtype, x.device), (qi, qw, qg), w.shape)
-    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda)
+    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op)
 
 
 class _TrainLinear(torch.autograd.Function):
     """y = x @ w.t() (+ b): FP8 forward GEMM; FP8 weight- and input-gradient GEMMs in the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan, fast_accum):
+    def forward(ctx, x, weight, bias, plan, fast_accum, op):
         qi, qw, _ = plan.quantizers
-        need_dgrad = ctx.needs_input_grad[0]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        # The input with its transpose (the weight gradient reads the transpose); the weight without: the
-        # backward quantizes it again for the input gradient rather than keeping its transpose (linear_engine
-        # `rebuilds_weight`), except a small one (TrainPlan.small_weight).
-        x_data, x_t, x_scale_inv, _ = plan.quantize("x", x2, qi, True)
-        w_t = None
-        if need_dgrad and plan.small_weight:
-            w_data, w_t, w_scale_inv, _ = plan.quantize("w_t", weight, qw, True)
+        w_t = x_t = x_scale_inv = None
+        if need_wgrad:
+            # The input with its transpose (the weight gradient reads the transpose); the weight without: the
+            # backward quantizes it again for the input gradient rather than keeping its transpose
+            # (linear_engine `rebuilds_weight`), except a small one (TrainPlan.small_weight).
+            x_data, x_t, x_scale_inv, _ = plan.quantize("x", x2, qi, True)
+            if need_dgrad and plan.small_weight:
+                w_data, w_t, w_scale_inv, _ = plan.quantize("w_t", weight, qw, True)
+            else:
+                w_data, _, w_scale_inv, _ = plan.quantize("w", weight, qw, False)
         else:
-            w_data, _, w_scale_inv, _ = plan.quantize("w", weight, qw, False)
+            # A frozen weight: its FP8 copy comes from the op's cache (made once per weight version, with the
+            # transpose the input gradient reads), as on the general path; the input without its transpose.
+            x_data, _, x_scale_inv, _ = plan.quantize("x_rows", x2, qi, False)
+            w8, wd = op.quantized_weight(for_backward=True, training=False)
+            w_data, w_scale_inv, w_t = w8._data, w8._scale_inv, wd._transpose
         b = None if bias is None else bias.to(x.dtype).contiguous()
         y = torch._scaled_mm(
             x_data, w_data.t(), scale_a=x_scale_inv, scale_b=w_scale_inv, bias=b, out_dtype=x.dtype,
             use_fast_accum=fast_accum,
         )  # fmt: skip
         del x_data
+        if not need_wgrad:
+            x_scale_inv = None  # nothing of x is kept: no weight gradient to compute
         # The parameters are saved (no copy) so that autograd refuses a backward after an in-place write into
         # one, as the general path does (ops/runner.py _RunFunction).
         ctx.save_for_backward(weight, *(() if bias is None else (bias,)))
         ctx.state = (x_t, x_scale_inv, w_t, w_scale_inv if w_t is not None else None)
-        ctx.plan, ctx.need_dgrad, ctx.has_bias = plan, need_dgrad, bias is not None
+        ctx.plan, ctx.need_dgrad, ctx.need_wgrad, ctx.has_bias = plan, need_dgrad, need_wgrad, bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         if x.dim() == 2:
             return y
@@ -197,18 +210,22 @@ class _TrainLinear(torch.autograd.Function):
         if isinstance(dy, Float8Tensor):
             # An FP8 gradient from a custom op after the Linear: its own bits are multiplied, by the engine.
             dx, dw = _engine_backward(ctx, dy, weight, x_t, x_scale_inv, w_t, w_scale_inv)
-            return dx, dw, None, None, None
+            return dx, dw, None, None, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dbias = None
+        need_wgrad = ctx.need_wgrad
+        dbias = dw = None
         if bias is not None:
-            # The bias gradient and dy's cast-transpose in one kernel, as the general path's Linear + Bias.
+            # The bias gradient and dy's cast (and transpose, for the weight gradient) in one kernel, as the
+            # general path's Linear + Bias.
             dy_data, dy_t, dy_scale_inv, _, dbias = dact_fp8(
-                dy2, dy2, "identity", None, qg.fp8_dtype, None, qg.margin, qg.power_of_2, True, True
+                dy2, dy2, "identity", None, qg.fp8_dtype, None, qg.margin, qg.power_of_2, need_wgrad, True
             )
             dbias = dbias.to(bias.dtype)
         else:
-            dy_data, dy_t, dy_scale_inv, _ = plan.quantize("dy", dy2, qg, True)
-        dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_scale_inv, scale_b=x_scale_inv, out_dtype=weight.dtype)
+            role = "dy" if need_wgrad else "dy_rows"
+            dy_data, dy_t, dy_scale_inv, _ = plan.quantize(role, dy2, qg, need_wgrad)
+        if need_wgrad:
+            dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_scale_inv, scale_b=x_scale_inv, out_dtype=weight.dtype)
         del x_t, dy_t
         dx = None
         if ctx.need_dgrad:
@@ -216,17 +233,17 @@ class _TrainLinear(torch.autograd.Function):
                 _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
-        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None
+        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None
 
 
 def _engine_backward(ctx, dy8: Float8Tensor, weight, x_t, x_scale_inv, w_t, w_scale_inv) -> tuple:
     """(dx, dw) of an FP8 output gradient through linear_engine.linear_bwd, the general path's own backward,
     from what this path saved (the same operands the general path would have saved)."""
     tensor = ScaleLayout.TENSOR
-    x = Operand(x_t.mT, x_scale_inv, None, ctx.x_dtype, tensor)
+    x = None if x_t is None else Operand(x_t.mT, x_scale_inv, None, ctx.x_dtype, tensor)
     w = None if w_t is None else Operand(w_t.mT, w_scale_inv, None, weight.dtype, tensor)
     rebuild = None if w_t is not None or not ctx.need_dgrad else (weight.detach(), None)
-    saved = LinearSaved(tensor, x, w, ctx.x_dtype, True, ctx.need_dgrad, rebuild)
+    saved = LinearSaved(tensor, x, w, ctx.x_dtype, ctx.need_wgrad, ctx.need_dgrad, rebuild)
     dx, dw = linear_bwd(dy8.reshape(-1, dy8.shape[-1]), saved, LinearQuantizers(*ctx.plan.quantizers), weight.dtype)
     if isinstance(dx, Float8Tensor):
         dx = dx.dequantize()

@@ -12,7 +12,8 @@ import float8.ops as ops
 from float8 import Float8Tensor, Format, Recipe, TensorwiseScaling
 from float8.scaling import DelayedScaling
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA cases belong to the GPU tier (pytest -m gpu).
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 TRAIN_NODE = "_TrainLinearBackward"
 
 
@@ -58,6 +59,38 @@ def test_same_bits_as_the_op_runner(device, bias, x_grad, lead, x_dtype, w_dtype
     assert type(general(x).grad_fn).__name__ != TRAIN_NODE
     for a, b in zip(_flat(_step(fast, x, dy)), _flat(_step(general, x, dy))):
         _same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", ["none", "trained", "frozen"])
+@pytest.mark.parametrize("lead", [(32,), (2, 16)])
+@pytest.mark.parametrize("k", [48, 256], ids=["small-weight", "large-weight"])
+def test_frozen_weight_same_bits_as_the_op_runner(device, bias, lead, k):
+    """A frozen weight (fine-tuning adapters around it): the input's and the bias's gradients, over steps in
+    which the bias moves, from the weight's cached FP8 copy, as the general path."""
+    fast, general = _pair(k, 64, bias != "none", Recipe(min_fp8_gemm_flops=0), device=device)
+    for model in (fast, general[0]):
+        model.weight.requires_grad_(False)
+        if bias == "frozen":
+            model.bias.requires_grad_(False)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad] or [torch.zeros(1)], lr=0.1)
+            for m in (fast, general)]  # fmt: skip
+    for _ in range(3):
+        x = (torch.randn(*lead, k, device=device) * 3).to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(*lead, 64, device=device).to(torch.bfloat16)
+        assert type(fast(x.detach().requires_grad_(True)).grad_fn).__name__ == TRAIN_NODE
+        results = []
+        for model, opt in zip((fast, general), opts):
+            opt.zero_grad()
+            xi = x.detach().clone().requires_grad_(True)
+            y = model(xi)
+            y.backward(dy)
+            lin = model if isinstance(model, ops.Linear) else model[0]
+            results.append([y, xi.grad, lin.weight.grad] + ([lin.bias.grad] if bias != "none" else []))
+            opt.step()
+        for a, b in zip(*results):
+            _same(a, b)
+    assert fast._weight_cache.w8 is not None  # the frozen weight's FP8 copy is cached, as on the general path
 
 
 def _flat(result):
@@ -187,7 +220,7 @@ def _general(lin, x):
 
 @pytest.mark.parametrize(
     "case",
-    ["tokens-not-multiple-of-16", "float32-input", "frozen-weight", "no-grad", "autocast", "delayed", "rowwise",
+    ["tokens-not-multiple-of-16", "float32-input", "frozen-weight-and-input", "no-grad", "autocast", "delayed", "rowwise",
      "lean", "high-precision", "1-d-input"],
 )  # fmt: skip
 def test_falls_back_to_the_general_path(case):
@@ -205,8 +238,9 @@ def test_falls_back_to_the_general_path(case):
     elif case == "float32-input":
         lin.float()
         x = x.float()
-    elif case == "frozen-weight":
+    elif case == "frozen-weight-and-input":
         lin.weight.requires_grad_(False)
+        x.requires_grad_(False)
     elif case == "1-d-input":
         x = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
     if case == "no-grad":
