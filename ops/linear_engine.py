@@ -81,6 +81,12 @@ def quantize_weight(
         return quantizer.operands(weight.detach(), rows=True, columns=for_backward)
 
 
+def stateless_per_tensor(q: Quantizer) -> bool:
+    """Whether q is the library's per-tensor current scaling without an amax group: no history to advance,
+    no collective to join, so quantizing the same tensor again gives the same bits."""
+    return type(q) is TensorwiseQuantizer and q.amax_group is None
+
+
 def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     """Whether the backward can quantize `weight` again instead of keeping its FP8 transpose from the
     forward (every recipe, for a trained weight): a high-precision weight under stateless per-tensor current scaling
@@ -90,12 +96,10 @@ def rebuilds_weight(weight: torch.Tensor, quantizers: LinearQuantizers) -> bool:
     Writes into the weight between the forward and the backward that move its version counter are refused
     there; writes through `weight.data` move none and are not seen (the backward then reads the new
     weight), as with the weight cache (ops/linear.py)."""
-    q = quantizers.weight
     return (
         not isinstance(weight, Float8Tensor)
         and quantizers.input.layout is ScaleLayout.TENSOR
-        and type(q) is TensorwiseQuantizer
-        and q.amax_group is None
+        and stateless_per_tensor(quantizers.weight)
     )
 
 
@@ -111,8 +115,7 @@ def requantizes_input(quantizers: LinearQuantizers) -> bool:
     Linears; docs/memory.md). A Linear whose input arrives in FP8 (after a norm or activation of a
     hand-written ops.Sequential) keeps that copy, and eager Linears keep the FP8 copy: nothing recomputes
     there."""
-    q = quantizers.input
-    return type(q) is TensorwiseQuantizer and q.amax_group is None
+    return stateless_per_tensor(quantizers.input)
 
 
 def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:

@@ -36,7 +36,8 @@ from float8.kernels.activation import dact_fp8
 from float8.kernels.common import SMALL_DIM, SMALL_NUMEL, forward_ad_or_functorch_active
 from float8.kernels.prepared_quantize import prepare_quantize, small_layout
 from float8.ops.context import take
-from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd
+from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd, stateless_per_tensor
+from float8.ops.weight_cache import Plans
 from float8.quantizer import LinearQuantizers, ScaleLayout, TensorwiseQuantizer
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -82,30 +83,16 @@ class TrainPlan:
         return data, data_t, scale_inv, amax
 
 
-class TrainPlans(dict):
-    """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device). Derived and never saved:
-    pickling or copying a model drops them. Bounded: past MAX layouts the plans start over."""
-
-    MAX = 64
-
-    def __reduce__(self):
-        return (type(self), ())
-
-    def __deepcopy__(self, memo):
-        return type(self)()
+class TrainPlans(Plans):
+    """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device) (derived and bounded: Plans)."""
 
     def plan(self, key: tuple, quantizers: tuple, weight_shape: torch.Size) -> TrainPlan:
         """The plan for `key`, made anew where it is missing or was made for other quantizers."""
         plan = self.get(key)
         if plan is None or plan.quantizers != quantizers:
-            if len(self) >= self.MAX:
-                self.clear()
-            plan = self[key] = TrainPlan(quantizers, weight_shape)
+            plan = TrainPlan(quantizers, weight_shape)
+            self.add(key, plan)
         return plan
-
-
-def _stateless_per_tensor(q) -> bool:
-    return type(q) is TensorwiseQuantizer and q.amax_group is None
 
 
 def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -126,7 +113,7 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
         return None
     d = op.__dict__
     qi, qw, qg = d.get("input_quantizer"), d.get("weight_quantizer"), d.get("grad_quantizer")
-    if not (_stateless_per_tensor(qi) and _stateless_per_tensor(qw) and _stateless_per_tensor(qg)):
+    if not (stateless_per_tensor(qi) and stateless_per_tensor(qw) and stateless_per_tensor(qg)):
         return None  # delayed, static, per-row, block scaling, an amax group
     if qi.fp8_dtype != torch.float8_e4m3fn or qw.fp8_dtype != torch.float8_e4m3fn:
         return None  # the general path refuses an E5M2 x E5M2 GEMM by name

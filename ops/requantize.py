@@ -29,8 +29,7 @@ import torch
 from float8.kernels.multi_quantize import quantize_tensorwise_multi
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
-from float8.ops.linear_engine import rebuilds_weight
-from float8.quantizer import TensorwiseQuantizer
+from float8.ops.linear_engine import rebuilds_weight, stateless_per_tensor
 from float8.tensor import Float8Tensor
 
 __all__ = ["requantize_weights"]
@@ -58,7 +57,7 @@ def requantize_weights(model: torch.nn.Module) -> int:
         # The old copies go first, so that old and new FP8 weights are never alive together.
         op.refresh_fp8_weight()
         with_t = w.requires_grad and not rebuilds_weight(w, op.quantizers)
-        if type(q) is TensorwiseQuantizer and q.amax_group is None and w.is_contiguous():
+        if stateless_per_tensor(q) and w.is_contiguous():
             key = (w.device, w.dtype, q.fp8_dtype, q.margin, q.power_of_2, with_t)
             fused.setdefault(key, []).append(op)
         else:

@@ -54,14 +54,32 @@ class WeightCache:
         return [t for t in (self.w8, self.wd) if t is not None]
 
 
-class InferencePlans(dict):
+class Plans(dict):
+    """A Linear's prepared calls by input layout. Derived and never saved: pickling or copying a model drops
+    them. Bounded: past MAX layouts they start over (a model serving many prompt lengths keeps the latest)."""
+
+    MAX = 64
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def add(self, key: tuple, prepared: object) -> None:
+        """Keep `prepared` for calls of `key`; past MAX layouts the plans made so far are dropped."""
+        if len(self) >= self.MAX:
+            dict.clear(self)
+        self[key] = prepared
+
+
+class InferencePlans(Plans):
     """An FP8-only weight's prepared inference calls (kernels/weight_only.py PreparedMM), by (input shape,
     dtype), and the workspace they keep (`scratch`, kernels/scratch.py: one object for all the Linears of a
     converted model, ops/convert.py). Derived and never saved: pickling or copying a model drops the plans and
     the buffers (Linears that shared a workspace object share one, empty, in the copy). Bounded: a model
-    serving many prompt lengths keeps the latest MAX shapes per Linear."""
-
-    MAX = 64
+    serving many prompt lengths keeps the latest MAX shapes per Linear; past them the plans are dropped, not
+    the workspace, which the model's other layers share and which has the size of the largest call already."""
 
     def __init__(self):
         super().__init__()
@@ -85,10 +103,3 @@ class InferencePlans(dict):
         new = type(self)()
         new.scratch = copy.deepcopy(self.scratch, memo)  # one copy per shared object, through the memo
         return new
-
-    def add(self, key: Tuple[torch.Size, torch.dtype], prepared: object) -> None:
-        """Keep `prepared` for calls of `key`; past MAX shapes this layer's plans are dropped, not the workspace
-        (the model's other layers share it, and it already has the size of the largest call)."""
-        if len(self) >= self.MAX:
-            super().clear()
-        self[key] = prepared
