@@ -68,7 +68,9 @@ def _ce_rows_kernel(
         m = m_new
         zsum += tl.where(c < n_cols, z, 0.0)
     lse = m + tl.log(s)
-    z_t = tl.load(base + t).to(tl.float32)
+    # A label outside [0, V) reads nothing: the caller refuses it once the call is queued (ops/cross_entropy.py
+    # _check_labels), without a host sync before this kernel.
+    z_t = tl.load(base + t, mask=(t >= 0) & (t < n_cols), other=0.0).to(tl.float32)
     loss = lse - (1.0 - smoothing) * z_t - smoothing / n_cols * tl.sum(zsum, axis=0)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
@@ -115,7 +117,7 @@ def ce_rows_ref(
     """The same in torch (float32 math), for the CPU path and the tests."""
     zf = z.float()
     valid = target != ignore_index
-    t = torch.where(valid, target, 0)
+    t = torch.where(valid, target, 0).clamp(0, z.shape[1] - 1)  # out of range: refused by the caller, read nowhere
     lse = torch.logsumexp(zf, dim=-1)
     z_t = zf.gather(1, t[:, None]).squeeze(1)
     loss = lse - (1.0 - smoothing) * z_t - smoothing * zf.mean(dim=-1)

@@ -24,7 +24,7 @@ The loss is float32 (what the naive `F.cross_entropy(logits.float(), t)` returns
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ from float8.gemm import column_major_only, operand
 from float8.gemm import fp8_mm_or_dequantized as _mm
 from float8.kernels.common import refuse_redefinition
 from float8.kernels.cross_entropy import ce_rows
+from float8.kernels.grad_scale import scale_grad
 from float8.ops.base import second_backward_error
 from float8.ops.context import keeps_graph
 
@@ -112,20 +113,42 @@ def check_cross_entropy_args(
         )
 
 
-def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str) -> None:
-    # One host sync per call: a label outside [0, V) would read out of bounds in the kernel.
+def _check_labels(target: torch.Tensor, vocab: int, ignore_index: int, name: str) -> Optional[Callable[[], None]]:
+    """Refuse a label outside [0, V) that is not ignore_index. On the CPU at once; on CUDA the answer comes back
+    without a host sync before the GEMMs: returned is the check to call once they are queued, which waits only
+    for the few kernels that found the answer (the kernels in between read no memory for such a label:
+    kernels/cross_entropy.py). A sync here idled the GPU for the host's launches after it: 0.5-0.6 ms of gaps
+    in a V=128256, 16384-token call on the H100 (2026-11-27). Traced: checked on the device, where a bad label
+    stops the program."""
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if torch.compiler.is_compiling():
         # No host sync inside a graph: checked on the device, where a bad label stops the program.
         torch._assert_async(
             ~bad.any(), f"{name}: a label is outside the vocabulary [0, {vocab}) and is not ignore_index"
         )
-        return
-    if bool(bad.any()):
+        return None
+
+    def refuse() -> None:
         first = target[bad][0].item()
         raise ValueError(
             f"{name}: label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}"
         )
+
+    if not target.is_cuda:
+        if bool(bad.any()):
+            refuse()
+        return None
+    found = torch.empty((), dtype=torch.bool, pin_memory=True)
+    found.copy_(bad.any(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(target.device))
+
+    def check() -> None:
+        done.synchronize()
+        if bool(found):
+            refuse()
+
+    return check
 
 
 class _Plan:
@@ -165,25 +188,30 @@ def _logits(xc, w, bias, plan: _Plan, write_grad: bool):
 
 
 @torch.library.custom_op("float8::addmm_float32_", mutates_args=("acc",))
-def _addmm_float32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b for a float32 acc and bf16/fp16 a, b: on CUDA one GEMM sums in float32 and adds into acc
-    (no temporary); elsewhere the operands are upcast first. The traced form of _accumulate_dw's addmm:
-    torch 2.11's fake addmm raises on out_dtype with out= (GPU tier, 2026-11-27), an op it does not trace."""
+def _addmm_float32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
+    """acc = beta * acc + a @ b for a float32 acc and bf16/fp16 a, b (beta 0: acc's contents are not read):
+    on CUDA one GEMM sums in float32 and adds into acc (no temporary); elsewhere the operands are upcast
+    first. The traced form of _accumulate_dw's addmm: torch 2.11's fake addmm raises on out_dtype with out=
+    (GPU tier, 2026-11-27), an op it does not trace."""
     if acc.device.type == "cuda":
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 @_addmm_float32_.register_fake
-def _(acc, a, b) -> None:
+def _(acc, a, b, beta) -> None:
     return None
 
 
-def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
-    """acc (V, H) += dz.t() @ xc; acc is float32 or the weight's dtype (plan.dw_dtype). Each chunk's
-    product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk. dz is FP8 where
-    plan.fp8_dw (then xc8 is x's chunk in FP8 with its transpose), else in x's dtype."""
+def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
+    """acc (V, H) += dz.t() @ xc, or = where `first` (acc is then uninitialized memory, which a GEMM with
+    beta 0 does not read: no zero fill of the whole gradient, 0.3 ms for a bf16 (128256, 4096) one on the
+    H100, and no read of it by the first GEMM). acc is float32 or the weight's dtype (plan.dw_dtype). Each
+    chunk's product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk. dz is
+    FP8 where plan.fp8_dw (then xc8 is x's chunk in FP8 with its transpose; acc starts zeroed), else in
+    x's dtype."""
+    beta = 0.0 if first else 1.0
     if plan.fp8_dw:
         # _scaled_mm cannot add into its output: the product goes through a float32 temporary, one slab of
         # vocabulary rows at a time (FP8_DW_SLAB x H x 4 bytes), not the whole (V, H) at once.
@@ -196,12 +224,12 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan):
         and dz.dtype in (torch.bfloat16, torch.float16)
         and (acc.device.type == "cuda" or torch.compiler.is_compiling())
     ):
-        _addmm_float32_(acc, dz.t(), xc)  # bf16 operands, float32 sum: no temporary on CUDA (the one mixed
-        # case CUDA's addmm takes: out_dtype float32 for half-precision operands, or the operands' dtype)
+        _addmm_float32_(acc, dz.t(), xc, beta)  # bf16 operands, float32 sum: no temporary on CUDA (the one
+        # mixed case CUDA's addmm takes: out_dtype float32 for half-precision operands, or the operands' dtype)
     elif acc.dtype == dz.dtype:
-        acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
+        acc.addmm_(dz.t(), xc, beta=beta)  # the GEMM's epilogue adds into acc (beta 1 after the first chunk)
     else:
-        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype))
+        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype), beta=beta)
 
 
 def _chunks(n: int, chunk: int):
@@ -219,7 +247,11 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
     loss = torch.empty(n, dtype=torch.float32, device=x2.device)
     lse = torch.empty(n, dtype=torch.float32, device=x2.device)
     dx = torch.empty_like(x2) if write_grad and plan.need_dx else None
-    dw = torch.zeros(v, h, dtype=plan.dw_dtype, device=x2.device) if write_grad and plan.need_dw else None
+    dw = None
+    if write_grad and plan.need_dw:
+        # Written whole by the first chunk's GEMM where there is one (_accumulate_dw's `first`).
+        alloc = torch.zeros if plan.fp8_dw or n == 0 else torch.empty
+        dw = alloc(v, h, dtype=plan.dw_dtype, device=x2.device)
     db = torch.zeros(v, dtype=torch.float32, device=x2.device) if write_grad and plan.need_db else None
     for c0, c1 in _chunks(n, plan.chunk):
         xc = x2[c0:c1]
@@ -242,7 +274,7 @@ def _pass(x2, weight, bias, target, scale, plan: _Plan, write_grad: bool):
             else:
                 torch.mm(dz, w, out=dx[c0:c1])  # into dx's rows: no chunk-sized temporary
         if dw is not None:
-            _accumulate_dw(dw, dz if dz_hp is None else dz_hp, xc, xc8, plan)
+            _accumulate_dw(dw, dz if dz_hp is None else dz_hp, xc, xc8, plan, first=c0 == 0)
         # Freed before the next chunk's logits are written: two chunks alive at once were the largest
         # temporary (measured on the H100: 250 MiB above the gradients at 512-token chunks, not 125).
         del dz, dz_hp, xc8
@@ -279,16 +311,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.grads is None:
                 raise second_backward_error("linear_cross_entropy")
             (dx, dw, db), g32 = ctx.grads, g.float()
-            if keeps_graph():
-                # A later backward reads the forward's gradients again: scaled into new tensors, not in place.
-                dx = None if dx is None else dx * g32.to(dx.dtype)
-                dw = None if dw is None else dw * g32
-                db = None if db is None else db * g32
-            else:
+            # Scaled by g where the gradients lie (no pass at all for a plain loss.backward(), whose g is 1)
+            # and cast to the parameters' dtypes in the same pass (kernels/grad_scale.py). A later backward
+            # that reads the forward's gradients again (keeps_graph) gets them scaled into new tensors.
+            copy = keeps_graph()
+            if not copy:
                 ctx.grads = None
-                dx = None if dx is None else dx.mul_(g32.to(dx.dtype))
-                dw = None if dw is None else dw.mul_(g32)
-                db = None if db is None else db.mul_(g32)
+            dx = None if dx is None else scale_grad(dx, g32, dx.dtype, copy)
+            dw = None if dw is None else scale_grad(dw, g32, plan.w_dtype, copy)
+            db = None if db is None else scale_grad(db, g32, plan.b_dtype, copy)
+            return dx, dw, db, None, None
         dw = None if dw is None else dw.to(plan.w_dtype)
         db = None if db is None else db.to(plan.b_dtype)
         return dx, dw, db, None, None
@@ -342,7 +374,7 @@ def linear_cross_entropy(
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     t = target.reshape(-1).to(torch.int64)
-    _check_labels(t, weight.shape[0], ignore_index, name)
+    labels_checked = _check_labels(t, weight.shape[0], ignore_index, name)
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 16 or chunk_tokens % 16):
         raise ValueError(f"{name}: chunk_tokens must be a positive multiple of 16, got {chunk_tokens!r}")
     grad = torch.is_grad_enabled()
@@ -360,6 +392,8 @@ def linear_cross_entropy(
         x2, weight, bias, needs, int(ignore_index), float(label_smoothing), reduction, recipe, chunk, dw_accumulation
     )
     loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
+    if labels_checked is not None:
+        labels_checked()  # raises for a bad label: the loss and its graph are dropped
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

@@ -209,6 +209,28 @@ def test_op_ends_a_sequential_and_inference_computes_no_gradients():
         ops.Sequential(ops.RMSNorm(H))(x, target=t)
 
 
+@pytest.mark.gpu
+def test_bad_label_on_cuda_raises_after_queueing_and_reads_nothing_gpu():
+    """On CUDA the label check answers without a host sync before the GEMMs (ops/cross_entropy.py
+    _check_labels): a bad label still raises ValueError naming it, a huge one reads no memory (the kernel masks
+    it), and the device stays usable: the next call with good labels gives the right loss and gradients."""
+    x, w, b, t = _data(torch.bfloat16)
+    x, w, t = x.detach().cuda().requires_grad_(), w.detach().cuda().requires_grad_(), t.cuda()
+    for label in (V, -3, 2**40):
+        bad = t.clone()
+        bad[1, 2] = label
+        with pytest.raises(ValueError, match=f"label {label} is outside the vocabulary"):
+            linear_cross_entropy(x, w, bad, chunk_tokens=32)
+        with pytest.raises(ValueError, match=f"label {label} is outside the vocabulary"):
+            linear_cross_entropy(x, w, bad, chunk_tokens=32, recipe=Recipe())
+    torch.cuda.synchronize()  # a kernel that read out of bounds would fail here
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float().flatten(0, 1), t.flatten())
+    loss = linear_cross_entropy(x, w, t, chunk_tokens=32)
+    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
+    loss.backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
 def test_bad_input_names_the_problem():
     x, w, b, t = _data()
     bad = t.clone()
@@ -255,9 +277,9 @@ def test_mixed_dtypes_take_the_float32_addmm_only_where_cuda_takes_it(x_dtype, w
 
     real = lce._addmm_float32_
 
-    def checked(acc, a, b):
+    def checked(acc, a, b, beta):
         assert acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16), (acc.dtype, a.dtype)
-        return real(acc, a, b)
+        return real(acc, a, b, beta)
 
     monkeypatch.setattr(lce, "_addmm_float32_", checked)
     x, w, _, t = _data(bias=False)
