@@ -355,8 +355,8 @@ def linear_cross_entropy(
     (see `default_chunk_tokens`); with FP8 GEMMs that GEMM runs in x's dtype on the logits' gradient before
     quantization (the logits and input-gradient GEMMs stay FP8). None (default): "weight_dtype" with FP8
     GEMMs, a weight that takes a gradient and bf16/fp16 x; "float32" otherwise. H100, V=128256, H=4096,
-    16384 tokens, FP8: float32 62.7 ms at 3.95 GiB above the gradients, weight-gradient SQNR 31.5 dB
-    (against the float32 sum of bf16 products); weight_dtype (1040-token chunks) 68.7 ms at 1.36 GiB, 51.8
+    16384 tokens, FP8: float32 60.4 ms at 3.95 GiB above the gradients, weight-gradient SQNR 31.5 dB
+    (against the float32 sum of bf16 products); weight_dtype (1040-token chunks) 65.6 ms at 1.36 GiB, 51.8
     dB (2026-11-27, area memory_lce). At the benchmark model's head (V=32768): docs/performance.md.
     """
     name = "linear_cross_entropy"
