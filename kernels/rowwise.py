@@ -127,8 +127,7 @@ def rowwise_args(
     max_single_k: int = MAX_SINGLE_K,
 ) -> tuple[tuple[int], tuple, int]:
     """(grid, the kernel's arguments in its order, num_warps) of one launch writing x2's (R, K) rows, with
-    unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise, and for a caller that
-    quantizes into buffers of its own (kernels/rowwise_input_mm.py's workspace)."""
+    unit column stride, into data (R, K) and scale_inv (R,): for launch_rowwise."""
     R, K = x2.shape
     rows, block_k, single = row_blocks(K, max_single_k)
     c = fp8_constants(fp8_dtype)

@@ -51,10 +51,9 @@ import torch
 from . import weight_only
 from .common import cdiv, fp8_constants, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
-from .rowwise import _launch as _launch_rowwise
-from .rowwise import quantize_rowwise_ref, row_blocks, rowwise_args
+from .rowwise import quantize_rowwise_ref, row_blocks
 from .scratch import Scratch
-from .weight_only_kernel import COUNTER_LINE, _rowwise_input_mm_kernel
+from .weight_only_kernel import COUNTER_LINE, _quantize_into_workspace_kernel, _rowwise_input_mm_kernel
 
 # Before any definition: run a second time (another name, a reload), this module redefines nothing.
 refuse_redefinition("float8::fp8_rowwise_input_mm", __name__)
@@ -95,6 +94,7 @@ def fp8_rowwise_input_mm_ref(
 
 
 _launch = FastLauncher(_rowwise_input_mm_kernel)
+_launch_quantize = FastLauncher(_quantize_into_workspace_kernel)
 # Rows up to this long are quantized from registers by the quantizing programs (4 warps: 32 floats a thread).
 Q_MAX_SINGLE_K = 4096
 
@@ -151,9 +151,12 @@ def fp8_rowwise_input_mm_triton(
     if m * call.y.shape[1] == 0:
         return call.y  # nothing to compute (no launch with an empty grid)
     ws, offset = call.args[1], call.args[14]
-    x8, sx = ws[: m * k].view(E4M3).view(m, k), ws[offset : offset + 4 * m].view(torch.float32)
-    grid, args, warps = rowwise_args(x, x8, sx, E4M3)
-    _launch_rowwise(grid, *args, num_warps=warps)
+    # Into the workspace as a whole (kernels/weight_only_kernel.py says why no dtype views of its slices),
+    # in kernels/rowwise.py's blocks, with its constants: quantize_rowwise's bits.
+    rows, block_k, single = row_blocks(k)
+    c = fp8_constants(E4M3)
+    args = (x, ws, offset, m, k, x.stride(0), c["FP8_MAX"], c["MIN_SCALE"], rows, block_k, single)
+    _launch_quantize((cdiv(m, rows),), *args, num_warps=8 if rows * block_k >= 4096 else 4)
     _launch(call.grid, *call.args, **call.options)
     return call.y
 

@@ -295,6 +295,34 @@ def _rowwise_input_mm_kernel(
 
 
 @triton.jit
+def _quantize_into_workspace_kernel(
+    x_ptr,  # (M, K) hp, unit column stride, row stride stride_xm
+    ws_ptr,  # uint8 workspace of _rowwise_input_mm_kernel: x8 (M, K) E4M3 at 0, its (M,) fp32 scales at sx_offset
+    sx_offset,
+    M,
+    K,
+    stride_xm,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """The first of the two launches (kernels/rowwise_input_mm.py): x's rows quantized into the workspace,
+    which the launch takes whole; the FP8 and float32 parts are addressed here, not through dtype views of
+    its slices. Traced, such a view of the scales' slice made inductor (torch 2.11) copy the whole workspace's
+    worth of float32 out of the 64-element view: a read past its end, which failed the GPU tier with an
+    illegal address where the allocation ended there (2026-11-27). _rowwise_kernel's bits (the same body)."""
+    # fmt: off
+    _quantize_rows(
+        x_ptr, ws_ptr.to(tl.pointer_type(tl.float8e4nv)), (ws_ptr + sx_offset).to(tl.pointer_type(tl.float32)),
+        tl.program_id(0), M, K, stride_xm, tl.full((), 1.0, tl.float32),
+        FP8_MAX, MIN_SCALE, False, ROWS, BLOCK_K, SINGLE,
+    )
+    # fmt: on
+
+
+@triton.jit
 def _split_k_sum_kernel(
     part_ptr,  # (SPLIT_K, M, N) fp32
     s_ptr,

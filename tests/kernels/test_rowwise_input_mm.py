@@ -213,8 +213,15 @@ def test_gpu_prepared_call_repeats_the_ops_bits(m):
 
 @pytest.mark.gpu
 def test_gpu_inductor_gives_the_eager_bits():
-    """Compiled (inductor launches the triton_op's kernel with its own code): eager's bits."""
+    """Compiled (inductor launches the triton_op's kernel with its own code): eager's bits, and no dtype view of
+    a slice of the workspace in the graph: from one, inductor (torch 2.11) copied the whole workspace's worth
+    of float32 out of a 64-element view, reading past its end (an illegal address in the GPU tier when the
+    allocation ended there; kernels/weight_only_kernel.py _quantize_into_workspace_kernel)."""
+    from torch._inductor.utils import run_and_get_code
+
     x, d, s, b = _operands(64, 4096, 1024, device="cuda", bias=True)
     torch._dynamo.reset()
     f = torch.compile(lambda x: K.fp8_rowwise_input_mm(x, d, s, b), fullgraph=True)
-    assert torch.equal(f(x), K.fp8_rowwise_input_mm(x, d, s, b))
+    y, codes = run_and_get_code(f, x)
+    assert torch.equal(y, K.fp8_rowwise_input_mm(x, d, s, b))
+    assert not any("view.dtype" in code for code in codes), "a dtype view in the compiled graph"
