@@ -41,29 +41,41 @@ def _scale_kernel(src_ptr, out_ptr, g_ptr, n, IN_PLACE: tl.constexpr, BLOCK: tl.
 _launch_scale = FastLauncher(_scale_kernel)
 
 
+SLAB = 1 << 24  # elements per step of the reference's float32 product, eagerly: no float32 copy of all of t
+
+
 def scale_grad_ref(t: torch.Tensor, g: torch.Tensor, out_dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    """(t.float() * g) rounded to t's dtype, then cast to out_dtype: written over t where out_dtype is t's dtype
-    and not `copy`, else a new tensor. g: a () float32 tensor."""
+    """(t.float() * g) rounded to t's dtype, then cast to out_dtype. Unless `copy`, t is the caller's to
+    consume: it is scaled in place (and returned where out_dtype is its dtype). g: a () float32 tensor."""
+    if copy:
+        t = t.clone()
     if t.dtype == torch.float32 or (t.device.type == "cpu" and g.device.type == "cpu"):
-        # float32 as it is; on the CPU a () tensor multiplies as a float32 scalar (no float32 copy of t)
-        y = t.mul(g) if copy or out_dtype != t.dtype else t.mul_(g)
+        t.mul_(g)  # float32 as it is; on the CPU a () tensor multiplies as a float32 scalar
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and g.requires_grad) or not t.is_contiguous():
+        t = (t.float() * g).to(t.dtype)  # traced (fused by the compiler), differentiated through g, or strided
     else:
-        y = (t.float() * g).to(t.dtype)
-    y = y.to(out_dtype)
-    return t.copy_(y) if out_dtype == t.dtype and not copy and y is not t else y
+        flat = t.view(-1)  # eagerly in slabs: a (128256, 4096) bf16 gradient's float32 product is 2 GiB
+        for i in range(0, flat.numel(), SLAB):
+            part = flat[i : i + SLAB]
+            part.copy_(part.float() * g)
+    return t.to(out_dtype)
 
 
 def scale_grad(t: torch.Tensor, g: torch.Tensor, out_dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
     """scale_grad_ref's result in one pass over t, and none where g is 1 and t is scaled in place. t: float32,
-    bfloat16 or float16; g: a () float32 tensor. Eager CUDA tensors only take the kernel: traced code takes the
-    reference (the kernel writes t in place and registers no op), as do other devices and layouts."""
+    bfloat16 or float16; g: a () float32 tensor. Eager CUDA tensors only take the kernel: traced code, a
+    dispatch mode, a g that takes a gradient (create_graph), other devices and layouts take the reference."""
     traced = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-    if traced or not (
-        use_triton(t, writes_fp8=False)
-        and t.is_contiguous()
-        and g.dtype == torch.float32
-        and g.numel() == 1
-        and g.device == t.device
+    if (
+        traced
+        or (torch.is_grad_enabled() and g.requires_grad)
+        or not (
+            use_triton(t, writes_fp8=False)
+            and t.is_contiguous()
+            and g.dtype == torch.float32
+            and g.numel() == 1
+            and g.device == t.device
+        )
     ):
         return scale_grad_ref(t, g, out_dtype, copy)
     in_place = out_dtype == t.dtype and not copy

@@ -59,8 +59,9 @@ def _quantize_rows(
     BLOCK_K: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
-    """Rows pid * ROWS .. + ROWS of x quantized, each with its own scale: the body of _rowwise_kernel, and the
-    quantizing programs of kernels/rowwise_input_mm.py's one-launch GEMM (the same bits either way)."""
+    """Rows pid * ROWS .. + ROWS of x quantized, each with its own scale: the body of _rowwise_kernel, of the
+    quantizing programs of kernels/rowwise_input_mm.py's one-launch GEMM and of its two-launch path's first
+    kernel (kernels/weight_only_kernel.py): the same bits each way."""
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_K)

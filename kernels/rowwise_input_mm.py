@@ -11,8 +11,9 @@ fp8_rowwise_input_mm(x, w_data, w_scale_inv, bias=None) -> y
       x's rows into a workspace (kernels/rowwise.py's code) and count themselves in; the others wait for the
       count, then run their GEMM tile on the workspace; the last of them zeroes the counters for the next
       launch (one set per stream and thread).
-    - two launches (the checked op, torch.compile, a CUDA graph capture): kernels/rowwise.py's kernel fills
-      the workspace, then the same kernel runs without quantizing programs. The bits are the one launch's.
+    - two launches (the checked op, torch.compile, a CUDA graph capture): a small kernel over the same row
+      quantization (kernels/weight_only_kernel.py _quantize_into_workspace_kernel) fills the workspace, then
+      the same kernel runs without quantizing programs. The bits are the one launch's.
 
 Why: ops.Linear's inference forward with an FP8-only weight at 33-128 tokens, where the recipe asks for it
 (`Recipe.inference_fp8_input_from`, off by default: eagerly it is at best level with the weight-only
@@ -143,7 +144,7 @@ def fp8_rowwise_input_mm_triton(
     split_k: Optional[int] = None,
 ) -> torch.Tensor:
     """Two launches, no checks (fp8_rowwise_input_mm checks): x quantized per row into the workspace
-    (kernels/rowwise.py's kernel), then the GEMM (the same kernel as a prepared call's, without quantizing
+    (_quantize_into_workspace_kernel), then the GEMM (the same kernel as a prepared call's, without quantizing
     programs). config and split_k as in weight_only.fp8_weight_mm_triton (default:
     weight_only.FP8_X_CONFIGS and split_k_for)."""
     call = _launch_plan(x, w_data, w_scale_inv, bias, config, split_k, quantize=False)

@@ -205,9 +205,9 @@ def _(acc, a, b, beta) -> None:
 
 
 def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
-    """acc (V, H) += dz.t() @ xc, or = where `first` (acc is then uninitialized memory, which a GEMM with
-    beta 0 does not read: no zero fill of the whole gradient, 0.3 ms for a bf16 (128256, 4096) one on the
-    H100, and no read of it by the first GEMM). acc is float32 or the weight's dtype (plan.dw_dtype). Each
+    """acc (V, H) += dz.t() @ xc, or = where `first` (acc is then uninitialized memory, which the first GEMM
+    writes without reading: no zero fill of the whole gradient, 0.3 ms for a bf16 (128256, 4096) one on the
+    H100, and no read of it by that GEMM; the opaque float32 op takes beta 0, which its eager GEMM honours). acc is float32 or the weight's dtype (plan.dw_dtype). Each
     chunk's product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk. dz is
     FP8 where plan.fp8_dw (then xc8 is x's chunk in FP8 with its transpose; acc starts zeroed), else in
     x's dtype."""
@@ -226,10 +226,17 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
     ):
         _addmm_float32_(acc, dz.t(), xc, beta)  # bf16 operands, float32 sum: no temporary on CUDA (the one
         # mixed case CUDA's addmm takes: out_dtype float32 for half-precision operands, or the operands' dtype)
+    elif first:
+        # mm into acc, not addmm with beta 0: inductor's addmm template and its one-column decomposition
+        # compute acc * beta, which turns NaN or inf in the uninitialized memory into NaN (0 * inf).
+        if acc.dtype == dz.dtype:
+            torch.mm(dz.t(), xc, out=acc)
+        else:
+            torch.mm(dz.t().to(acc.dtype), xc.to(acc.dtype), out=acc)
     elif acc.dtype == dz.dtype:
-        acc.addmm_(dz.t(), xc, beta=beta)  # the GEMM's epilogue adds into acc (beta 1 after the first chunk)
+        acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
     else:
-        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype), beta=beta)
+        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype))
 
 
 def _chunks(n: int, chunk: int):
@@ -393,7 +400,11 @@ def linear_cross_entropy(
     )
     loss = _LinearCrossEntropyFunction.apply(x2, weight, bias, t, plan)
     if labels_checked is not None:
-        labels_checked()  # raises for a bad label: the loss and its graph are dropped
+        try:
+            labels_checked()
+        except ValueError:
+            del loss  # not kept alive by the traceback: its graph holds the forward's gradients
+            raise
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

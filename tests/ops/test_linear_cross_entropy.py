@@ -209,6 +209,53 @@ def test_op_ends_a_sequential_and_inference_computes_no_gradients():
         ops.Sequential(ops.RMSNorm(H))(x, target=t)
 
 
+@pytest.mark.parametrize(
+    "acc_dtype,dz_dtype,backend",
+    [
+        (torch.bfloat16, torch.bfloat16, None),
+        (torch.float32, torch.bfloat16, None),
+        (torch.float32, torch.float32, None),
+        (torch.float32, torch.bfloat16, "aot_eager"),  # traced: the opaque float32 op with beta 0
+        (torch.bfloat16, torch.bfloat16, "inductor"),  # inductor's addmm would compute acc * 0: NaN from NaN
+    ],
+)
+def test_first_chunk_writes_the_weight_gradient_without_reading_it(acc_dtype, dz_dtype, backend):
+    """The weight gradient starts uninitialized (no zero fill): the first chunk's GEMM must not read it, or NaN
+    and inf left there by earlier tensors would reach the gradient. One token in the chunk too, the shape that
+    inductor decomposes into a product and a sum."""
+    import types
+
+    import float8.ops.cross_entropy as lce
+
+    plan = types.SimpleNamespace(fp8_dw=False)
+    for tokens in (32, 1):
+        g = torch.Generator().manual_seed(tokens)
+        dz, xc = torch.randn(tokens, 40, generator=g).to(dz_dtype), torch.randn(tokens, 24, generator=g).to(dz_dtype)
+        acc = torch.full((40, 24), float("nan"), dtype=acc_dtype)
+        acc[0, 0] = float("inf")
+        run = lambda acc, dz, xc: lce._accumulate_dw(acc, dz, xc, None, plan, first=True)  # noqa: E731
+        if backend is not None:
+            torch._dynamo.reset()
+            run = torch.compile(run, backend=backend, fullgraph=True)
+        run(acc, dz, xc)
+        want = dz.t().to(torch.float64) @ xc.to(torch.float64)
+        assert torch.isfinite(acc).all()
+        torch.testing.assert_close(acc.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gradient_through_the_incoming_gradient_create_graph(device):
+    """autograd.grad(s * loss, x, create_graph=True), then the gradient of that with respect to s: the
+    backward's scaling by the incoming gradient is recorded (on CUDA it leaves the kernel for the reference)."""
+    x, w, _, t = _data(torch.float32, bias=False)
+    x, w, t = x.detach().to(device).requires_grad_(), w.detach().to(device), t.to(device)
+    s = torch.tensor(0.7, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(s * linear_cross_entropy(x, w, t, chunk_tokens=32), x, create_graph=True)
+    (ds,) = torch.autograd.grad(gx.sum(), s)
+    (want,) = torch.autograd.grad(F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten()), x)
+    torch.testing.assert_close(ds, want.sum(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_bad_label_on_cuda_raises_after_queueing_and_reads_nothing_gpu():
     """On CUDA the label check answers without a host sync before the GEMMs (ops/cross_entropy.py
