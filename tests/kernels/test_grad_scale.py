@@ -71,6 +71,27 @@ def test_kernel_matches_reference_gpu(dtype, g, n):
 
 
 @pytest.mark.gpu
+def test_eager_cuda_calls_take_the_kernel_gpu(monkeypatch):
+    """The kernel, not the reference, serves an eager CUDA call (both give the same bits, so the tests above
+    cannot tell them apart); a g that takes a gradient goes to the (differentiable) reference."""
+    import float8.kernels.grad_scale as G
+
+    real = G.scale_grad_ref
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(G, "scale_grad_ref", refuse)
+    t, g = _t(3 * BLOCK + 5, torch.bfloat16, "cuda"), torch.tensor(0.5, device="cuda")
+    for out_dtype, src in ((torch.bfloat16, t.clone()), (torch.float16, t.float())):
+        got = G.scale_grad(src, g, out_dtype)
+        torch.testing.assert_close(got, _definition(src if out_dtype != src.dtype else t, g, out_dtype), rtol=0, atol=0)
+    monkeypatch.setattr(G, "scale_grad_ref", real)
+    gr = torch.tensor(0.5, device="cuda", requires_grad=True)
+    assert G.scale_grad(t.clone(), gr, torch.bfloat16).requires_grad
+
+
+@pytest.mark.gpu
 def test_linear_cross_entropy_scales_its_gradients_by_the_incoming_one_gpu():
     """A loss scaled before backward (gradient accumulation, loss scaling) gives the gradients of the unscaled
     loss scaled the same way, in bits; an unscaled one leaves them as the forward wrote them."""
