@@ -205,12 +205,12 @@ def _(acc, a, b, beta) -> None:
 
 
 def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
-    """acc (V, H) += dz.t() @ xc, or = where `first` (acc is then uninitialized memory, which the first GEMM
-    writes without reading: no zero fill of the whole gradient, 0.3 ms for a bf16 (128256, 4096) one on the
-    H100, and no read of it by that GEMM; the opaque float32 op takes beta 0, which its eager GEMM honours). acc is float32 or the weight's dtype (plan.dw_dtype). Each
-    chunk's product is summed in float32 inside its GEMM; a weight-dtype acc rounds once per chunk. dz is
-    FP8 where plan.fp8_dw (then xc8 is x's chunk in FP8 with its transpose; acc starts zeroed), else in
-    x's dtype."""
+    """acc (V, H) += dz.t() @ xc, or = where `first`: acc is then uninitialized memory, which the first GEMM
+    writes without reading (no zero fill of the whole gradient, 0.3 ms for a bf16 (128256, 4096) one on the
+    H100, and no read by that GEMM; the opaque float32 op takes beta 0, which its eager GEMM honours). acc
+    is float32 or the weight's dtype (plan.dw_dtype). Each chunk's product is summed in float32 inside its
+    GEMM; a weight-dtype acc rounds once per chunk. dz is FP8 where plan.fp8_dw (then xc8 is x's chunk in
+    FP8 with its transpose; acc starts zeroed), else in x's dtype."""
     beta = 0.0 if first else 1.0
     if plan.fp8_dw:
         # _scaled_mm cannot add into its output: the product goes through a float32 temporary, one slab of
