@@ -134,7 +134,12 @@ def rowwise_args(
     c = fp8_constants(fp8_dtype)
     args = (x2, data, scale_inv, R, K, x2.stride(0), margin_div(margin), c["FP8_MAX"], c["MIN_SCALE"])
     args += (power_of_2, rows, block_k, single)
-    return (cdiv(R, rows),), args, 8 if rows * block_k >= 4096 else 4
+    return (cdiv(R, rows),), args, warps_for(rows, block_k)
+
+
+def warps_for(rows: int, block_k: int) -> int:
+    """Warps of a `_quantize_rows` launch of ROWS x BLOCK_K tiles: 8 from 4096 elements, else 4."""
+    return 8 if rows * block_k >= 4096 else 4
 
 
 def row_blocks(k: int, max_single_k: int = MAX_SINGLE_K) -> tuple[int, int, bool]:

@@ -52,7 +52,7 @@ import torch
 from . import weight_only
 from .common import cdiv, fp8_constants, refuse_redefinition, triton_op, use_triton
 from .launch import FastLauncher
-from .rowwise import quantize_rowwise_ref, row_blocks
+from .rowwise import quantize_rowwise_ref, row_blocks, warps_for
 from .scratch import Scratch
 from .weight_only_kernel import COUNTER_LINE, _quantize_into_workspace_kernel, _rowwise_input_mm_kernel
 
@@ -157,7 +157,7 @@ def fp8_rowwise_input_mm_triton(
     rows, block_k, single = row_blocks(k)
     c = fp8_constants(E4M3)
     args = (x, ws, offset, m, k, x.stride(0), c["FP8_MAX"], c["MIN_SCALE"], rows, block_k, single)
-    _launch_quantize((cdiv(m, rows),), *args, num_warps=8 if rows * block_k >= 4096 else 4)
+    _launch_quantize((cdiv(m, rows),), *args, num_warps=warps_for(rows, block_k))
     _launch(call.grid, *call.args, **call.options)
     return call.y
 

@@ -211,7 +211,6 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
     is float32 or the weight's dtype (plan.dw_dtype). Each chunk's product is summed in float32 inside its
     GEMM; a weight-dtype acc rounds once per chunk. dz is FP8 where plan.fp8_dw (then xc8 is x's chunk in
     FP8 with its transpose; acc starts zeroed), else in x's dtype."""
-    beta = 0.0 if first else 1.0
     if plan.fp8_dw:
         # _scaled_mm cannot add into its output: the product goes through a float32 temporary, one slab of
         # vocabulary rows at a time (FP8_DW_SLAB x H x 4 bytes), not the whole (V, H) at once.
@@ -224,19 +223,16 @@ def _accumulate_dw(acc, dz, xc, xc8, plan: _Plan, first: bool):
         and dz.dtype in (torch.bfloat16, torch.float16)
         and (acc.device.type == "cuda" or torch.compiler.is_compiling())
     ):
-        _addmm_float32_(acc, dz.t(), xc, beta)  # bf16 operands, float32 sum: no temporary on CUDA (the one
+        _addmm_float32_(
+            acc, dz.t(), xc, 0.0 if first else 1.0
+        )  # bf16 operands, float32 sum: no temporary on CUDA (the one
         # mixed case CUDA's addmm takes: out_dtype float32 for half-precision operands, or the operands' dtype)
     elif first:
         # mm into acc, not addmm with beta 0: inductor's addmm template and its one-column decomposition
         # compute acc * beta, which turns NaN or inf in the uninitialized memory into NaN (0 * inf).
-        if acc.dtype == dz.dtype:
-            torch.mm(dz.t(), xc, out=acc)
-        else:
-            torch.mm(dz.t().to(acc.dtype), xc.to(acc.dtype), out=acc)
-    elif acc.dtype == dz.dtype:
-        acc.addmm_(dz.t(), xc)  # the GEMM's epilogue adds into acc (beta = 1)
+        torch.mm(dz.t().to(acc.dtype), xc.to(acc.dtype), out=acc)  # .to: no copy where the dtype is acc's
     else:
-        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype))
+        acc.addmm_(dz.t().to(acc.dtype), xc.to(acc.dtype))  # the GEMM's epilogue adds into acc (beta = 1)
 
 
 def _chunks(n: int, chunk: int):
