@@ -79,15 +79,16 @@ class LlamaModel(torch.nn.Module):
         return self.head(x, target)
 
 
-def build(kind: str, s: LlamaShape, device, recipe=None) -> LlamaModel:
-    """kind: "torch" (plain bf16), "converted" (plain modules, float8 Linears, fused FP8 head) or "ops"
-    (blocks of float8 ops, fused FP8 head). bfloat16 parameters on `device`."""
+def build(kind: str, s: LlamaShape, device, recipe=None, fuse_swiglu: bool = True) -> LlamaModel:
+    """kind: "torch" (plain bf16), "converted" (plain modules, float8 Linears, fused FP8 head; fuse_swiglu:
+    ops.convert's) or "ops" (blocks of float8 ops, fused FP8 head). bfloat16 parameters on `device`."""
     torch.manual_seed(0)
     with torch.device(device):
         if kind == "torch":
             model = LlamaModel(s, [Block(s) for _ in range(s.blocks)], TorchHead(s))
         elif kind == "converted":
-            model = LlamaModel(s, [ops.convert(Block(s), recipe=recipe) for _ in range(s.blocks)], ops_head(s, recipe))
+            blocks = [ops.convert(Block(s), recipe=recipe, fuse_swiglu=fuse_swiglu) for _ in range(s.blocks)]
+            model = LlamaModel(s, blocks, ops_head(s, recipe))
         elif kind == "ops":
             model = LlamaModel(s, [ops_block(s, recipe) for _ in range(s.blocks)], ops_head(s, recipe))
         else:

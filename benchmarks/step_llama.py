@@ -1,11 +1,13 @@
-"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b]: whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an
-AdamW step (foreach), for each variant. Reports ms per step, tokens/s, the step's peak memory, and the
+"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b] [--batch B --seq S]: whole training
+steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an AdamW step
+(foreach), for each variant, at B x S tokens (default 8 x 2048). Reports ms per step, tokens/s, the step's peak memory, and the
 kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the area "step_llama"
 in DIR (default benchmarks/results/; benchmarks.harness.record)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import List
 
 import torch
@@ -30,6 +32,7 @@ VARIANTS = [
     "float8 ops compiled",
     "float8 ops compiled lean",
     "float8 converted eager",
+    "float8 converted eager unfused",
     "float8 converted eager lean",
     "float8 converted compiled",
     "float8 converted compiled lean",
@@ -46,7 +49,8 @@ def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:
     elif variant.startswith("float8 ops"):
         model = build("ops", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("float8 converted"):
-        model = build("converted", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
+        recipe = Recipe(lean_activations=True) if "lean" in variant else None
+        model = build("converted", s, device, recipe, fuse_swiglu="unfused" not in variant)
     elif variant.startswith("torchao"):
         if device.type != "cuda":
             raise RuntimeError("torchao's float8 training needs a CUDA GPU")
@@ -88,12 +92,15 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     for _ in range(3):
         step()  # compile, autotune, and the optimizer's states exist from here on
     ms = time_steps(step, device, warmup=0, reps=5 if device.type == "cuda" else 2)
+    held = torch.cuda.memory_allocated() if device.type == "cuda" else None  # between steps
     peak = step_peak_bytes(step, device)
     row = {
         "variant": variant,
+        "tokens": s.batch * s.seq,
         "ms_per_step": round(ms, 1),
         "tokens_per_s": round(s.batch * s.seq / ms * 1e3),
         "peak_GiB": None if peak is None else round(peak / 2**30, 2),
+        "peak_above_held_GiB": None if peak is None else round((peak - held) / 2**30, 2),
         "final_loss": round(float(losses[-1]), 4),
     }
     if breakdown:
@@ -103,9 +110,10 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     return row
 
 
-def run(device, tiny: bool, variants=None) -> List[dict]:
+def run(device, tiny: bool, variants=None, batch=None, seq=None) -> List[dict]:
     """Every variant (or those named), one record each; a variant that fails records its error."""
     s = TINY if tiny else LlamaShape()
+    s = dataclasses.replace(s, batch=batch or s.batch, seq=seq or s.seq)
     rows = []
     for variant in variants or VARIANTS:
         try:
@@ -127,9 +135,11 @@ def run(device, tiny: bool, variants=None) -> List[dict]:
 
 COLUMNS = [
     "variant",
+    "tokens",
     "ms_per_step",
     "tokens_per_s",
     "peak_GiB",
+    "peak_above_held_GiB",
     "speed_vs_bf16_eager",
     "speed_vs_bf16_compiled",
     "speed_vs_torchao_tensorwise_compiled",
@@ -144,10 +154,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     p.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     p.add_argument("--area", default="step_llama", help="the results area this run replaces")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; tiny 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; tiny 32)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants.split(",") if args.variants else None
-    rows = run(device, args.tiny or device.type == "cpu", variants)
+    rows = run(device, args.tiny or device.type == "cpu", variants, args.batch, args.seq)
     print(markdown_table(rows, COLUMNS))
     write_report(args.area, args.out, environment(device), rows, COLUMNS)
 

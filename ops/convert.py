@@ -38,6 +38,8 @@ from float8.kernels.scratch import Scratch
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
 from float8.ops.saved_outputs import SavedOutputs, detach_all
+from float8.ops.sequential import linears_outside_sequentials
+from float8.ops.swiglu_fusion import SwiGLUFusion, swiglu_fusion_of
 from float8.quantizer import quantizer_for
 
 __all__ = ["ConversionWarning", "convert", "skip_reason"]
@@ -74,11 +76,15 @@ def convert(
     recipe: Optional[Recipe] = None,
     filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
     fp8_weights: bool = False,
+    fuse_swiglu: bool = True,
 ) -> torch.nn.Module:
     """Replace model's nn.Linear layers by float8.ops.Linear in place and return the model.
 
     recipe: the converted layers' Recipe (default Recipe()). filter_fn(module, fqn) -> bool picks the
-    layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). When model
+    layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). fuse_swiglu:
+    the model's own `F.silu(g) * u` over the halves of a converted Linear's output keeps only that output
+    for its backward and runs the backward as one kernel (ops/swiglu_fusion.py; lean activations have their
+    own). When model
     is itself an nn.Linear, the returned op stands in for it. Converting again with a recipe gives the
     picked ops.Linear layers that recipe (new quantizers: delayed histories and calibrated input scales
     start over); without one, they keep theirs.
@@ -130,8 +136,8 @@ def convert(
             return op
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, op)
-    if recipe is not None and not isinstance(model, Linear):
-        _keep_saved_outputs_lean(model)
+    if not isinstance(model, Linear):
+        _attach_activation_hooks(model, fuse_swiglu)
     _share_workspace(model)
     if fp8_weights and any(isinstance(p, Float8Tensor) for p in model.parameters()):
         enable_save_pretrained(model)  # a Hugging Face model's save_pretrained writes the hub FP8 layout
@@ -148,13 +154,27 @@ def _share_workspace(model: torch.nn.Module) -> None:
             m._inference_plans.share(shared)
 
 
-def _keep_saved_outputs_lean(model: torch.nn.Module) -> None:
-    """One SavedOutputs on the converted model while any of its Linears has lean activations (it keeps
-    their outputs that the model's own activation code saves in E4M3: ops/saved_outputs.py), none after a
-    convert that leaves none lean; earlier ones, on the model or its submodules, are removed first."""
+def _attach_activation_hooks(model: torch.nn.Module, fuse_swiglu: bool) -> None:
+    """What runs around the converted model's own activation code, one object on the model:
+    - a SavedOutputs while any of its Linears has lean activations (it keeps their outputs that the model's
+      activation code saves in E4M3: ops/saved_outputs.py), with its own fused SwiGLU;
+    - else, with fuse_swiglu, a SwiGLUFusion while it has any converted Linear (ops/swiglu_fusion.py).
+    Earlier ones, on the model or its submodules, are removed first."""
     detach_all(model)
-    if any(isinstance(m, Linear) and m.recipe.lean_activations for m in model.modules()):
+    _detach_swiglu_fusions(model)
+    linears = linears_outside_sequentials(model)  # an ops.Sequential fuses its own activations
+    if any(m.recipe.lean_activations for m in linears):
         SavedOutputs().attach(model)
+    elif fuse_swiglu and linears:
+        SwiGLUFusion().attach(model)
+
+
+def _detach_swiglu_fusions(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        found = swiglu_fusion_of(m)
+        while found is not None:
+            found.detach(model)
+            found = swiglu_fusion_of(m)
 
 
 def _shared_with(owners: dict, module: torch.nn.Module, fqn: str) -> list:

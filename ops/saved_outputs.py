@@ -43,7 +43,7 @@ from float8 import Float8Tensor, RowwiseScaling
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.dequantize import dequantize
-from float8.ops.linear import Linear
+from float8.ops.sequential import linears_outside_sequentials
 
 __all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
 
@@ -188,7 +188,8 @@ class SavedOutputs:
     """Keeps the lean converted Linears' outputs that a model's activation code saves in E4M3.
 
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model (its
-    training forward runs inside a saved-tensor hooks context) and a forward hook on each ops.Linear in it
+    training forward runs inside a saved-tensor hooks context) and a forward hook on each ops.Linear in it that
+    no ops.Sequential runs
     (its output is noted when its recipe has lean activations); `detach(model)` removes them from every
     module of the model. The state of a forward in progress is not pickled. `last_forward`: how many
     tensors the latest forward kept in E4M3 and the bytes that saved."""
@@ -216,9 +217,8 @@ class SavedOutputs:
         """Hooks on `model` (the forward whose saves are kept lean) and on each ops.Linear in it."""
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._exit, always_call=True)
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.register_forward_hook(self._note)
+        for m in linears_outside_sequentials(model):
+            m.register_forward_hook(self._note)
 
     def detach(self, model: torch.nn.Module) -> None:
         """Remove this object's hooks from every module of `model`."""

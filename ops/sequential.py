@@ -11,6 +11,7 @@ import torch
 
 from float8 import Recipe
 from float8.ops.base import BasicOp
+from float8.ops.linear import Linear
 from float8.ops.runner import Float8PrecisionWarning, run_ops
 from float8.quantizer import check_amax_group
 
@@ -117,3 +118,10 @@ def _check_residual_pairs(ops) -> None:
 
 
 __all__ = ["Float8PrecisionWarning", "Sequential", "run_ops"]
+
+
+def linears_outside_sequentials(model: torch.nn.Module) -> list:
+    """The ops.Linear modules of `model` that no Sequential in it runs: those that take module hooks (a hook
+    on an op inside a Sequential makes it run alone and splits the Sequential's fused segments)."""
+    inside = {id(m) for seq in model.modules() if isinstance(seq, Sequential) for m in seq.modules()}
+    return [m for m in model.modules() if isinstance(m, Linear) and id(m) not in inside]

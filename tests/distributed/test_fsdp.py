@@ -402,21 +402,21 @@ class _PlainBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(g) * u)
 
 
-def _converted_model():
+def _converted_model(fuse_swiglu=True):
     import float8.ops as ops
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(_PlainBlock(), _PlainBlock())
-    ops.convert(model)
+    ops.convert(model, fuse_swiglu=fuse_swiglu)
     return model
 
 
-def _fsdp_converted(rank, world, compiled):
+def _fsdp_converted(rank, world, compiled, fuse_swiglu=False):
     from torch.distributed.fsdp import fully_shard
 
     import float8.fsdp as f8fsdp
 
-    model = _converted_model()
+    model = _converted_model(fuse_swiglu)
     assert len(f8fsdp.enable_fp8_all_gather(model)) == 4
     for block in model:
         fully_shard(block)  # reshard after forward: backward all-gathers the FP8 weights again
@@ -433,17 +433,24 @@ def _fsdp_converted(rank, world, compiled):
         opt.step()
         f8fsdp.precompute_scales(model)
         losses.append(float(loss))
+    if fuse_swiglu:  # each block's SwiGLU ran fused under FSDP2
+        from float8.ops.swiglu_fusion import swiglu_fusion_of
+
+        assert swiglu_fusion_of(model).last_forward == {"fused": 2}
     return losses, {n.replace("_orig_mod.", ""): p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
 def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
     """The README's FSDP2 recipe on a converted plain-torch.nn model, each block compiled: its backward
     re-gathers the FP8 weights into the same parameter. The scale used to be written in place there, which
-    failed the compiled backward's version check ("modified by an inplace operation")."""
+    failed the compiled backward's version check ("modified by an inplace operation"). Bit for bit against
+    eager without ops.convert's SwiGLU fusion (compiled code computes torch's own SwiGLU backward); the
+    default eager model, fused, within the gradient tolerance of the single-process one."""
     from tests.tolerances import SQNR_DB, sqnr_db
 
     eager = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(False,))
     compiled = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(True,))
+    fused = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(False, True))
     for rank in range(2):
         assert compiled[rank][0] == eager[rank][0], (compiled[rank][0], eager[rank][0])
     single = _converted_model()
@@ -457,6 +464,8 @@ def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
         got = getattr(got, "master", got)
         assert torch.equal(got, getattr(eager[0][1][name], "master", eager[0][1][name])), name
         assert sqnr_db(p.detach(), got) >= SQNR_DB["grad"], name
+        got_fused = fused[0][1][name]
+        assert sqnr_db(p.detach(), getattr(got_fused, "master", got_fused)) >= SQNR_DB["grad"], name
 
 
 def _hsdp_fp8(rank, world):

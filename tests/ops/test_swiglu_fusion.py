@@ -1,0 +1,390 @@
+"""ops.convert fuses the model's own SwiGLU (ops/swiglu_fusion.py): `F.silu(g) * u` over the halves of a
+converted Linear's output keeps only that output for the backward, which writes its gradient in one pass.
+The forward's bits do not change; the gradient of the Linear's output is act_bwd's (one rounding); every
+pattern that is not exactly the halves of one output, and every context where a fused save would be wrong
+(no grad, in-place writes, checkpointing inside the model, compile), runs torch's own code."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import float8.ops as ops
+from float8 import Recipe
+from float8.kernels.activation import act_bwd
+from float8.ops.saved_outputs import saved_outputs_of
+from float8.ops.swiglu_fusion import swiglu_fusion_of
+from tests.tolerances import sqnr_db
+
+BF16 = torch.bfloat16
+D, F_ = 64, 128
+
+
+class MLP(torch.nn.Module):
+    """A Llama MLP as users write it; `pattern` picks how the activation is spelled; h.grad is kept."""
+
+    def __init__(self, pattern="chunk", f=F_):
+        super().__init__()
+        self.pattern, self.f = pattern, f
+        self.up = torch.nn.Linear(D, 2 * f, bias=False)
+        self.down = torch.nn.Linear(f, D, bias=False)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.requires_grad:
+            h.retain_grad()
+        self.h = h
+        p, f = self.pattern, self.f
+        if p == "chunk":
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+        elif p == "reversed":
+            g, u = h.chunk(2, dim=-1)
+            a = u * F.silu(g)
+        elif p == "torch.mul":
+            g, u = h.chunk(2, dim=-1)
+            a = torch.mul(F.silu(g), u)
+        elif p == "slices of a view":
+            hv = h.view(2, -1, 2 * f)
+            a = (F.silu(hv[..., :f]) * hv[..., f:]).view(-1, f)
+        elif p == "gate second":  # [linear | gate]: not the kernel's layout, not fused
+            u, g = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+        elif p == "silu used twice":
+            g, u = h.chunk(2, dim=-1)
+            s = F.silu(g)
+            a = s * u + s
+        elif p == "silu written in place":
+            g, u = h.chunk(2, dim=-1)
+            s = F.silu(g)
+            s.mul_(0.5)
+            a = s * u
+        elif p == "two chunks":  # g and u from different chunk calls of h: still the same halves
+            g = h.chunk(2, dim=-1)[0]
+            u = h.chunk(2, dim=-1)[1]
+            a = F.silu(g) * u
+        elif p == "quarters":  # halves of halves: not the output's halves
+            q = h.chunk(4, dim=-1)
+            a = torch.cat([F.silu(q[0]) * q[1], F.silu(q[2]) * q[3]], dim=-1)
+        elif p == "detached u":  # plain torch gives h no gradient through u
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u.detach()
+        elif p == "product only":  # no down projection: the output is the product itself
+            g, u = h.chunk(2, dim=-1)
+            return F.silu(g) * u
+        else:
+            raise ValueError(p)
+        return self.down(a)
+
+
+def _models(pattern="chunk", dtype=BF16):
+    torch.manual_seed(0)
+    base = MLP(pattern).to(dtype)
+    fused = ops.convert(copy.deepcopy(base))
+    plain = ops.convert(copy.deepcopy(base), fuse_swiglu=False)
+    return fused, plain
+
+
+def _data(tokens=256, dtype=BF16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(tokens, D, generator=g).to(dtype), torch.randn(tokens, D, generator=g).to(dtype)
+
+
+def _step(model, x, dy, create_graph=False):
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy, create_graph=create_graph)
+    return [y, x.grad, model.h.grad] + [p.grad for p in model.parameters()]
+
+
+def _dh_float64(h, dh_in):
+    """d(silu(g) * u)/dh in float64 for h = [g | u] and the incoming gradient dh_in."""
+    g, u = h.double().chunk(2, dim=-1)
+    s = torch.sigmoid(g)
+    dy = dh_in.double()
+    return torch.cat([dy * u * s * (1 + g * (1 - s)), dy * g * s], dim=-1)
+
+
+def test_convert_attaches_it_by_default_and_not_when_asked_or_lean():
+    fused, plain = _models()
+    assert swiglu_fusion_of(fused) is not None and swiglu_fusion_of(plain) is None
+    lean = ops.convert(MLP().to(BF16), recipe=Recipe(lean_activations=True))
+    assert swiglu_fusion_of(lean) is None and saved_outputs_of(lean) is not None
+    ops.convert(lean, recipe=Recipe())  # not lean any more: the fusion instead
+    assert swiglu_fusion_of(lean) is not None and saved_outputs_of(lean) is None
+    ops.convert(lean, fuse_swiglu=False)
+    assert swiglu_fusion_of(lean) is None
+
+
+@pytest.mark.parametrize("pattern", ["chunk", "reversed", "torch.mul", "slices of a view", "two chunks"])
+def test_fused_forward_bits_unchanged_and_the_gradient_is_one_rounding_of_float64(pattern):
+    x, dy = _data()
+    fused, plain = _models(pattern)
+    a, b = _step(fused, x, dy), _step(plain, x, dy)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    assert torch.equal(a[0], b[0])  # torch's own forward
+    assert torch.equal(a[4], b[4])  # the down projection's weight gradient: the same forward bits
+    # h's gradient is act_bwd's: one rounding of the float32 formula, at least as close to float64 as torch's
+    # two roundings
+    h = fused.h.detach()
+    a_in = _incoming(fused, h, dy)
+    assert torch.equal(a[2], act_bwd(a_in, h, "swiglu"))
+    want = _dh_float64(h, a_in)
+    assert sqnr_db(want, a[2]) >= sqnr_db(want, b[2]) - 0.05
+    # what reaches the parameters and x: the FP8 GEMMs of the same (or a nearer) h gradient
+    for p, q in zip(a[1:], b[1:]):
+        assert sqnr_db(q, p) >= 25
+
+
+def _incoming(model, h, dy):
+    """The gradient arriving at the product's output (the down projection's dx), recomputed from h."""
+    g, u = h.chunk(2, dim=-1)
+    a = (F.silu(g) * u).requires_grad_(True)
+    return torch.autograd.grad(model.down(a), a, dy)[0]
+
+
+@pytest.mark.parametrize(
+    "pattern", ["gate second", "silu used twice", "silu written in place", "quarters", "detached u"]
+)
+def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern):
+    x, dy = _data()
+    fused, plain = _models(pattern)
+    a, b = _step(fused, x, dy), _step(plain, x, dy)
+    want_fused = 1 if pattern == "silu used twice" else 0
+    assert swiglu_fusion_of(fused).last_forward == {"fused": want_fused}
+    for p, q in zip(a, b):
+        if p is None:
+            assert q is None
+        elif want_fused:  # the product fused, silu's other use through torch's backward: the sum is h's gradient
+            assert sqnr_db(q, p) >= 30
+        else:
+            assert torch.equal(p, q)
+
+
+def test_in_place_write_to_h_between_silu_and_product_is_not_fused_and_torch_refuses_the_backward():
+    class Writes(MLP):
+        def forward(self, x):
+            h = self.up(x)
+            self.h = h
+            g, u = h[:, : self.f], h[:, self.f :]
+            s = F.silu(g)
+            h.mul_(2.0)  # after silu saved g
+            return self.down(s * u)
+
+    torch.manual_seed(0)
+    model = ops.convert(Writes().to(BF16))
+    x, dy = _data()
+    y = model(x.requires_grad_(True))
+    assert swiglu_fusion_of(model).last_forward == {"fused": 0}
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+def test_a_write_to_h_after_the_product_is_refused_by_the_fused_save():
+    class WritesAfter(MLP):
+        def forward(self, x):
+            h = self.up(x)
+            self.h = h
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+            h.zero_()
+            return self.down(a)
+
+    torch.manual_seed(0)
+    model = ops.convert(WritesAfter().to(BF16))
+    x, dy = _data()
+    y = model(x.requires_grad_(True))
+    assert swiglu_fusion_of(model).last_forward == {"fused": 1}
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+def test_not_fused_without_grad_or_under_checkpointing_inside_the_model():
+    x, dy = _data()
+    fused, plain = _models()
+    with torch.no_grad():
+        assert torch.equal(fused(x), plain(x))
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 0}
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return checkpoint(self.mlp, x, use_reentrant=False)
+
+    outer = Checkpointed(MLP().to(BF16))
+    torch.manual_seed(0)
+    outer.mlp = MLP().to(BF16)
+    ref = copy.deepcopy(outer)
+    ops.convert(outer)
+    ops.convert(ref, fuse_swiglu=False)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    outer(xa).backward(dy)  # a fused save here would not match the recomputation's: torch would raise
+    ref(xb).backward(dy)
+    assert swiglu_fusion_of(outer).last_forward == {"fused": 0}
+    assert torch.equal(xa.grad, xb.grad)
+
+
+def test_a_callers_saved_tensor_hooks_around_the_model_see_less_saved():
+    # Offloading-style hooks around the whole forward still fuse; what autograd still holds at the end of the
+    # forward (the packed tensors alive then) is h once, without silu(g).
+    x, dy = _data()
+    fused, plain = _models()
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    def held_bytes(model):
+        boxes = []
+
+        def pack(t):
+            box = Box(t)
+            boxes.append(weakref.ref(box))
+            return box
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            y = model(x.clone().requires_grad_(True))
+        alive = {}
+        for ref in boxes:
+            box = ref()
+            if box is not None:
+                t = box.t
+                alive[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)] = t.numel() * t.element_size()
+        y.backward(dy)
+        return sum(alive.values())
+
+    fused_bytes, plain_bytes = held_bytes(fused), held_bytes(plain)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    # plain: g, u and silu(g), each (256, 128) bf16; fused: h (256, 256)
+    assert plain_bytes - fused_bytes == 256 * F_ * 2
+
+
+def test_double_backward_through_the_fused_product_matches_torch():
+    # A penalty on the gradient with respect to h (the FP8 Linears themselves have no second derivative):
+    # the fused backward under create_graph=True is torch's differentiable formula.
+    x, _ = _data(dtype=torch.float32)
+    fused, plain = _models("product only", dtype=torch.float32)
+    w = torch.randn(x.shape[0], F_, generator=torch.Generator().manual_seed(2))
+
+    def penalty(model):
+        y = model(x)
+        (gh,) = torch.autograd.grad((y * w).sum(), model.h, create_graph=True)
+        gh.square().sum().backward()
+        return [gh] + [p.grad for p in model.parameters()]
+
+    got, want = penalty(fused), penalty(plain)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    assert want[-1] is None and got[-1] is None  # the down projection is not used
+    for p, q in zip(got[:-1], want[:-1]):
+        assert sqnr_db(q, p) >= 60
+
+
+def test_compiled_model_is_left_to_the_compiler():
+    x, dy = _data()
+    fused, plain = _models()
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=False)
+    a, b = _step(compiled, x, dy), _step(plain, x, dy)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 0}
+    assert torch.equal(a[0], b[0])
+
+
+def test_pickles_copies_and_is_freed_without_the_garbage_collector():
+    from tests.ops.test_no_reference_cycles import _freed_without_gc
+
+    fused, _ = _models()
+    x, dy = _data()
+    for clone in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        _step(clone, x, dy)
+        assert swiglu_fusion_of(clone).last_forward == {"fused": 1}
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+
+    def step(model):
+        _step(model, x, dy)
+        assert swiglu_fusion_of(model).last_forward == {"fused": 1}
+
+    _freed_without_gc(lambda: _models()[0], step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_fused_holds_less_and_takes_the_kernel():
+    # 8192 tokens, f 4096: silu(g) (64 MiB of bf16) is not kept between forward and backward; h's gradient is
+    # the Triton kernel's, bit for bit act_bwd's reference.
+    from float8.kernels.activation_ref import act_bwd_ref
+
+    def held(fuse):
+        torch.manual_seed(0)
+        model = ops.convert(MLP(f=4096).to(BF16).cuda(), fuse_swiglu=fuse)
+        x = torch.randn(8192, D, device="cuda", dtype=BF16)
+        dy = torch.randn_like(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        xr = x.clone().requires_grad_(True)
+        y = model(xr)
+        kept = torch.cuda.memory_allocated() - base
+        y.backward(dy)
+        return kept, model
+
+    fused_kept, fused = held(True)
+    plain_kept, plain = held(False)
+    assert plain_kept - fused_kept >= 60 * 2**20, (plain_kept / 2**20, fused_kept / 2**20)
+    h = fused.h.detach()
+    g, u = h.chunk(2, -1)
+    a = (F.silu(g) * u).requires_grad_(True)
+    fused.down(a).backward(torch.randn(8192, D, device="cuda", dtype=BF16).fill_(0.01))
+    assert torch.equal(act_bwd(a.grad, h, "swiglu"), act_bwd_ref(a.grad, h, "swiglu"))
+
+
+def test_the_mode_steps_aside_while_a_linear_runs_and_is_back_after():
+    # The Linear's own Python would otherwise pass every torch call through the mode (host time).
+    from float8.ops.swiglu_fusion import _FuseSwiGLU
+
+    seen = []
+
+    class Probe(MLP):
+        def forward(self, x):
+            seen.append(("model", type(torch.overrides._get_current_function_mode())))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = ops.convert(Probe().to(BF16))
+    model.up.register_forward_pre_hook(
+        lambda m, a: seen.append(("up", type(torch.overrides._get_current_function_mode())))
+    )
+    x, dy = _data()
+    _step(model, x, dy)
+    assert seen == [("model", _FuseSwiGLU), ("up", type(None))]
+    assert torch.overrides._get_current_function_mode() is None  # nothing left on the stack
+    assert swiglu_fusion_of(model).last_forward == {"fused": 1}
+
+
+def test_an_error_inside_a_linear_leaves_no_mode_behind():
+    model, _ = _models()
+    with pytest.raises(ValueError, match="Linear expects input"):
+        model(torch.randn(4, D + 1, dtype=BF16, requires_grad=True))  # wrong width: the Linear raises
+    assert torch.overrides._get_current_function_mode() is None
+    x, dy = _data()
+    _step(model, x, dy)
+    assert swiglu_fusion_of(model).last_forward == {"fused": 1}
+
+
+def test_an_ops_sequential_inside_the_model_keeps_its_own_fusion_and_no_hooks():
+    seq = ops.Sequential(ops.RMSNorm(D), ops.Linear(D, 2 * F_), ops.SwiGLU(), ops.Linear(F_, D))
+    model = ops.convert(torch.nn.Sequential(seq, torch.nn.Linear(D, D)).to(BF16))
+    assert swiglu_fusion_of(model) is not None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in seq.modules())
+    x, dy = _data()
+    x.requires_grad_(True)
+    model(x).backward(dy)
+    assert x.grad is not None
