@@ -13,11 +13,15 @@ converted step (benchmarks/results/profile_step_converted_eager.txt).
 `ops.convert` attaches a `SwiGLUFusion` to the model it converts (not under lean activations, whose own
 `_LeanSiluProduct` in ops/saved_outputs.py keeps E4M3 copies instead). During a training forward of that
 model, a product (`*`, `torch.mul`) of `F.silu(g)` and u, where g and u are the first and second halves of
-the last dim of one ops.Linear output h, runs as `_SwiGLUProduct`:
+the last dim of one ops.Linear output h of at least MIN_NUMEL elements, runs as `_SwiGLUProduct`:
 - forward: torch's own product of the same two tensors (the same bits as the unconverted model);
 - saved: h alone (g and u are views of it: no new memory), so silu(g) is not kept;
 - backward: dh (..., 2F) in one pass of kernels/activation.py's act_bwd (float32 math, one rounding of each
   gradient element where torch rounds twice), written whole: no cat.
+
+The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
+from the end of a Linear with a large output to the start of the next Linear (`SwiGLUFusion`), so at small
+token counts nothing runs through it.
 
 The silu's own output and autograd node are left as they are: if the model uses silu(g) elsewhere too, that
 use's gradient still flows through torch's silu backward, and the two add up in h's gradient as before.
@@ -81,6 +85,7 @@ class _FuseSwiGLU(TorchFunctionMode):
     """Notes `F.silu` of a Linear output's first half and runs its product with the second half fused."""
 
     def __init__(self, owner: "SwiGLUFusion", hooks_at_enter: Any):
+        # hooks_at_enter: the saved-tensor hooks when the model's forward began
         super().__init__()
         self.owner = owner
         self.hooks_at_enter = hooks_at_enter
@@ -107,38 +112,50 @@ class _FuseSwiGLU(TorchFunctionMode):
         )
 
 
+# A Linear output smaller than this opens no window (below). At 1024 tokens a step of 8 converted Llama blocks
+# with the mode on for the whole forward took 66.3-66.5 ms against 57.2-60.9 unfused (h: 29M elements), at
+# 16384 tokens 258.1 against 273.5 (h: 470M elements; H100, 2026-11-27, area step_llama_swiglu): the mode's
+# host time per torch call is paid by every call it sees, the backward pass saved scales with h.
+MIN_NUMEL = 1 << 24
+_OFF = object()  # a model forward where nothing is fused (no grad)
+
+
 class SwiGLUFusion:
     """Fuses a converted model's own SwiGLU (see the module docstring).
 
-    `attach(model)` registers a forward pre-hook and an always-called forward hook on the model (its training
-    forward runs under `_FuseSwiGLU`) and hooks on each ops.Linear in it that no ops.Sequential runs (its
-    output is noted; the mode steps aside while it runs);
-    `detach(model)` removes them. `last_forward["fused"]`: how many products the latest forward fused."""
+    `attach(model)` registers a forward pre-hook and an always-called forward hook on the model, and a
+    forward pre-hook and a forward hook on each ops.Linear in it that no ops.Sequential runs. `_FuseSwiGLU`
+    is on only in windows: from the end of a Linear whose output has at least `min_numel` elements and an
+    even last dim to the start of the next Linear (or the end of the model's forward). The code between
+    (a Llama MLP's chunk, silu and product) is what it sees: the Linears' own Python, and the model's code
+    after small outputs, run without it. `detach(model)` removes the hooks. `last_forward["fused"]`: how many
+    products the latest eager forward fused."""
 
-    def __init__(self):
+    def __init__(self, min_numel: int = MIN_NUMEL):
+        self.min_numel = min_numel
         self._reset()
 
     def _reset(self) -> None:
         self.last_forward = {"fused": 0}
-        self._modes: list = []  # per model forward in progress: the entered mode, or None where not applied
-        self._asides: list = []  # per ops.Linear forward in progress: the mode taken off the stack, or None
+        self._contexts: list = []  # per model forward in progress: the saved-tensor hooks at its start, or _OFF
+        self._window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
         self._outputs: dict = {}  # id(root tensor) -> weakref to it: the Linear outputs of this forward
         self._silus: dict = {}  # id(silu output) -> (weakref to it, its version, weakref to h's root, its version)
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"min_numel": self.min_numel}
 
     def __setstate__(self, state: dict) -> None:
+        self.min_numel = state["min_numel"]
         self._reset()
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Hooks on `model` (the forward whose SwiGLU is fused) and on each ops.Linear in it."""
+        """Hooks on `model` (the forward whose SwiGLU is fused) and on its ops.Linear modules."""
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._exit, always_call=True)
         for m in linears_outside_sequentials(model):
-            m.register_forward_pre_hook(self._step_aside)
-            m.register_forward_hook(self._step_back, always_call=True)
-            m.register_forward_hook(self._note)
+            m.register_forward_pre_hook(self._close_window)
+            m.register_forward_hook(self._open_window)
 
     def detach(self, model: torch.nn.Module) -> None:
         """Remove this object's hooks from every module of `model`."""
@@ -148,51 +165,61 @@ class SwiGLUFusion:
                     del table[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
 
-    # ---- hooks -------------------------------------------------------------------------------------
+    # ---- hooks (none does anything while compiled: the compiler fuses the code itself) ---------------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._modes:
+        if torch.compiler.is_compiling():
+            return
+        if not self._contexts:
             self.last_forward = {"fused": 0}
-        mode = None
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            mode = _FuseSwiGLU(self, torch._C._autograd._top_saved_tensors_default_hooks(False))
-            mode.__enter__()
-        self._modes.append(mode)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) if torch.is_grad_enabled() else _OFF
+        self._contexts.append(hooks)
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._modes:
+        if torch.compiler.is_compiling() or not self._contexts:
             return
-        mode = self._modes.pop()
-        if mode is not None:
-            mode.__exit__(None, None, None)
-        if not self._modes:
+        self._contexts.pop()
+        if not self._contexts:
+            self._remove_window()
             self._outputs.clear()
             self._silus.clear()
-            self._asides.clear()
 
-    def _step_aside(self, module: torch.nn.Module, args: Any) -> None:
-        """Take the mode off the torch-function stack while an ops.Linear runs, when it is on top: the
-        Linear's own Python makes a hundred torch calls and tensor attribute reads, each of which would
-        pass through the mode. (With the mode on throughout, a whole AdamW step of 8 converted Llama blocks
-        at 128 tokens took 64.0 ms against 49.7 unfused, H100, 2026-11-27.)"""
-        mode = self._modes[-1] if self._modes and not torch.compiler.is_compiling() else None
-        if mode is not None and torch.overrides._get_current_function_mode() is mode:
-            torch.overrides._pop_mode()
-        else:
-            mode = None
-        self._asides.append(mode)
-
-    def _step_back(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._asides:
-            mode = self._asides.pop()
-            if mode is not None:
-                torch.overrides._push_mode(mode)
-
-    def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._modes or self._modes[-1] is None or torch.compiler.is_compiling():
+    def _open_window(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._contexts or self._contexts[-1] is _OFF:
             return
-        if type(output) is torch.Tensor and output.requires_grad and output.dtype in _DTYPES and output.dim() > 0:
+        if (
+            type(output) is torch.Tensor
+            and output.requires_grad
+            and output.dtype in _DTYPES
+            and output.dim() > 0
+            and output.shape[-1] % 2 == 0
+            and output.numel() >= self.min_numel
+        ):
             root = output if output._base is None else output._base
             self._outputs[id(root)] = weakref.ref(root)
+            if self._window is None:
+                self._window = _FuseSwiGLU(self, self._contexts[-1])
+                self._window.__enter__()
+
+    def _close_window(self, module: torch.nn.Module, args: Any) -> None:
+        # Only from the top of the stack: a mode the model's code entered since stays where it is (and ours
+        # under it, until the forward ends).
+        if self._window is not None and torch.overrides._get_current_function_mode() is self._window:
+            self._window.__exit__(None, None, None)
+            self._window = None
+
+    def _remove_window(self) -> None:
+        """At the end of the model's forward: the mode off the stack, wherever it is (modes above it, which
+        the model's code entered and did not leave, are put back in their order)."""
+        window, self._window = self._window, None
+        if window is None:
+            return
+        above = []
+        while torch.overrides._get_current_function_mode() not in (window, None):
+            above.append(torch.overrides._pop_mode())
+        if torch.overrides._get_current_function_mode() is window:
+            torch.overrides._pop_mode()
+        for mode in reversed(above):
+            torch.overrides._push_mode(mode)
 
     # ---- the pattern -------------------------------------------------------------------------------
     def _root_of(self, half: Any) -> Optional[torch.Tensor]:
