@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
+from float8.kernels.silu_product import silu_and_product, takes_kernel
 from float8.ops.sequential import linears_outside_sequentials
 
 __all__ = ["SwiGLUFusion", "swiglu_fusion_of"]
@@ -53,13 +54,30 @@ _MUL = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tenso
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class _SwiGLUProduct(torch.autograd.Function):
-    """silu(g) * u (either order) in the forward, from torch's silu output and torch's product; the backward
-    writes the gradient of h = [g | u] whole from h alone."""
+class _SiluOfHalf(torch.autograd.Function):
+    """F.silu(g) whose value was computed ahead (kernels/silu_product.py, with the product); torch's silu
+    backward."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, silu_g: torch.Tensor, u: torch.Tensor, func, silu_first: bool) -> torch.Tensor:
+    def forward(ctx, g: torch.Tensor, computed: list) -> torch.Tensor:
+        ctx.save_for_backward(g)
+        return computed.pop()
+
+    @staticmethod
+    def backward(ctx, ds: torch.Tensor):
+        (g,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(ds, g), None
+
+
+class _SwiGLUProduct(torch.autograd.Function):
+    """silu(g) * u (either order) in the forward: computed ahead with the silu where `computed` holds it,
+    else torch's product; the backward writes the gradient of h = [g | u] whole from h alone."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, silu_g: torch.Tensor, u: torch.Tensor, func, silu_first: bool, computed: list):
         ctx.save_for_backward(h)
+        if computed:
+            return computed.pop()
         return func(silu_g, u) if silu_first else func(u, silu_g)
 
     @staticmethod
@@ -70,7 +88,7 @@ class _SwiGLUProduct(torch.autograd.Function):
             dh = _swiglu_grad_differentiable(dy, h)
         else:
             dh = act_bwd(dy.contiguous(), h, "swiglu")
-        return dh, None, None, None, None
+        return dh, None, None, None, None, None
 
 
 def _swiglu_grad_differentiable(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -93,10 +111,9 @@ class _FuseSwiGLU(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.silu:
-            out = func(*args, **kwargs)
             if self._may_fuse() and len(args) == 1 and not kwargs.get("inplace", False) and set(kwargs) <= {"inplace"}:
-                self.owner._note_silu(args[0], out)
-            return out
+                return self.owner._silu(args[0], func)
+            return func(*args, **kwargs)
         if func in _MUL and not kwargs and len(args) == 2 and self.owner._silus and self._may_fuse():
             fused = self.owner._product(func, args)
             if fused is not None:
@@ -206,6 +223,8 @@ class SwiGLUFusion:
         if self._window is not None and torch.overrides._get_current_function_mode() is self._window:
             self._window.__exit__(None, None, None)
             self._window = None
+            for entry in self._silus.values():
+                entry[4] = None  # a product computed ahead that no product asked for: not kept
 
     def _remove_window(self) -> None:
         """At the end of the model's forward: the mode off the stack, wherever it is (modes above it, which
@@ -246,11 +265,22 @@ class SwiGLUFusion:
             return None
         return h
 
-    def _note_silu(self, g: Any, out: torch.Tensor) -> None:
+    def _silu(self, g: Any, func) -> torch.Tensor:
+        """F.silu(g), noted where g is the first half of a noted output. On CUDA the product with the other
+        half is computed with it, in one kernel, and kept for `_product` (until the window closes)."""
         root = self._root_of(g)
-        if root is None or self._whole(root, g, second=False) is None or type(out) is not torch.Tensor:
-            return
-        self._silus[id(out)] = (weakref.ref(out), out._version, weakref.ref(root), root._version)
+        h = None if root is None else self._whole(root, g, second=False)
+        if h is None:
+            return func(g)
+        product = None
+        if takes_kernel(h):
+            with torch.no_grad():
+                s, product = silu_and_product(h)
+            out = _SiluOfHalf.apply(g, [s])
+        else:
+            out = func(g)
+        self._silus[id(out)] = [weakref.ref(out), out._version, weakref.ref(root), root._version, product]
+        return out
 
     def _product(self, func, args: tuple) -> Optional[torch.Tensor]:
         """func(*args) as `_SwiGLUProduct` where one factor is a noted silu(g) and the other g's second half;
@@ -273,7 +303,9 @@ class SwiGLUFusion:
             if h is None:
                 continue
             self.last_forward["fused"] += 1
-            return _SwiGLUProduct.apply(h, a.detach(), u.detach(), func, silu_first)
+            computed = [] if entry[4] is None else [entry[4]]
+            entry[4] = None  # handed out once: a second product is a new tensor
+            return _SwiGLUProduct.apply(h, a.detach(), u.detach(), func, silu_first, computed)
         return None
 
 

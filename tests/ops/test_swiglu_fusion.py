@@ -131,8 +131,17 @@ def test_convert_attaches_it_by_default_and_not_when_asked_or_lean():
     assert swiglu_fusion_of(lean) is None
 
 
+@pytest.fixture(params=[False, True], ids=["torch forward", "computed ahead"])
+def ahead(request, monkeypatch):
+    """On CUDA the silu computes the product with it (kernels/silu_product.py); here that path runs with
+    torch's own calls standing in for the kernel (whose bits the GPU tests compare with them)."""
+    if request.param:
+        monkeypatch.setattr("float8.ops.swiglu_fusion.takes_kernel", lambda h: True)
+    return request.param
+
+
 @pytest.mark.parametrize("pattern", ["chunk", "reversed", "torch.mul", "slices of a view", "two chunks"])
-def test_fused_forward_bits_unchanged_and_the_gradient_is_one_rounding_of_float64(pattern):
+def test_fused_forward_bits_unchanged_and_the_gradient_is_one_rounding_of_float64(pattern, ahead):
     x, dy = _data()
     fused, plain = _models(pattern)
     a, b = _step(fused, x, dy), _step(plain, x, dy)
@@ -161,7 +170,7 @@ def _incoming(model, h, dy):
 @pytest.mark.parametrize(
     "pattern", ["gate second", "silu used twice", "silu written in place", "quarters", "detached u"]
 )
-def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern):
+def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern, ahead):
     x, dy = _data()
     fused, plain = _models(pattern)
     a, b = _step(fused, x, dy), _step(plain, x, dy)
@@ -421,3 +430,42 @@ def test_an_ops_sequential_inside_the_model_keeps_its_own_fusion_and_no_hooks():
     x.requires_grad_(True)
     model(x).backward(dy)
     assert x.grad is not None
+
+
+def test_a_product_computed_ahead_is_handed_out_once_and_dropped_when_the_window_closes(ahead):
+    from float8.ops.swiglu_fusion import _SiluOfHalf
+
+    class Twice(MLP):
+        def forward(self, x):
+            h = self.up(x)
+            self.h = h
+            g, u = h.chunk(2, dim=-1)
+            s = F.silu(g)
+            a, b = s * u, s * u  # two products: two tensors
+            self.kinds = (type(s.grad_fn).__name__, a.data_ptr() != b.data_ptr())
+            return self.down(a + b)
+
+    class Between(MLP):  # a Linear runs between the silu and the product: the product computed ahead was
+        # dropped when the window closed; the down projection's output opens another, where the product fuses
+        # with torch's product
+        def forward(self, x):
+            h = self.up(x)
+            self.h = h
+            g, u = h.chunk(2, dim=-1)
+            s = F.silu(g)
+            _ = self.down(torch.zeros_like(u))
+            return self.down(s * u)
+
+    x, dy = _data()
+    for cls, fused_count in ((Twice, 2), (Between, 1)):
+        torch.manual_seed(0)
+        base = cls().to(BF16)
+        fused, plain = _convert(copy.deepcopy(base)), ops.convert(copy.deepcopy(base), fuse_swiglu=False)
+        a, b = _step(fused, x, dy), _step(plain, x, dy)
+        assert swiglu_fusion_of(fused).last_forward == {"fused": fused_count}
+        assert torch.equal(a[0], b[0])
+        for p, q in zip(a[1:], b[1:]):
+            assert (p is None and q is None) or sqnr_db(q, p) >= 25  # h.grad: not retained here
+        if cls is Twice:
+            want = _SiluOfHalf._backward_cls.__name__ if ahead else "SiluBackward0"
+            assert fused.kinds == (want, True)
