@@ -39,7 +39,7 @@ from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
 from float8.ops.saved_outputs import SavedOutputs, detach_all
 from float8.ops.sequential import linears_outside_sequentials
-from float8.ops.swiglu_fusion import SwiGLUFusion, swiglu_fusion_of
+from float8.ops.swiglu_fusion import SwiGLUFusion
 from float8.quantizer import quantizer_for
 
 __all__ = ["ConversionWarning", "convert", "skip_reason"]
@@ -161,20 +161,12 @@ def _attach_activation_hooks(model: torch.nn.Module, fuse_swiglu: bool) -> None:
     - else, with fuse_swiglu, a SwiGLUFusion while it has any converted Linear (ops/swiglu_fusion.py).
     Earlier ones, on the model or its submodules, are removed first."""
     detach_all(model)
-    _detach_swiglu_fusions(model)
+    SwiGLUFusion.detach_all(model)
     linears = linears_outside_sequentials(model)  # an ops.Sequential fuses its own activations
     if any(m.recipe.lean_activations for m in linears):
         SavedOutputs().attach(model)
     elif fuse_swiglu and linears:
         SwiGLUFusion().attach(model)
-
-
-def _detach_swiglu_fusions(model: torch.nn.Module) -> None:
-    for m in model.modules():
-        found = swiglu_fusion_of(m)
-        while found is not None:
-            found.detach(model)
-            found = swiglu_fusion_of(m)
 
 
 def _shared_with(owners: dict, module: torch.nn.Module, fqn: str) -> list:

@@ -43,6 +43,7 @@ from float8 import Float8Tensor, RowwiseScaling
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.dequantize import dequantize
+from float8.ops.model_hooks import ModelHooks
 from float8.ops.sequential import linears_outside_sequentials
 
 __all__ = ["SavedOutputs", "detach_all", "saved_outputs_of"]
@@ -184,7 +185,7 @@ class _NoteElementwise(TorchFunctionMode):
             self.owner._in_elementwise -= 1
 
 
-class SavedOutputs:
+class SavedOutputs(ModelHooks):
     """Keeps the lean converted Linears' outputs that a model's activation code saves in E4M3.
 
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model (its
@@ -206,27 +207,12 @@ class SavedOutputs:
         self._silu_outputs: dict = {}  # id -> (weakref, version at creation) of the fused silus' outputs
         self._in_elementwise = 0
 
-    def __getstate__(self) -> dict:
-        return {"min_numel": self.min_numel}
-
-    def __setstate__(self, state: dict) -> None:
-        self.min_numel = state["min_numel"]
-        self._reset()
-
     def attach(self, model: torch.nn.Module) -> None:
         """Hooks on `model` (the forward whose saves are kept lean) and on each ops.Linear in it."""
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._exit, always_call=True)
         for m in linears_outside_sequentials(model):
             m.register_forward_hook(self._note)
-
-    def detach(self, model: torch.nn.Module) -> None:
-        """Remove this object's hooks from every module of `model`."""
-        for m in model.modules():
-            for table in (m._forward_pre_hooks, m._forward_hooks):
-                for hook_id in [k for k, h in table.items() if getattr(h, "__self__", None) is self]:
-                    del table[hook_id]
-                    m._forward_hooks_always_called.pop(hook_id, None)
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
@@ -380,17 +366,9 @@ class SavedOutputs:
 
 def saved_outputs_of(model: torch.nn.Module) -> Optional[SavedOutputs]:
     """The SavedOutputs that `ops.convert` attached to `model`, or None."""
-    for hook in model._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, SavedOutputs):
-            return owner
-    return None
+    return SavedOutputs.of(model)
 
 
 def detach_all(model: torch.nn.Module) -> None:
     """Remove every SavedOutputs attached to `model` or to any module in it."""
-    for m in model.modules():
-        found = saved_outputs_of(m)
-        while found is not None:
-            found.detach(model)
-            found = saved_outputs_of(m)
+    SavedOutputs.detach_all(model)

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.silu_product import silu_and_product, takes_kernel
+from float8.ops.model_hooks import ModelHooks
 from float8.ops.sequential import linears_outside_sequentials
 
 __all__ = ["SwiGLUFusion", "swiglu_fusion_of"]
@@ -137,7 +138,7 @@ MIN_NUMEL = 1 << 24
 _OFF = object()  # a model forward where nothing is fused (no grad)
 
 
-class SwiGLUFusion:
+class SwiGLUFusion(ModelHooks):
     """Fuses a converted model's own SwiGLU (see the module docstring).
 
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model, and a
@@ -159,13 +160,6 @@ class SwiGLUFusion:
         self._outputs: dict = {}  # id(root tensor) -> weakref to it: the Linear outputs of this forward
         self._silus: dict = {}  # id(silu output) -> (weakref to it, its version, weakref to h's root, its version)
 
-    def __getstate__(self) -> dict:
-        return {"min_numel": self.min_numel}
-
-    def __setstate__(self, state: dict) -> None:
-        self.min_numel = state["min_numel"]
-        self._reset()
-
     def attach(self, model: torch.nn.Module) -> None:
         """Hooks on `model` (the forward whose SwiGLU is fused) and on its ops.Linear modules."""
         model.register_forward_pre_hook(self._enter)
@@ -173,14 +167,6 @@ class SwiGLUFusion:
         for m in linears_outside_sequentials(model):
             m.register_forward_pre_hook(self._close_window)
             m.register_forward_hook(self._open_window)
-
-    def detach(self, model: torch.nn.Module) -> None:
-        """Remove this object's hooks from every module of `model`."""
-        for m in model.modules():
-            for table in (m._forward_pre_hooks, m._forward_hooks):
-                for hook_id in [k for k, h in table.items() if getattr(h, "__self__", None) is self]:
-                    del table[hook_id]
-                    m._forward_hooks_always_called.pop(hook_id, None)
 
     # ---- hooks (none does anything while compiled: the compiler fuses the code itself) ---------------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
@@ -311,8 +297,4 @@ class SwiGLUFusion:
 
 def swiglu_fusion_of(model: torch.nn.Module) -> Optional[SwiGLUFusion]:
     """The SwiGLUFusion that `ops.convert` attached to `model`, or None."""
-    for hook in model._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, SwiGLUFusion):
-            return owner
-    return None
+    return SwiGLUFusion.of(model)
