@@ -1,6 +1,6 @@
 """The SwiGLU of a converted model, fused: `F.silu(g) * u` over the halves of a Linear's output, one backward pass.
 
-A Llama MLP written in plain torch.nn computes its activation as
+A Llama MLP written in plain torch.nn with one gate-and-up projection computes its activation as
 
     g, u = self.up(x).chunk(2, dim=-1)
     y = F.silu(g) * u
@@ -8,34 +8,42 @@ A Llama MLP written in plain torch.nn computes its activation as
 Eager torch then saves g, u and silu(g) for the backward (silu(g) is a new (M, F) tensor: 448 MiB of bf16 per
 block of 16384 tokens x 14336 features), and its backward runs four elementwise passes, three of them over
 strided halves, and the chunk's cat: about 3 ms a block on the H100, the largest non-GEMM cost of the eager
-converted step (benchmarks/results/profile_step_converted_eager.txt).
+converted step (benchmarks/results/profile_step_converted_eager.txt). (Models with separate gate and up
+projections, as Hugging Face's Llama, do not have this pattern and are not fused.)
 
 `ops.convert` attaches a `SwiGLUFusion` to the model it converts (not under lean activations, whose own
 `_LeanSiluProduct` in ops/saved_outputs.py keeps E4M3 copies instead). During a training forward of that
 model, a product (`*`, `torch.mul`) of `F.silu(g)` and u, where g and u are the first and second halves of
 the last dim of one ops.Linear output h of at least MIN_NUMEL elements, runs as `_SwiGLUProduct`:
-- forward: torch's own product of the same two tensors (the same bits as the unconverted model);
+- forward: torch's own product of the same two tensors, or on CUDA the product computed at the silu from h
+  read once (kernels/silu_product.py, the same bits; the silu then runs as `_SiluOfHalf`, whose backward is
+  torch's silu backward);
 - saved: h alone (g and u are views of it: no new memory), so silu(g) is not kept;
 - backward: dh (..., 2F) in one pass of kernels/activation.py's act_bwd (float32 math, one rounding of each
-  gradient element where torch rounds twice), written whole: no cat.
+  gradient element where torch rounds twice), written whole into h's gradient: no cat.
 
 The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
 from the end of a Linear with a large output to the start of the next Linear (`SwiGLUFusion`), so at small
 token counts nothing runs through it.
 
-The silu's own output and autograd node are left as they are: if the model uses silu(g) elsewhere too, that
-use's gradient still flows through torch's silu backward, and the two add up in h's gradient as before.
-
-Checked before fusing, else the product runs as torch's: g and u are differentiable views of the same
-Linear output, with exactly the halves' shape, strides and offsets; neither h nor silu(g) was written in
-place since the silu (their version counters); same dtypes and shapes (no broadcasting); grad mode on; no
-forward-mode AD or functorch transform; not compiling (the compiler fuses this itself); no saved-tensor hooks
-pushed inside the model since its forward began (activation checkpointing inside the model recomputes
-without this mode and must save what the forward saved).
+The product's gradient goes to h directly, past the nodes between h and the two factors. So it is fused only
+where those nodes are exactly one chunk, split or slice of h each (not a custom Function, not a view of a view,
+not a module's backward hooks, which wrap h), with no tensor hooks and no retain_grad on g, u or silu(g) when
+the product is taken (hooks registered on them after it are not seen: do not fuse a model that does that, or
+convert it with fuse_swiglu=False). Also checked, else the product runs as torch's: exactly the halves' shape,
+strides and offsets; neither h nor silu(g) written in place since the silu (their version counters; a write
+through `.data` is not seen, as autograd does not see it); same dtypes and shapes; grad mode on; no forward-mode
+AD or functorch transform; not compiling (the compiler fuses this itself); no other TorchFunctionMode active
+when the window opens (one could change what F.silu or the product compute); no saved-tensor hooks pushed
+inside the model since its forward began (activation checkpointing inside the model recomputes without this
+mode and must save what the forward saved). Per thread: each thread's forward has its own state. A recursive
+call of the model inside its own forward, or a forward interrupted by a BaseException such as
+KeyboardInterrupt, drops the state of the forward before it (what follows in it is not fused).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -67,6 +75,9 @@ class _SiluOfHalf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ds: torch.Tensor):
         (g,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: aten's silu_backward has no derivative of its own
+            s = torch.sigmoid(g.float())
+            return (ds.float() * s * (1 + g.float() * (1 - s))).to(g.dtype), None
         return torch.ops.aten.silu_backward(ds, g), None
 
 
@@ -115,7 +126,7 @@ class _FuseSwiGLU(TorchFunctionMode):
             if self._may_fuse() and len(args) == 1 and not kwargs.get("inplace", False) and set(kwargs) <= {"inplace"}:
                 return self.owner._silu(args[0], func)
             return func(*args, **kwargs)
-        if func in _MUL and not kwargs and len(args) == 2 and self.owner._silus and self._may_fuse():
+        if func in _MUL and not kwargs and len(args) == 2 and self.owner._state().silus and self._may_fuse():
             fused = self.owner._product(func, args)
             if fused is not None:
                 return fused
@@ -136,6 +147,24 @@ class _FuseSwiGLU(TorchFunctionMode):
 # host time per torch call is paid by every call it sees, the backward pass saved scales with h.
 MIN_NUMEL = 1 << 24
 _OFF = object()  # a model forward where nothing is fused (no grad)
+# The autograd nodes of one chunk, split or slice: their gradient is the input's, zero elsewhere.
+_VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"})
+
+
+class _State(threading.local):
+    """One thread's forward in progress."""
+
+    def __init__(self):
+        self.contexts: list = []  # per model forward in progress: the saved-tensor hooks at its start, or _OFF
+        self.window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
+        self.outputs: dict = {}  # id(grad_fn of a Linear output) -> weakref to that output
+        # id(silu output) -> [its weakref, its version, h's weakref, h's version, product, g's weakref]
+        self.silus: dict = {}
+
+    def clear(self) -> None:
+        self.contexts.clear()
+        self.outputs.clear()
+        self.silus.clear()
 
 
 class SwiGLUFusion(ModelHooks):
@@ -144,10 +173,10 @@ class SwiGLUFusion(ModelHooks):
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model, and a
     forward pre-hook and a forward hook on each ops.Linear in it that no ops.Sequential runs. `_FuseSwiGLU`
     is on only in windows: from the end of a Linear whose output has at least `min_numel` elements and an
-    even last dim to the start of the next Linear (or the end of the model's forward). The code between
-    (a Llama MLP's chunk, silu and product) is what it sees: the Linears' own Python, and the model's code
-    after small outputs, run without it. `detach(model)` removes the hooks. `last_forward["fused"]`: how many
-    products the latest eager forward fused."""
+    even last dim (when no other TorchFunctionMode is active) to the start of the next Linear (or the end of
+    the model's forward). The code between (a Llama MLP's chunk, silu and product) is what it sees: the
+    Linears' own Python, and the model's code after small outputs, run without it. `detach(model)` removes
+    the hooks. `last_forward["fused"]`: how many products the latest eager forward fused."""
 
     def __init__(self, min_numel: int = MIN_NUMEL):
         self.min_numel = min_numel
@@ -155,10 +184,10 @@ class SwiGLUFusion(ModelHooks):
 
     def _reset(self) -> None:
         self.last_forward = {"fused": 0}
-        self._contexts: list = []  # per model forward in progress: the saved-tensor hooks at its start, or _OFF
-        self._window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
-        self._outputs: dict = {}  # id(root tensor) -> weakref to it: the Linear outputs of this forward
-        self._silus: dict = {}  # id(silu output) -> (weakref to it, its version, weakref to h's root, its version)
+        self._local = _State()
+
+    def _state(self) -> _State:
+        return self._local
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hooks on `model` (the forward whose SwiGLU is fused) and on its ops.Linear modules."""
@@ -172,50 +201,61 @@ class SwiGLUFusion(ModelHooks):
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        if not self._contexts:
-            self.last_forward = {"fused": 0}
+        state = self._state()
+        if state.contexts:  # a recursive call, or a forward a BaseException interrupted: start over
+            self._remove_window(state)
+            state.clear()
+        self.last_forward = {"fused": 0}
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) if torch.is_grad_enabled() else _OFF
-        self._contexts.append(hooks)
+        state.contexts.append(hooks)
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._contexts:
+        if torch.compiler.is_compiling():
             return
-        self._contexts.pop()
-        if not self._contexts:
-            self._remove_window()
-            self._outputs.clear()
-            self._silus.clear()
+        state = self._state()
+        if state.contexts:
+            self._remove_window(state)
+            state.clear()
 
     def _open_window(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._contexts or self._contexts[-1] is _OFF:
+        if torch.compiler.is_compiling():
+            return
+        state = self._state()
+        if not state.contexts or state.contexts[-1] is _OFF:
             return
         if (
             type(output) is torch.Tensor
             and output.requires_grad
+            and output.grad_fn is not None
             and output.dtype in _DTYPES
             and output.dim() > 0
             and output.shape[-1] % 2 == 0
             and output.numel() >= self.min_numel
         ):
-            root = output if output._base is None else output._base
-            self._outputs[id(root)] = weakref.ref(root)
-            if self._window is None:
-                self._window = _FuseSwiGLU(self, self._contexts[-1])
-                self._window.__enter__()
+            state.outputs[id(output.grad_fn)] = weakref.ref(output)
+            # Only over an empty mode stack: a mode below ours could change what F.silu or the product
+            # compute, and one entered around a Linear would pop ours when it exits.
+            if state.window is None and torch._C._len_torch_function_stack() == 0:
+                state.window = _FuseSwiGLU(self, state.contexts[-1])
+                state.window.__enter__()
 
     def _close_window(self, module: torch.nn.Module, args: Any) -> None:
-        # Only from the top of the stack: a mode the model's code entered since stays where it is (and ours
-        # under it, until the forward ends).
-        if self._window is not None and torch.overrides._get_current_function_mode() is self._window:
-            self._window.__exit__(None, None, None)
-            self._window = None
-            for entry in self._silus.values():
+        if torch.compiler.is_compiling():
+            return
+        state = self._state()
+        # Only from the top of the stack: a mode the model's code entered since stays above ours, and ours
+        # under it, until that mode exits or the forward ends.
+        if state.window is not None and torch.overrides._get_current_function_mode() is state.window:
+            state.window.__exit__(None, None, None)
+            state.window = None
+            for entry in state.silus.values():
                 entry[4] = None  # a product computed ahead that no product asked for: not kept
 
-    def _remove_window(self) -> None:
-        """At the end of the model's forward: the mode off the stack, wherever it is (modes above it, which
-        the model's code entered and did not leave, are put back in their order)."""
-        window, self._window = self._window, None
+    @staticmethod
+    def _remove_window(state: _State) -> None:
+        """The mode off the stack, wherever it is (modes above it, which the model's code entered and did not
+        leave, are put back in their order)."""
+        window, state.window = state.window, None
         if window is None:
             return
         above = []
@@ -227,71 +267,90 @@ class SwiGLUFusion(ModelHooks):
             torch.overrides._push_mode(mode)
 
     # ---- the pattern -------------------------------------------------------------------------------
-    def _root_of(self, half: Any) -> Optional[torch.Tensor]:
-        """The noted Linear output (its root tensor) that `half` is a differentiable view of, or None."""
-        if type(half) is not torch.Tensor or not half.requires_grad or half._base is None:
+    @staticmethod
+    def _unhooked(*tensors: torch.Tensor) -> bool:
+        """No tensor hook and no retain_grad on any of them (their gradients must exist, one by one)."""
+        return all(not t._backward_hooks and not t.retains_grad for t in tensors)
+
+    def _output_of(self, half: Any) -> Optional[torch.Tensor]:
+        """The noted Linear output that `half` was cut from by one chunk, split or slice, or None."""
+        if type(half) is not torch.Tensor or not half.requires_grad or not self._unhooked(half):
             return None
-        root = half._base
-        ref = self._outputs.get(id(root))
-        if ref is None or ref() is not root or not root.is_contiguous() or half.dtype != root.dtype:
+        node = half.grad_fn
+        if node is None or type(node).__name__ not in _VIEW_NODES:
             return None
-        return root
+        source = node.next_functions[0][0]
+        ref = self._state().outputs.get(id(source))
+        h = None if ref is None else ref()
+        if h is None or h.grad_fn is not source or not h.is_contiguous() or half.dtype != h.dtype:
+            return None
+        return h
 
     @staticmethod
-    def _whole(root: torch.Tensor, half: torch.Tensor, second: bool) -> Optional[torch.Tensor]:
-        """root viewed as half's shape with a doubled last dim, when half is exactly its first (or second)
+    def _whole(h: torch.Tensor, half: torch.Tensor, second: bool) -> Optional[torch.Tensor]:
+        """h, or a view of it, shaped as half with a doubled last dim, when half is exactly its first (or second)
         half along that dim; else None."""
         if half.dim() == 0:
             return None
         n = half.shape[-1]
-        if root.numel() != 2 * half.numel() or root.shape[-1] % 2 or n == 0:
+        if h.numel() != 2 * half.numel() or n == 0:
             return None
-        h = root.view(*half.shape[:-1], 2 * n)
-        if half.stride() != h.stride() or half.storage_offset() != h.storage_offset() + (n if second else 0):
+        shape = (*half.shape[:-1], 2 * n)
+        whole = h if tuple(h.shape) == shape else h.view(shape)
+        if half.stride() != whole.stride() or half.storage_offset() != whole.storage_offset() + (n if second else 0):
             return None
-        return h
+        return whole
 
     def _silu(self, g: Any, func) -> torch.Tensor:
         """F.silu(g), noted where g is the first half of a noted output. On CUDA the product with the other
         half is computed with it, in one kernel, and kept for `_product` (until the window closes)."""
-        root = self._root_of(g)
-        h = None if root is None else self._whole(root, g, second=False)
-        if h is None:
+        h = self._output_of(g)
+        whole = None if h is None else self._whole(h, g, second=False)
+        if whole is None:
             return func(g)
         product = None
-        if takes_kernel(h):
+        if takes_kernel(whole):
             with torch.no_grad():
-                s, product = silu_and_product(h)
+                s, product = silu_and_product(whole)
             out = _SiluOfHalf.apply(g, [s])
         else:
             out = func(g)
-        self._silus[id(out)] = [weakref.ref(out), out._version, weakref.ref(root), root._version, product]
+        self._state().silus[id(out)] = [
+            weakref.ref(out),
+            out._version,
+            weakref.ref(h),
+            h._version,
+            product,
+            weakref.ref(g),
+        ]
         return out
 
     def _product(self, func, args: tuple) -> Optional[torch.Tensor]:
         """func(*args) as `_SwiGLUProduct` where one factor is a noted silu(g) and the other g's second half;
         else None."""
+        silus = self._state().silus
         for silu_first in (True, False):
             a, u = args if silu_first else args[::-1]
-            entry = self._silus.get(id(a))  # None for nearly every product: nothing more looked at
-            if entry is None or entry[0]() is not a or entry[1] != a._version:
+            entry = silus.get(id(a))  # None for nearly every product: nothing more looked at
+            if entry is None or entry[0]() is not a or entry[1] != a._version or not self._unhooked(a):
                 continue
-            root = entry[2]()
+            h, g = entry[2](), entry[5]()
             if (
-                root is None
-                or root._version != entry[3]
-                or self._root_of(u) is not root
+                h is None
+                or (g is not None and not self._unhooked(g))  # a hook on g since the silu
+                or h._version != entry[3]
+                or self._output_of(u) is not h
                 or u.shape != a.shape
                 or u.dtype != a.dtype
             ):
                 continue
-            h = self._whole(root, u, second=True)
-            if h is None:
+            whole = self._whole(h, u, second=True)
+            if whole is None:
                 continue
             self.last_forward["fused"] += 1
             computed = [] if entry[4] is None else [entry[4]]
             entry[4] = None  # handed out once: a second product is a new tensor
-            return _SwiGLUProduct.apply(h, a.detach(), u.detach(), func, silu_first, computed)
+            return _SwiGLUProduct.apply(whole, a.detach(), u.detach(), func, silu_first, computed)
         return None
 
 

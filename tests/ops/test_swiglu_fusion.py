@@ -27,6 +27,18 @@ BF16 = torch.bfloat16
 D, F_ = 64, 128
 
 
+class _Reverse(torch.autograd.Function):
+    """The identity, with the gradient's sign reversed (a view of its input)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, d):
+        return -d
+
+
 class MLP(torch.nn.Module):
     """A Llama MLP as users write it; `pattern` picks how the activation is spelled; h.grad is kept."""
 
@@ -38,7 +50,7 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         h = self.up(x)
-        if h.requires_grad:
+        if h.requires_grad and not torch.compiler.is_compiling():  # retain_grad does not compile
             h.retain_grad()
         self.h = h
         p, f = self.pattern, self.f
@@ -51,7 +63,9 @@ class MLP(torch.nn.Module):
         elif p == "torch.mul":
             g, u = h.chunk(2, dim=-1)
             a = torch.mul(F.silu(g), u)
-        elif p == "slices of a view":
+        elif p == "slices":
+            a = F.silu(h[..., :f]) * h[..., f:]
+        elif p == "slices of a view":  # a view between h and the halves: its hooks could not be seen
             hv = h.view(2, -1, 2 * f)
             a = (F.silu(hv[..., :f]) * hv[..., f:]).view(-1, f)
         elif p == "gate second":  # [linear | gate]: not the kernel's layout, not fused
@@ -79,6 +93,22 @@ class MLP(torch.nn.Module):
         elif p == "product only":  # no down projection: the output is the product itself
             g, u = h.chunk(2, dim=-1)
             return F.silu(g) * u
+        elif p == "silu plus u":  # no product, no down projection
+            g, u = h.chunk(2, dim=-1)
+            return F.silu(g) + u
+        elif p == "custom view":  # a gradient-reversal layer between h and the halves
+            g, u = _Reverse.apply(h).chunk(2, dim=-1)
+            a = F.silu(g) * u
+        elif p in ("hook on silu", "hook on u", "hook on g", "retain_grad on u"):
+            g, u = h.chunk(2, dim=-1)
+            s = F.silu(g)
+            t = {"hook on silu": s, "hook on u": u, "hook on g": g, "retain_grad on u": u}[p]
+            if p.startswith("retain"):
+                t.retain_grad()
+            else:
+                t.register_hook(lambda d: d * 0.5)
+            self.kept = t
+            a = s * u
         else:
             raise ValueError(p)
         return self.down(a)
@@ -140,7 +170,7 @@ def ahead(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("pattern", ["chunk", "reversed", "torch.mul", "slices of a view", "two chunks"])
+@pytest.mark.parametrize("pattern", ["chunk", "reversed", "torch.mul", "slices", "two chunks"])
 def test_fused_forward_bits_unchanged_and_the_gradient_is_one_rounding_of_float64(pattern, ahead):
     x, dy = _data()
     fused, plain = _models(pattern)
@@ -168,7 +198,20 @@ def _incoming(model, h, dy):
 
 
 @pytest.mark.parametrize(
-    "pattern", ["gate second", "silu used twice", "silu written in place", "quarters", "detached u"]
+    "pattern",
+    [
+        "gate second",
+        "silu used twice",
+        "silu written in place",
+        "quarters",
+        "detached u",
+        "slices of a view",
+        "custom view",
+        "hook on silu",
+        "hook on u",
+        "hook on g",
+        "retain_grad on u",
+    ],
 )
 def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern, ahead):
     x, dy = _data()
@@ -183,6 +226,105 @@ def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern, ahead):
             assert sqnr_db(q, p) >= 30
         else:
             assert torch.equal(p, q)
+    if pattern == "retain_grad on u":
+        assert torch.equal(fused.kept.grad, plain.kept.grad)
+
+
+def test_module_backward_hooks_on_the_up_projection_still_fire():
+    # register_full_backward_hook wraps the Linear's output after its forward hooks ran: the halves come from
+    # the wrapped output, not the noted one, so nothing is fused and the hook sees the whole gradient.
+    x, dy = _data()
+    fused, plain = _models()
+    seen = {}
+    for name, model in (("fused", fused), ("plain", plain)):
+        model.up.register_full_backward_hook(lambda m, gi, go, name=name: seen.__setitem__(name, go[0].clone()))
+    a, b = _step(fused, x, dy), _step(plain, x, dy)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 0}
+    assert torch.equal(seen["fused"], seen["plain"])
+    for p, q in zip(a, b):
+        assert (p is None and q is None) or torch.equal(p, q)
+
+
+def test_user_function_modes_are_left_alone_and_never_leak():
+    from torch.overrides import TorchFunctionMode
+
+    class SiluToGelu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.silu:
+                return F.gelu(args[0])
+            return func(*args, **(kwargs or {}))
+
+    x, dy = _data()
+    fused, plain = _models()
+    with SiluToGelu():  # below the window: no window opens, the mode's silu is what runs
+        a, b = _step(fused, x, dy), _step(plain, x, dy)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 0}
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+    class DeviceAroundUp(MLP):  # a mode entered and left around a Linear inside the forward
+        def forward(self, x):
+            with torch.device("cpu"):
+                h = self.up(x)
+            self.h = h
+            g, u = h.chunk(2, dim=-1)
+            return self.down(F.silu(g) * u)
+
+    torch.manual_seed(0)
+    model = _convert(DeviceAroundUp().to(BF16))
+    _step(model, x, dy)
+    assert torch.overrides._get_current_function_mode() is None
+
+
+def test_a_keyboard_interrupt_mid_forward_leaves_nothing_behind():
+    x, dy = _data()
+    fused, plain = _models()
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = fused.up.register_forward_hook(interrupt)  # after the window opened
+    with pytest.raises(KeyboardInterrupt):
+        fused(x.clone().requires_grad_(True))
+    handle.remove()
+    # the window the interrupted forward opened is still on the stack (no hook runs on a BaseException) ...
+    assert torch.overrides._get_current_function_mode() is not None
+    a, b = _step(fused, x, dy), _step(plain, x, dy)
+    # ... until the next forward of the model, which starts over and leaves nothing behind
+    assert torch.overrides._get_current_function_mode() is None
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    assert torch.equal(a[0], b[0])
+
+
+def test_threads_sharing_a_model_keep_their_own_state():
+    import threading
+
+    x, dy = _data()
+    fused, plain = _models()
+    xr = x.clone().requires_grad_(True)
+    want = torch.autograd.grad(plain(xr), xr, dy)[0]
+    barrier = threading.Barrier(2, timeout=30)
+
+    def meet(module, args, output):  # both threads inside a window at once
+        barrier.wait()
+
+    fused.up.register_forward_hook(meet)
+    results = {}
+
+    def run(name):
+        xi = x.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(fused(xi), xi, dy)
+        results[name] = (dx, type(torch.overrides._get_current_function_mode()).__name__)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(results) == {"a", "b"}
+    for dx, mode in results.values():
+        assert mode == "NoneType"
+        assert sqnr_db(want, dx) >= 25
 
 
 def test_in_place_write_to_h_between_silu_and_product_is_not_fused_and_torch_refuses_the_backward():
@@ -286,11 +428,12 @@ def test_a_callers_saved_tensor_hooks_around_the_model_see_less_saved():
     assert plain_bytes - fused_bytes == 256 * F_ * 2
 
 
-def test_double_backward_through_the_fused_product_matches_torch():
+@pytest.mark.parametrize("pattern", ["product only", "silu plus u"])
+def test_double_backward_through_the_fused_product_matches_torch(pattern, ahead):
     # A penalty on the gradient with respect to h (the FP8 Linears themselves have no second derivative):
     # the fused backward under create_graph=True is torch's differentiable formula.
     x, _ = _data(dtype=torch.float32)
-    fused, plain = _models("product only", dtype=torch.float32)
+    fused, plain = _models(pattern, dtype=torch.float32)
     w = torch.randn(x.shape[0], F_, generator=torch.Generator().manual_seed(2))
 
     def penalty(model):
@@ -300,7 +443,7 @@ def test_double_backward_through_the_fused_product_matches_torch():
         return [gh] + [p.grad for p in model.parameters()]
 
     got, want = penalty(fused), penalty(plain)
-    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    assert swiglu_fusion_of(fused).last_forward == {"fused": int(pattern == "product only")}
     assert want[-1] is None and got[-1] is None  # the down projection is not used
     for p, q in zip(got[:-1], want[:-1]):
         assert sqnr_db(q, p) >= 60
@@ -309,10 +452,32 @@ def test_double_backward_through_the_fused_product_matches_torch():
 def test_compiled_model_is_left_to_the_compiler():
     x, dy = _data()
     fused, plain = _models()
-    compiled = torch.compile(fused, backend="aot_eager", fullgraph=False)
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     a, b = _step(compiled, x, dy), _step(plain, x, dy)
     assert swiglu_fusion_of(fused).last_forward == {"fused": 0}
     assert torch.equal(a[0], b[0])
+
+
+def test_a_compiled_block_inside_an_eager_converted_model():
+    # The eager model's window is open when the compiled block runs: the block's code is the compiler's.
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(MLP(), MLP())
+    fused = _convert(copy.deepcopy(base).to(BF16))
+    plain = ops.convert(copy.deepcopy(base).to(BF16), fuse_swiglu=False)
+    for model in (fused, plain):
+        model[1] = torch.compile(model[1], backend="aot_eager", fullgraph=True)
+    x, dy = _data()
+    outs = []
+    for model in (fused, plain):
+        xr = x.clone().requires_grad_(True)
+        y = model(xr)
+        y.backward(dy)
+        outs.append([y, xr.grad] + [p.grad for p in model.parameters()])
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}  # the eager block's only
+    assert torch.equal(outs[0][0], outs[1][0])
+    for p, q in zip(outs[0][1:], outs[1][1:]):
+        assert sqnr_db(q, p) >= 25
+    assert torch.overrides._get_current_function_mode() is None
 
 
 def test_pickles_copies_and_is_freed_without_the_garbage_collector():
