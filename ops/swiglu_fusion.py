@@ -157,7 +157,7 @@ class _State(threading.local):
     def __init__(self):
         self.contexts: list = []  # per model forward in progress: the saved-tensor hooks at its start, or _OFF
         self.window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
-        self.outputs: dict = {}  # id(grad_fn of a Linear output) -> weakref to that output
+        self.outputs: dict = {}  # id(grad_fn of a Linear output) -> (that grad_fn, weakref to the output)
         # id(silu output) -> [its weakref, its version, h's weakref, h's version, product, g's weakref]
         self.silus: dict = {}
 
@@ -232,7 +232,11 @@ class SwiGLUFusion(ModelHooks):
             and output.shape[-1] % 2 == 0
             and output.numel() >= self.min_numel
         ):
-            state.outputs[id(output.grad_fn)] = weakref.ref(output)
+            # The node itself is kept (until the forward ends): a C++ node's Python wrapper is made anew once
+            # the last one is dropped, so its id alone would not find it again (on the H100, F.linear's
+            # MmBackward0 under the small-layer policy was not found and nothing fused).
+            node = output.grad_fn
+            state.outputs[id(node)] = (node, weakref.ref(output))
             # Only over an empty mode stack: a mode below ours could change what F.silu or the product
             # compute, and one entered around a Linear would pop ours when it exits.
             if state.window is None and torch._C._len_torch_function_stack() == 0:
@@ -280,8 +284,8 @@ class SwiGLUFusion(ModelHooks):
         if node is None or type(node).__name__ not in _VIEW_NODES:
             return None
         source = node.next_functions[0][0]
-        ref = self._state().outputs.get(id(source))
-        h = None if ref is None else ref()
+        noted = self._state().outputs.get(id(source))
+        h = None if noted is None or noted[0] is not source else noted[1]()
         if h is None or h.grad_fn is not source or not h.is_contiguous() or half.dtype != h.dtype:
             return None
         return h

@@ -230,6 +230,21 @@ def test_what_is_not_exactly_the_pattern_keeps_torchs_gradients(pattern, ahead):
         assert torch.equal(fused.kept.grad, plain.kept.grad)
 
 
+def test_an_output_whose_autograd_node_is_torchs_own_is_fused_too():
+    # Under ops.high_precision (and the small-layer policy on CUDA) the Linear is F.linear: its output's node is
+    # a C++ one. torch 2.11 makes such a node's Python wrapper anew once the last one is dropped, so the table
+    # keeps the node itself: found by its id alone, nothing fused on the H100 (torch 2.13 here keeps the
+    # wrapper; tests/ops/test_swiglu_fusion.py's CUDA test is the one that saw it).
+    x, dy = _data()
+    fused, plain = _models()
+    with ops.high_precision(fused), ops.high_precision(plain):
+        a, b = _step(fused, x, dy), _step(plain, x, dy)
+    assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
+    assert torch.equal(a[0], b[0])
+    for p, q in zip(a[1:], b[1:]):
+        assert sqnr_db(q, p) >= 40
+
+
 def test_module_backward_hooks_on_the_up_projection_still_fire():
     # register_full_backward_hook wraps the Linear's output after its forward hooks ran: the halves come from
     # the wrapped output, not the noted one, so nothing is fused and the hook sees the whole gradient.
