@@ -29,16 +29,20 @@ token counts nothing runs through it.
 The product's gradient goes to h directly, past the nodes between h and the two factors. So it is fused only
 where those nodes are exactly one chunk, split or slice of h each (not a custom Function, not a view of a view,
 not a module's backward hooks, which wrap h), with no tensor hooks and no retain_grad on g, u or silu(g) when
-the product is taken (hooks registered on them after it are not seen: do not fuse a model that does that, or
-convert it with fuse_swiglu=False). Also checked, else the product runs as torch's: exactly the halves' shape,
-strides and offsets; neither h nor silu(g) written in place since the silu (their version counters; a write
-through `.data` is not seen, as autograd does not see it); same dtypes and shapes; grad mode on; no forward-mode
-AD or functorch transform; not compiling (the compiler fuses this itself); no other TorchFunctionMode active
-when the window opens (one could change what F.silu or the product compute); no saved-tensor hooks pushed
-inside the model since its forward began (activation checkpointing inside the model recomputes without this
-mode and must save what the forward saved). Per thread: each thread's forward has its own state. A recursive
-call of the model inside its own forward, or a forward interrupted by a BaseException such as
-KeyboardInterrupt, drops the state of the forward before it (what follows in it is not fused).
+the product is taken, and silu(g) not detached since. Not seen, and not to be used with this fusion (convert
+with fuse_swiglu=False): hooks registered on g, u or silu(g) after the product, hooks on their autograd
+nodes, gradients asked for at them (`torch.autograd.grad(loss, u)`, `backward(inputs=[u])`), writes through
+`.data`. Also checked, else the product runs as torch's: exactly the halves' shape, strides and offsets;
+neither h nor silu(g) written in place since the silu (their version counters); same dtypes and shapes; grad
+mode on; no forward-mode AD or functorch transform; not compiling (the compiler fuses this itself); when a
+window opens, the function modes active are those the forward began with, and those are default devices
+only (another mode could change what F.silu or the product compute, and one entered around a Linear would
+pop ours); no saved-tensor hooks pushed inside the model since its forward began (activation checkpointing
+inside the model recomputes without this mode and must save what the forward saved). Per thread: each
+thread's forward has its own state. A recursive call of the model inside its own forward drops the state of
+the forward around it (what follows in it is not fused); a forward interrupted by a BaseException such as
+KeyboardInterrupt (no module hook runs then) leaves its window on the thread's stack until the model's next
+forward, which removes it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
 
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
@@ -155,9 +160,11 @@ class _State(threading.local):
     """One thread's forward in progress."""
 
     def __init__(self):
-        self.contexts: list = []  # per model forward in progress: the saved-tensor hooks at its start, or _OFF
+        # per model forward in progress: (the saved-tensor hooks at its start, the modes a window may open over, or
+        # None), or _OFF (no grad)
+        self.contexts: list = []
         self.window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
-        self.outputs: dict = {}  # id(grad_fn of a Linear output) -> (that grad_fn, weakref to the output)
+        self.outputs: dict = {}  # id(grad_fn of a Linear output) -> (that grad_fn, the output), while a window is open
         # id(silu output) -> [its weakref, its version, h's weakref, h's version, product, g's weakref]
         self.silus: dict = {}
 
@@ -206,8 +213,14 @@ class SwiGLUFusion(ModelHooks):
             self._remove_window(state)
             state.clear()
         self.last_forward = {"fused": 0}
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) if torch.is_grad_enabled() else _OFF
-        state.contexts.append(hooks)
+        if not torch.is_grad_enabled():
+            state.contexts.append(_OFF)
+            return
+        # The modes active now may stay under a window only where they change no silu or product (a default
+        # device: torch.set_default_device, `with torch.device(...)`); any other keeps every window shut.
+        modes = tuple(torch.overrides._get_current_function_mode_stack())
+        open_over = modes if all(type(m) is DeviceContext for m in modes) else None
+        state.contexts.append((torch._C._autograd._top_saved_tensors_default_hooks(False), open_over))
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -223,7 +236,7 @@ class SwiGLUFusion(ModelHooks):
         state = self._state()
         if not state.contexts or state.contexts[-1] is _OFF:
             return
-        if (
+        if not (
             type(output) is torch.Tensor
             and output.requires_grad
             and output.grad_fn is not None
@@ -232,16 +245,22 @@ class SwiGLUFusion(ModelHooks):
             and output.shape[-1] % 2 == 0
             and output.numel() >= self.min_numel
         ):
-            # The node itself is kept (until the forward ends): a C++ node's Python wrapper is made anew once
-            # the last one is dropped, so its id alone would not find it again (on the H100, F.linear's
-            # MmBackward0 under the small-layer policy was not found and nothing fused).
-            node = output.grad_fn
-            state.outputs[id(node)] = (node, weakref.ref(output))
-            # Only over an empty mode stack: a mode below ours could change what F.silu or the product
-            # compute, and one entered around a Linear would pop ours when it exits.
-            if state.window is None and torch._C._len_torch_function_stack() == 0:
-                state.window = _FuseSwiGLU(self, state.contexts[-1])
-                state.window.__enter__()
+            return
+        if state.window is None:
+            hooks, open_over = state.contexts[-1]
+            # Only over the modes the forward began with (and those only default devices): a mode entered
+            # since, around a Linear, would pop ours when it exits; another kind could change what F.silu or
+            # the product compute.
+            if open_over is None or tuple(torch.overrides._get_current_function_mode_stack()) != open_over:
+                return
+            state.window = _FuseSwiGLU(self, hooks)
+            state.window.__enter__()
+        # The output and its node are kept while the window is open: a C++ node's Python wrapper is made anew
+        # once the last one is dropped, so its id alone would not find it again (on the H100, F.linear's
+        # MmBackward0 under the small-layer policy was not found and nothing fused), and an output that is a
+        # view nobody names (F.linear with a bias of a 3-D input) would be gone by the chunk.
+        node = output.grad_fn
+        state.outputs[id(node)] = (node, output)
 
     def _close_window(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -252,6 +271,7 @@ class SwiGLUFusion(ModelHooks):
         if state.window is not None and torch.overrides._get_current_function_mode() is state.window:
             state.window.__exit__(None, None, None)
             state.window = None
+            state.outputs.clear()  # what the window kept: the outputs are the model's own from here
             for entry in state.silus.values():
                 entry[4] = None  # a product computed ahead that no product asked for: not kept
 
@@ -285,7 +305,7 @@ class SwiGLUFusion(ModelHooks):
             return None
         source = node.next_functions[0][0]
         noted = self._state().outputs.get(id(source))
-        h = None if noted is None or noted[0] is not source else noted[1]()
+        h = None if noted is None or noted[0] is not source else noted[1]
         if h is None or h.grad_fn is not source or not h.is_contiguous() or half.dtype != h.dtype:
             return None
         return h
@@ -337,6 +357,8 @@ class SwiGLUFusion(ModelHooks):
             a, u = args if silu_first else args[::-1]
             entry = silus.get(id(a))  # None for nearly every product: nothing more looked at
             if entry is None or entry[0]() is not a or entry[1] != a._version or not self._unhooked(a):
+                continue
+            if not a.requires_grad or a.grad_fn is None:  # detach_() since the silu: no gradient through it
                 continue
             h, g = entry[2](), entry[5]()
             if (
