@@ -84,8 +84,7 @@ def convert(
     layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). fuse_swiglu:
     the model's own `F.silu(g) * u` over the halves of a converted Linear's output keeps only that output
     for its backward and runs the backward as one kernel (ops/swiglu_fusion.py; lean activations have their
-    own). When model
-    is itself an nn.Linear, the returned op stands in for it. Converting again with a recipe gives the
+    own). When model is itself an nn.Linear, the returned op stands in for it. Converting again with a recipe gives the
     picked ops.Linear layers that recipe (new quantizers: delayed histories and calibrated input scales
     start over); without one, they keep theirs.
     """

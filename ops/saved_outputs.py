@@ -189,10 +189,9 @@ class SavedOutputs(ModelHooks):
     """Keeps the lean converted Linears' outputs that a model's activation code saves in E4M3.
 
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model (its
-    training forward runs inside a saved-tensor hooks context) and a forward hook on each ops.Linear in it that
-    no ops.Sequential runs
-    (its output is noted when its recipe has lean activations); `detach(model)` removes them from every
-    module of the model. The state of a forward in progress is not pickled. `last_forward`: how many
+    training forward runs inside a saved-tensor hooks context) and a forward hook on each ops.Linear in it
+    that no ops.Sequential runs (its output is noted when its recipe has lean activations); `detach(model)`
+    removes them from every module of the model. The state of a forward in progress is not pickled. `last_forward`: how many
     tensors the latest forward kept in E4M3 and the bytes that saved."""
 
     def __init__(self, min_numel: int = MIN_NUMEL):
