@@ -131,7 +131,7 @@ class _FuseSwiGLU(TorchFunctionMode):
             if self._may_fuse() and len(args) == 1 and not kwargs.get("inplace", False) and set(kwargs) <= {"inplace"}:
                 return self.owner._silu(args[0], func)
             return func(*args, **kwargs)
-        if func in _MUL and not kwargs and len(args) == 2 and self.owner._state().silus and self._may_fuse():
+        if func in _MUL and not kwargs and len(args) == 2 and self.owner._local.silus and self._may_fuse():
             fused = self.owner._product(func, args)
             if fused is not None:
                 return fused
@@ -156,6 +156,18 @@ _OFF = object()  # a model forward where nothing is fused (no grad)
 _VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"})
 
 
+class _SiluNote:
+    """A silu of a noted output's first half, as taken: the tensors (weakly) and their versions then, and the
+    product computed with it (kernels/silu_product.py), until a product takes it or the window closes."""
+
+    __slots__ = ("out", "out_version", "h", "h_version", "g", "product")
+
+    def __init__(self, out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, product: Optional[torch.Tensor]):
+        self.out, self.out_version = weakref.ref(out), out._version
+        self.h, self.h_version = weakref.ref(h), h._version
+        self.g, self.product = weakref.ref(g), product
+
+
 class _State(threading.local):
     """One thread's forward in progress."""
 
@@ -165,8 +177,7 @@ class _State(threading.local):
         self.contexts: list = []
         self.window: Optional[_FuseSwiGLU] = None  # the mode, while a window is open
         self.outputs: dict = {}  # id(grad_fn of a Linear output) -> (that grad_fn, the output), while a window is open
-        # id(silu output) -> [its weakref, its version, h's weakref, h's version, product, g's weakref]
-        self.silus: dict = {}
+        self.silus: dict = {}  # id(silu output) -> its _SiluNote
 
     def clear(self) -> None:
         self.contexts.clear()
@@ -180,8 +191,8 @@ class SwiGLUFusion(ModelHooks):
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model, and a
     forward pre-hook and a forward hook on each ops.Linear in it that no ops.Sequential runs. `_FuseSwiGLU`
     is on only in windows: from the end of a Linear whose output has at least `min_numel` elements and an
-    even last dim (when no other TorchFunctionMode is active) to the start of the next Linear (or the end of
-    the model's forward). The code between (a Llama MLP's chunk, silu and product) is what it sees: the
+    even last dim (when the only other TorchFunctionModes are the default devices the forward began with) to
+    the start of the next Linear (or the end of the model's forward). The code between (a Llama MLP's chunk, silu and product) is what it sees: the
     Linears' own Python, and the model's code after small outputs, run without it. `detach(model)` removes
     the hooks. `last_forward["fused"]`: how many products the latest eager forward fused."""
 
@@ -191,10 +202,7 @@ class SwiGLUFusion(ModelHooks):
 
     def _reset(self) -> None:
         self.last_forward = {"fused": 0}
-        self._local = _State()
-
-    def _state(self) -> _State:
-        return self._local
+        self._local = _State()  # this thread's forward in progress
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hooks on `model` (the forward whose SwiGLU is fused) and on its ops.Linear modules."""
@@ -208,7 +216,7 @@ class SwiGLUFusion(ModelHooks):
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        state = self._state()
+        state = self._local
         if state.contexts:  # a recursive call, or a forward a BaseException interrupted: start over
             self._remove_window(state)
             state.clear()
@@ -225,7 +233,7 @@ class SwiGLUFusion(ModelHooks):
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        state = self._state()
+        state = self._local
         if state.contexts:
             self._remove_window(state)
             state.clear()
@@ -233,7 +241,7 @@ class SwiGLUFusion(ModelHooks):
     def _open_window(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        state = self._state()
+        state = self._local
         if not state.contexts or state.contexts[-1] is _OFF:
             return
         if not (
@@ -265,15 +273,15 @@ class SwiGLUFusion(ModelHooks):
     def _close_window(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        state = self._state()
+        state = self._local
         # Only from the top of the stack: a mode the model's code entered since stays above ours, and ours
         # under it, until that mode exits or the forward ends.
         if state.window is not None and torch.overrides._get_current_function_mode() is state.window:
             state.window.__exit__(None, None, None)
             state.window = None
             state.outputs.clear()  # what the window kept: the outputs are the model's own from here
-            for entry in state.silus.values():
-                entry[4] = None  # a product computed ahead that no product asked for: not kept
+            for note in state.silus.values():
+                note.product = None  # a product computed ahead that no product asked for: not kept
 
     @staticmethod
     def _remove_window(state: _State) -> None:
@@ -304,7 +312,7 @@ class SwiGLUFusion(ModelHooks):
         if node is None or type(node).__name__ not in _VIEW_NODES:
             return None
         source = node.next_functions[0][0]
-        noted = self._state().outputs.get(id(source))
+        noted = self._local.outputs.get(id(source))
         h = None if noted is None or noted[0] is not source else noted[1]
         if h is None or h.grad_fn is not source or not h.is_contiguous() or half.dtype != h.dtype:
             return None
@@ -339,32 +347,25 @@ class SwiGLUFusion(ModelHooks):
             out = _SiluOfHalf.apply(g, [s])
         else:
             out = func(g)
-        self._state().silus[id(out)] = [
-            weakref.ref(out),
-            out._version,
-            weakref.ref(h),
-            h._version,
-            product,
-            weakref.ref(g),
-        ]
+        self._local.silus[id(out)] = _SiluNote(out, h, g, product)
         return out
 
     def _product(self, func, args: tuple) -> Optional[torch.Tensor]:
         """func(*args) as `_SwiGLUProduct` where one factor is a noted silu(g) and the other g's second half;
         else None."""
-        silus = self._state().silus
+        silus = self._local.silus
         for silu_first in (True, False):
             a, u = args if silu_first else args[::-1]
-            entry = silus.get(id(a))  # None for nearly every product: nothing more looked at
-            if entry is None or entry[0]() is not a or entry[1] != a._version or not self._unhooked(a):
+            note = silus.get(id(a))  # None for nearly every product: nothing more looked at
+            if note is None or note.out() is not a or note.out_version != a._version or not self._unhooked(a):
                 continue
             if not a.requires_grad or a.grad_fn is None:  # detach_() since the silu: no gradient through it
                 continue
-            h, g = entry[2](), entry[5]()
+            h, g = note.h(), note.g()
             if (
                 h is None
                 or (g is not None and not self._unhooked(g))  # a hook on g since the silu
-                or h._version != entry[3]
+                or h._version != note.h_version
                 or self._output_of(u) is not h
                 or u.shape != a.shape
                 or u.dtype != a.dtype
@@ -374,8 +375,8 @@ class SwiGLUFusion(ModelHooks):
             if whole is None:
                 continue
             self.last_forward["fused"] += 1
-            computed = [] if entry[4] is None else [entry[4]]
-            entry[4] = None  # handed out once: a second product is a new tensor
+            computed = [] if note.product is None else [note.product]
+            note.product = None  # handed out once: a second product is a new tensor
             return _SwiGLUProduct.apply(whole, a.detach(), u.detach(), func, silu_first, computed)
         return None
 
