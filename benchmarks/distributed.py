@@ -47,15 +47,21 @@ from benchmarks.harness import figures_from_rows, record, results_dir
 
 
 class Block(torch.nn.Module):
-    """A Llama block: attention (grouped KV heads, causal SDPA) and a SwiGLU MLP, pre-norm residuals."""
+    """A Llama block: attention (grouped KV heads, causal SDPA) and a SwiGLU MLP, pre-norm residuals.
+    separate_gate_up: the MLP as Hugging Face's Llama writes it, `down(silu(gate(x)) * up(x))`, instead of one
+    gate-and-up projection whose output is chunked."""
 
-    def __init__(self, d, heads, kv_heads, head_dim, ffn):
+    def __init__(self, d, heads, kv_heads, head_dim, ffn, separate_gate_up=False):
         super().__init__()
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.norm1, self.norm2 = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.RMSNorm(d, eps=1e-6)
         self.qkv = torch.nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
         self.o = torch.nn.Linear(heads * head_dim, d, bias=False)
-        self.up = torch.nn.Linear(d, 2 * ffn, bias=False)
+        if separate_gate_up:
+            self.gate = torch.nn.Linear(d, ffn, bias=False)
+            self.up = torch.nn.Linear(d, ffn, bias=False)
+        else:
+            self.gate, self.up = None, torch.nn.Linear(d, 2 * ffn, bias=False)
         self.down = torch.nn.Linear(ffn, d, bias=False)
 
     def forward(self, x):  # x: (B, S, d)
@@ -72,6 +78,9 @@ class Block(torch.nn.Module):
             .reshape(b, s, -1)
         )
         x = x + self.o(a)
+        if self.gate is not None:
+            h = self.norm2(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
         g, u = self.up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u)
 

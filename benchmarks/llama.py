@@ -30,6 +30,9 @@ class LlamaShape:
     vocab: int = 32768
     batch: int = 8
     seq: int = 2048
+    separate_gate_up: bool = (
+        False  # the plain-torch MLP as Hugging Face's Llama writes it (benchmarks.distributed.Block)
+    )
 
 
 TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, vocab=256, batch=2, seq=32)
@@ -37,7 +40,7 @@ TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, voc
 
 def Block(s: LlamaShape) -> torch.nn.Module:
     """One Llama block in plain PyTorch (the 2-GPU benchmark's, benchmarks/distributed.py)."""
-    return distributed.Block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn)
+    return distributed.Block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn, s.separate_gate_up)
 
 
 def ops_block(s: LlamaShape, recipe=None) -> torch.nn.Module:

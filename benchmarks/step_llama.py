@@ -1,6 +1,7 @@
-"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b] [--batch B --seq S]: whole training
-steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an AdamW step
-(foreach), for each variant, at B x S tokens (default 8 x 2048). Reports ms per step, tokens/s, the step's peak memory, and the
+"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b] [--batch B --seq S] [--separate-gate-up]:
+whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an AdamW
+step (foreach), for each variant, at B x S tokens (default 8 x 2048); with --separate-gate-up its plain-torch
+MLP has a gate and an up projection, as Hugging Face's Llama (one gate-and-up projection otherwise). Reports ms per step, tokens/s, the step's peak memory, and the
 kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the area "step_llama"
 in DIR (default benchmarks/results/; benchmarks.harness.record)."""
 
@@ -47,6 +48,8 @@ def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:
     if variant.startswith("bf16"):
         model = build("torch", s, device)
     elif variant.startswith("float8 ops"):
+        if s.separate_gate_up:
+            raise ValueError("float8 ops blocks have one gate-and-up projection: no separate-projection form")
         model = build("ops", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("float8 converted"):
         recipe = Recipe(lean_activations=True) if "lean" in variant else None
@@ -97,6 +100,7 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     row = {
         "variant": variant,
         "tokens": s.batch * s.seq,
+        "mlp": "gate, up" if s.separate_gate_up else "gate-up",
         "ms_per_step": round(ms, 1),
         "tokens_per_s": round(s.batch * s.seq / ms * 1e3),
         "peak_GiB": None if peak is None else round(peak / 2**30, 2),
@@ -110,10 +114,10 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     return row
 
 
-def run(device, tiny: bool, variants=None, batch=None, seq=None) -> List[dict]:
+def run(device, tiny: bool, variants=None, batch=None, seq=None, separate_gate_up=False) -> List[dict]:
     """Every variant (or those named), one record each; a variant that fails records its error."""
     s = TINY if tiny else LlamaShape()
-    s = dataclasses.replace(s, batch=batch or s.batch, seq=seq or s.seq)
+    s = dataclasses.replace(s, batch=batch or s.batch, seq=seq or s.seq, separate_gate_up=separate_gate_up)
     rows = []
     for variant in variants or VARIANTS:
         try:
@@ -136,6 +140,7 @@ def run(device, tiny: bool, variants=None, batch=None, seq=None) -> List[dict]:
 COLUMNS = [
     "variant",
     "tokens",
+    "mlp",
     "ms_per_step",
     "tokens_per_s",
     "peak_GiB",
@@ -156,10 +161,15 @@ def main(argv=None) -> None:
     p.add_argument("--area", default="step_llama", help="the results area this run replaces")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; tiny 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; tiny 32)")
+    p.add_argument(
+        "--separate-gate-up",
+        action="store_true",
+        help="the plain-torch MLP with separate gate and up projections, as Hugging Face's Llama writes it",
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants.split(",") if args.variants else None
-    rows = run(device, args.tiny or device.type == "cpu", variants, args.batch, args.seq)
+    rows = run(device, args.tiny or device.type == "cpu", variants, args.batch, args.seq, args.separate_gate_up)
     print(markdown_table(rows, COLUMNS))
     write_report(args.area, args.out, environment(device), rows, COLUMNS)
 

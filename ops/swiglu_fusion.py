@@ -1,15 +1,15 @@
-"""The SwiGLU of a converted model, fused: `F.silu(g) * u` over the halves of a Linear's output, one backward pass.
+"""The SwiGLU of a converted model, fused: `F.silu(g) * u` of Linear outputs, one backward pass, silu(g) not kept.
 
-A Llama MLP written in plain torch.nn with one gate-and-up projection computes its activation as
+A Llama MLP written in plain torch.nn computes its activation in one of two ways:
 
-    g, u = self.up(x).chunk(2, dim=-1)
+    g, u = self.up(x).chunk(2, dim=-1)            # one gate-and-up projection
     y = F.silu(g) * u
+    y = F.silu(self.gate(x)) * self.up(x)         # two projections (Hugging Face's Llama, torchtitan)
 
 Eager torch then saves g, u and silu(g) for the backward (silu(g) is a new (M, F) tensor: 448 MiB of bf16 per
-block of 16384 tokens x 14336 features), and its backward runs four elementwise passes, three of them over
-strided halves, and the chunk's cat: about 3 ms a block on the H100, the largest non-GEMM cost of the eager
-converted step (benchmarks/results/profile_step_converted_eager.txt). (Models with separate gate and up
-projections, as Hugging Face's Llama, do not have this pattern and are not fused.)
+block of 16384 tokens x 14336 features), and its backward runs three or four elementwise passes (over strided
+halves, and the chunk's cat, in the first form): about 3 ms a block on the H100 in the first form, the largest
+non-GEMM cost of the eager converted step (benchmarks/results/profile_step_converted_eager.txt).
 
 `ops.convert` attaches a `SwiGLUFusion` to the model it converts (not under lean activations, whose own
 `_LeanSiluProduct` in ops/saved_outputs.py keeps E4M3 copies instead). During a training forward of that
@@ -21,19 +21,25 @@ the last dim of one ops.Linear output h of at least MIN_NUMEL elements, runs as 
 - saved: h alone (g and u are views of it: no new memory), so silu(g) is not kept;
 - backward: dh (..., 2F) in one pass of kernels/activation.py's act_bwd (float32 math, one rounding of each
   gradient element where torch rounds twice), written whole into h's gradient: no cat.
+Where g is one ops.Linear's output whole (of at least MIN_NUMEL elements) and u the output of the next
+ops.Linear to run, of g's shape and dtype, taken after the silu (as `F.silu(gate(x)) * up(x)` evaluates), the
+product runs as `_SwiGLUPairProduct`: torch's silu and product in the forward (their bits), g and u saved
+(which torch's silu and product save too), not silu(g), and one backward pass writing dg and du
+(kernels/swiglu_pair.py, act_bwd's math). `up(x) * F.silu(gate(x))`, whose up projection runs first, is
+not fused.
 
 The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
 from the end of a Linear with a large output to the start of the next Linear (`SwiGLUFusion`), so at small
 token counts nothing runs through it.
 
-The product's gradient goes to h directly, past the nodes between h and the two factors. So it is fused only
-where those nodes are exactly one chunk, split or slice of h each (not a custom Function, not a view of a view,
-not a module's backward hooks, which wrap h), with no tensor hooks and no retain_grad on g, u or silu(g) when
-the product is taken, and silu(g) not detached since. Not seen, and not to be used with this fusion (convert
+The product's gradient goes to h (or to g and u) directly, past the nodes between them and the two factors.
+So it is fused only where those nodes are exactly torch's silu and one chunk, split or slice of h each (not
+a custom Function, not a view of a view, not a module's backward hooks, which wrap h), with no tensor hooks
+and no retain_grad on g, u or silu(g) when the product is taken, and silu(g) not detached since. Not seen, and not to be used with this fusion (convert
 with fuse_swiglu=False): hooks registered on g, u or silu(g) after the product, hooks on their autograd
 nodes, gradients asked for at them (`torch.autograd.grad(loss, u)`, `backward(inputs=[u])`), writes through
 `.data`. Also checked, else the product runs as torch's: exactly the halves' shape, strides and offsets;
-neither h nor silu(g) written in place since the silu (their version counters); same dtypes and shapes; grad
+neither h (g) nor silu(g) written in place since the silu (their version counters); same dtypes and shapes; grad
 mode on; no forward-mode AD or functorch transform; not compiling (the compiler fuses this itself); when a
 window opens, the function modes active are those the forward began with, and those are default devices
 only (another mode could change what F.silu or the product compute, and one entered around a Linear would
@@ -59,6 +65,7 @@ from torch.utils._device import DeviceContext
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.silu_product import silu_and_product, takes_kernel
+from float8.kernels.swiglu_pair import swiglu_pair_bwd
 from float8.ops.model_hooks import ModelHooks
 from float8.ops.sequential import linears_outside_sequentials
 
@@ -106,6 +113,26 @@ class _SwiGLUProduct(torch.autograd.Function):
         else:
             dh = act_bwd(dy.contiguous(), h, "swiglu")
         return dh, None, None, None, None, None
+
+
+class _SwiGLUPairProduct(torch.autograd.Function):
+    """silu(g) * u (either order) for g and u the outputs of two Linears: torch's product in the forward (its
+    bits); saved: g and u, which the silu and the product keep anyway, not silu(g); the backward writes dg and du
+    in one pass (kernels/swiglu_pair.py)."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, silu_g: torch.Tensor, func, silu_first: bool):
+        ctx.save_for_backward(g, u)
+        return func(silu_g, u) if silu_first else func(u, silu_g)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        g, u = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: torch's differentiable formula, not the kernel
+            dg, du = _swiglu_grad_differentiable(dy, torch.cat([g, u], dim=-1)).chunk(2, dim=-1)
+        else:
+            dg, du = swiglu_pair_bwd(dy, g, u)
+        return dg, du, None, None, None
 
 
 def _swiglu_grad_differentiable(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -157,15 +184,21 @@ _VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "SliceBack
 
 
 class _SiluNote:
-    """A silu of a noted output's first half, as taken: the tensors (weakly) and their versions then, and the
-    product computed with it (kernels/silu_product.py), until a product takes it or the window closes."""
+    """A silu of a noted output's first half, or of a noted output whole (`pair`), as taken: the tensors and
+    their versions then, and the product computed with it (kernels/silu_product.py), until a product takes it
+    or the window closes. Weak references, but for a pair's g, which the product may take after the window of
+    g's Linear has closed (the next Linear, the up projection, runs between)."""
 
-    __slots__ = ("out", "out_version", "h", "h_version", "g", "product")
+    __slots__ = ("out", "out_version", "h", "h_version", "g", "product", "pair", "held")
 
-    def __init__(self, out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, product: Optional[torch.Tensor]):
+    def __init__(
+        self, out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, product: Optional[torch.Tensor], pair: bool
+    ):
         self.out, self.out_version = weakref.ref(out), out._version
         self.h, self.h_version = weakref.ref(h), h._version
         self.g, self.product = weakref.ref(g), product
+        self.pair = pair
+        self.held = g if pair else None  # until the model's forward ends (the silu's node keeps it too)
 
 
 class _State(threading.local):
@@ -190,10 +223,11 @@ class SwiGLUFusion(ModelHooks):
 
     `attach(model)` registers a forward pre-hook and an always-called forward hook on the model, and a
     forward pre-hook and a forward hook on each ops.Linear in it that no ops.Sequential runs. `_FuseSwiGLU`
-    is on only in windows: from the end of a Linear whose output has at least `min_numel` elements and an
-    even last dim (when the only other TorchFunctionModes are the default devices the forward began with) to
-    the start of the next Linear (or the end of the model's forward). The code between (a Llama MLP's chunk, silu and product) is what it sees: the
-    Linears' own Python, and the model's code after small outputs, run without it. `detach(model)` removes
+    is on only in windows: from the end of a Linear whose output has at least `min_numel` elements (when the
+    only other TorchFunctionModes are the default devices the forward began with) to the start of the next
+    Linear (or the end of the model's forward). The code between (a Llama MLP's chunk, silu and product, or
+    the silu of a gate projection and the product after the up projection) is what it sees: the Linears' own
+    Python, and the model's code after small outputs, run without it. `detach(model)` removes
     the hooks. `last_forward["fused"]`: how many products the latest eager forward fused."""
 
     def __init__(self, min_numel: int = MIN_NUMEL):
@@ -250,7 +284,6 @@ class SwiGLUFusion(ModelHooks):
             and output.grad_fn is not None
             and output.dtype in _DTYPES
             and output.dim() > 0
-            and output.shape[-1] % 2 == 0
             and output.numel() >= self.min_numel
         ):
             return
@@ -318,6 +351,14 @@ class SwiGLUFusion(ModelHooks):
             return None
         return h
 
+    def _noted(self, t: Any) -> bool:
+        """Whether t is itself a Linear output noted in the open window (its hooks and retain_grad do not
+        matter: a pair's g and u are the fused product's own inputs, so autograd gives them their gradients)."""
+        if type(t) is not torch.Tensor or not t.requires_grad or t.grad_fn is None:
+            return False
+        noted = self._local.outputs.get(id(t.grad_fn))
+        return noted is not None and noted[0] is t.grad_fn and noted[1] is t
+
     @staticmethod
     def _whole(h: torch.Tensor, half: torch.Tensor, second: bool) -> Optional[torch.Tensor]:
         """h, or a view of it, shaped as half with a doubled last dim, when half is exactly its first (or second)
@@ -339,7 +380,11 @@ class SwiGLUFusion(ModelHooks):
         h = self._output_of(g)
         whole = None if h is None else self._whole(h, g, second=False)
         if whole is None:
-            return func(g)
+            if not self._noted(g):
+                return func(g)
+            out = func(g)  # a gate projection's output whole: its product comes after the up projection's
+            self._local.silus[id(out)] = _SiluNote(out, g, g, None, pair=True)
+            return out
         product = None
         if takes_kernel(whole):
             with torch.no_grad():
@@ -347,7 +392,7 @@ class SwiGLUFusion(ModelHooks):
             out = _SiluOfHalf.apply(g, [s])
         else:
             out = func(g)
-        self._local.silus[id(out)] = _SiluNote(out, h, g, product)
+        self._local.silus[id(out)] = _SiluNote(out, h, g, product, pair=False)
         return out
 
     def _product(self, func, args: tuple) -> Optional[torch.Tensor]:
@@ -360,6 +405,11 @@ class SwiGLUFusion(ModelHooks):
             if note is None or note.out() is not a or note.out_version != a._version or not self._unhooked(a):
                 continue
             if not a.requires_grad or a.grad_fn is None:  # detach_() since the silu: no gradient through it
+                continue
+            if note.pair:
+                fused = self._pair_product(note, a, u, func, silu_first)
+                if fused is not None:
+                    return fused
                 continue
             h, g = note.h(), note.g()
             if (
@@ -379,6 +429,22 @@ class SwiGLUFusion(ModelHooks):
             note.product = None  # handed out once: a second product is a new tensor
             return _SwiGLUProduct.apply(whole, a.detach(), u.detach(), func, silu_first, computed)
         return None
+
+    def _pair_product(self, note: _SiluNote, a: torch.Tensor, u: Any, func, silu_first: bool) -> Optional[torch.Tensor]:
+        """func(a, u) as `_SwiGLUPairProduct` where a = silu(g) of a gate output g (a pair's note) and u is the
+        output of the Linear whose window is open, of g's shape and dtype; else None."""
+        g = note.held
+        if (
+            g._version != note.h_version
+            or u is g
+            or not self._noted(u)
+            or u.shape != g.shape
+            or u.dtype != g.dtype
+            or a.shape != g.shape
+        ):
+            return None
+        self.last_forward["fused"] += 1
+        return _SwiGLUPairProduct.apply(g, u, a.detach(), func, silu_first)
 
 
 def swiglu_fusion_of(model: torch.nn.Module) -> Optional[SwiGLUFusion]:

@@ -454,34 +454,42 @@ def test_not_fused_without_grad_or_under_checkpointing_inside_the_model():
     assert torch.equal(xa.grad, xb.grad)
 
 
+class _Box:
+    def __init__(self, t):
+        self.t = t
+
+
+def _bytes_saved_by_forward(model, x):
+    """(bytes, output): what autograd holds for the backward at the end of model(x) (the distinct tensors that
+    saved-tensor hooks around the forward packed and that are still alive then), and the output."""
+    boxes = []
+
+    def pack(t):
+        box = _Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        y = model(x.clone().requires_grad_(True))
+    alive = {}
+    for ref in boxes:
+        box = ref()
+        if box is not None:
+            t = box.t
+            alive[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)] = t.numel() * t.element_size()
+    return sum(alive.values()), y
+
+
 def test_a_callers_saved_tensor_hooks_around_the_model_see_less_saved():
     # Offloading-style hooks around the whole forward still fuse; what autograd still holds at the end of the
     # forward (the packed tensors alive then) is h once, without silu(g).
     x, dy = _data()
     fused, plain = _models()
 
-    class Box:
-        def __init__(self, t):
-            self.t = t
-
     def held_bytes(model):
-        boxes = []
-
-        def pack(t):
-            box = Box(t)
-            boxes.append(weakref.ref(box))
-            return box
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
-            y = model(x.clone().requires_grad_(True))
-        alive = {}
-        for ref in boxes:
-            box = ref()
-            if box is not None:
-                t = box.t
-                alive[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)] = t.numel() * t.element_size()
+        held, y = _bytes_saved_by_forward(model, x)
         y.backward(dy)
-        return sum(alive.values())
+        return held
 
     fused_bytes, plain_bytes = held_bytes(fused), held_bytes(plain)
     assert swiglu_fusion_of(fused).last_forward == {"fused": 1}
