@@ -78,6 +78,9 @@ def quantize_weight(
     if isinstance(weight, Float8Tensor):
         return weight, (weight if for_backward else None)
     with torch.no_grad():
+        if torch.compiler.is_compiling() and stateless_per_tensor(quantizer):
+            w8 = quantize_fusable(quantizer, weight.detach(), for_backward)
+            return w8, (w8 if for_backward else None)
         return quantizer.operands(weight.detach(), rows=True, columns=for_backward)
 
 
@@ -118,14 +121,23 @@ def requantizes_input(quantizers: LinearQuantizers) -> bool:
     return stateless_per_tensor(quantizers.input)
 
 
-def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
-    """A kept high-precision input quantized (`requantize_input`): in torch operations under compile, which
-    inductor fuses into the code that makes x and its partitioner recomputes in a backward; else the kernel.
-    The same bits for the same x (tests/ops/test_lean_activations.py); fused by inductor with x's producer,
-    whose bf16 rounding it does not emulate, within the FP8 bound (README "Same results")."""
-    if torch.compiler.is_compiling():
+def quantize_fusable(q: Quantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
+    """q._quantize(x, with_transpose), in torch operations where q is stateless per-tensor current scaling
+    and torch.compile traces: inductor then fuses the amax and the cast into the code that makes x (an
+    output gradient's amax into the activation backward before it, as for torchao's Linears) and its
+    partitioner may recompute them in a backward; through our kernels it could do neither (on the H100 a
+    compiled converted Llama step ran 81 cast-transpose and 129 amax launches of its own, 18.2 ms:
+    docs/performance.md). Else the kernel. The same bits for the same x (tests/ops/test_lean_activations.py,
+    tests/ops/test_compile_ops.py); fused by inductor with x's producer, whose bf16 rounding it does not
+    emulate, within the FP8 bound (README "Same results")."""
+    if torch.compiler.is_compiling() and stateless_per_tensor(q):
         return quantize_in_torch_ops(q, x, with_transpose)
     return q._quantize(x, with_transpose)
+
+
+def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
+    """A kept high-precision input quantized (`requantize_input`): `quantize_fusable`."""
+    return quantize_fusable(q, x, with_transpose)
 
 
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
@@ -137,7 +149,7 @@ def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
             "weight again instead of keeping its FP8 copy, so it needs the forward's weight, as nn.Linear's "
             "backward does: update weights after backward (as optimizers do)."
         )
-    return column_major_only(quantize_weight(weight, quantizer, True)[1])
+    return column_major_only(quantize_weight(weight, quantizer, True)[1])  # in torch operations under compile
 
 
 def linear_fwd(
@@ -258,7 +270,7 @@ def linear_bwd(
         if saved.need_dgrad:
             dx = dyh @ saved.w.dequantize(dyh.dtype)
     elif saved.layout is ScaleLayout.TENSOR:
-        dy8 = dy2 if isinstance(dy2, Float8Tensor) else qg._quantize(dy2, saved.need_wgrad)
+        dy8 = dy2 if isinstance(dy2, Float8Tensor) else quantize_fusable(qg, dy2, saved.need_wgrad)
         if saved.need_wgrad:
             if type(x) is torch.Tensor:  # saved as it was (`requantize_input`): quantized again, the same bits
                 x = column_major_only(_quantize_source(quantizers.input, x, True))

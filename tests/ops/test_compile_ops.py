@@ -312,3 +312,35 @@ def test_every_op_declares_the_context_fields_it_keeps():
                 assert written <= declared, f"{path.name} {cls.name} keeps {sorted(written - declared)} undeclared"
                 checked += 1
     assert checked >= 5, f"only {checked} op classes write their contexts: the scan is broken"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU every quantization is torch's")
+def test_compiled_converted_block_quantizes_in_torch_operations_only():
+    """Under torch.compile a converted block's Linears quantize their inputs, weights and output gradients
+    in torch operations (ops/linear_engine.py `quantize_fusable`), which inductor fuses into the code that
+    makes them: neither the forward graph nor the backward graph holds a float8 quantize, amax or transpose
+    kernel (before, the backward quantized each output gradient and weight with them)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from benchmarks.distributed import Block
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    torch.manual_seed(0)
+    # min_fp8_gemm_flops=0: these small GEMMs run in FP8 (not under the small-layer policy)
+    model = ops.convert(Block(64, 4, 2, 16, 128).to(torch.bfloat16).cuda(), recipe=Recipe(min_fp8_gemm_flops=0))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    compiled(x).float().square().sum().backward()
+    assert len(graphs) == 2  # forward and backward
+    kernels = {"float8::quantize_tensorwise", "float8::amax", "float8::transpose_fp8"}
+    for gm in graphs:
+        called = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not {t for t in called if any(k.replace("::", ".") in t for k in kernels)}, called
+    assert any("_scaled_mm" in str(n.target) for gm in graphs for n in gm.graph.nodes)  # the GEMMs are FP8
