@@ -489,7 +489,7 @@ class Linear(BasicOp):
         return super()._apply(fn, *args, **kwargs)
 
     def quantized_weight(
-        self, for_backward: bool, training: bool = False
+        self, for_backward: bool, training: bool = False, in_torch_ops: bool = False
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(forward operand, dgrad operand or None): FP8 copies of the weight.
 
@@ -497,7 +497,8 @@ class Linear(BasicOp):
         step. Its FP8 copy is then made for this step only and not kept (a copy already cached for this
         weight version is taken and dropped from the cache): keeping it would hold 2 bytes
         per parameter between steps that no later step reads. Otherwise (inference, a frozen weight) the copy
-        is cached until the weight changes."""
+        is cached until the weight changes. in_torch_ops: under torch.compile, quantized in torch operations
+        (ops/linear_engine.py `quantize_fusable`)."""
         w = self.weight
         if isinstance(w, Float8Tensor):
             return w, (w if for_backward else None)
@@ -507,7 +508,7 @@ class Linear(BasicOp):
             # and re-run by every replay, so it reads the weight of that step; a cached copy would be frozen
             # into the graph. Never use the cache here, and never fill it with a tensor of the graph's pool.
             # (Not asked while torch.compile traces: dynamo would break its graph on the query.)
-            return quantize_weight(w, q, for_backward)
+            return quantize_weight(w, q, for_backward, in_torch_ops)
         cache = self._weight_cache
         hit = cache.lookup(w, for_backward)
         if training:
@@ -555,7 +556,11 @@ class Linear(BasicOp):
             # Llama-style model), for 3 bytes of traffic per parameter (~1% of its step; docs/memory.md). A
             # frozen weight's copies are cached across steps anyway: the cache serves both.
             rebuild = need_dgrad and need_wgrad and rebuilds_weight(self.weight, self.quantizers)
-            w8, wd = self.quantized_weight(for_backward=need_dgrad and not rebuild, training=need_wgrad)
+            # Compiled, with a high-precision input: among torch code (ops/linear_engine.py `quantize_fusable`)
+            among_torch = torch.compiler.is_compiling() and not isinstance(x2, Float8Tensor)
+            w8, wd = self.quantized_weight(
+                for_backward=need_dgrad and not rebuild, training=need_wgrad, in_torch_ops=among_torch
+            )
             y, ctx.saved = linear_fwd(
                 x2,
                 w8,

@@ -68,17 +68,17 @@ def check_fp8_weight_grad(weight: torch.Tensor) -> None:
 
 
 def quantize_weight(
-    weight: torch.Tensor, quantizer: Quantizer, for_backward: bool
+    weight: torch.Tensor, quantizer: Quantizer, for_backward: bool, in_torch_ops: bool = False
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(forward operand, input-gradient operand or None): FP8 copies of a weight (an FP8-only weight as it is).
 
     The quantizer makes them (`Quantizer.operands`): per tensor one kernel writes both layouts, per row the
     transposed operand is quantized along its own rows, blocks and other granularities serve both with the
-    forward copy (their GEMMs dequantize)."""
+    forward copy (their GEMMs dequantize). in_torch_ops: `quantize_fusable` (a Linear among torch code)."""
     if isinstance(weight, Float8Tensor):
         return weight, (weight if for_backward else None)
     with torch.no_grad():
-        if torch.compiler.is_compiling() and stateless_per_tensor(quantizer):
+        if in_torch_ops and torch.compiler.is_compiling() and stateless_per_tensor(quantizer):
             w8 = quantize_fusable(quantizer, weight.detach(), for_backward)
             return w8, (w8 if for_backward else None)
         return quantizer.operands(weight.detach(), rows=True, columns=for_backward)
@@ -127,9 +127,12 @@ def quantize_fusable(q: Quantizer, x: torch.Tensor, with_transpose: bool) -> Flo
     output gradient's amax into the activation backward before it, as for torchao's Linears) and its
     partitioner may recompute them in a backward; through our kernels it could do neither (on the H100 a
     compiled converted Llama step ran 81 cast-transpose and 129 amax launches of its own, 18.2 ms:
-    docs/performance.md). Else the kernel. The same bits for the same x (tests/ops/test_lean_activations.py,
-    tests/ops/test_compile_ops.py); fused by inductor with x's producer, whose bf16 rounding it does not
-    emulate, within the FP8 bound (README "Same results")."""
+    docs/performance.md). Else the kernel. The same bits for the same x (tests/ops/test_lean_activations.py);
+    fused by inductor with x's producer, whose bf16 rounding it does not emulate, within the FP8 bound
+    (README "Same results"). Taken by a Linear whose input arrives in high precision, so among torch code
+    that inductor generates anyway (a converted model's); one whose input arrives in FP8 sits among our
+    kernels in an ops.Sequential, which compiled gives eager's bits (tests/ops/test_gpu_compile.py), and
+    keeps them."""
     if torch.compiler.is_compiling() and stateless_per_tensor(q):
         return quantize_in_torch_ops(q, x, with_transpose)
     return q._quantize(x, with_transpose)
@@ -140,7 +143,7 @@ def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bo
     return quantize_fusable(q, x, with_transpose)
 
 
-def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
+def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer, in_torch_ops: bool):
     weight, version = take(saved, "rebuild")
     if version is not None and weight._version != version:
         raise RuntimeError(
@@ -149,7 +152,7 @@ def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer):
             "weight again instead of keeping its FP8 copy, so it needs the forward's weight, as nn.Linear's "
             "backward does: update weights after backward (as optimizers do)."
         )
-    return column_major_only(quantize_weight(weight, quantizer, True)[1])  # in torch operations under compile
+    return column_major_only(quantize_weight(weight, quantizer, True, in_torch_ops)[1])
 
 
 def linear_fwd(
@@ -270,14 +273,20 @@ def linear_bwd(
         if saved.need_dgrad:
             dx = dyh @ saved.w.dequantize(dyh.dtype)
     elif saved.layout is ScaleLayout.TENSOR:
-        dy8 = dy2 if isinstance(dy2, Float8Tensor) else quantize_fusable(qg, dy2, saved.need_wgrad)
+        # An input saved as it was (`requantize_input`: compiled, arrived in high precision): this Linear sits
+        # among torch code, so its output gradient and weight are quantized in torch operations too.
+        among_torch = type(x) is torch.Tensor
+        if isinstance(dy2, Float8Tensor):
+            dy8 = dy2
+        else:
+            dy8 = quantize_fusable(qg, dy2, saved.need_wgrad) if among_torch else qg._quantize(dy2, saved.need_wgrad)
         if saved.need_wgrad:
-            if type(x) is torch.Tensor:  # saved as it was (`requantize_input`): quantized again, the same bits
+            if among_torch:  # quantized again, the same bits
                 x = column_major_only(_quantize_source(quantizers.input, x, True))
             dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:
-            w = saved.w if saved.rebuild is None else _rebuilt_weight(saved, quantizers.weight)
+            w = saved.w if saved.rebuild is None else _rebuilt_weight(saved, quantizers.weight, among_torch)
             dx = _mm(dy8, w, out_dtype=saved.x_dtype, pad=True)
     else:
         dy_rows, dy_columns = qg.operands(plain(dy2), rows=saved.need_dgrad, columns=saved.need_wgrad)
