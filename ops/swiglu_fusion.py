@@ -44,7 +44,9 @@ mode on; no forward-mode AD or functorch transform; not compiling (the compiler 
 window opens, the function modes active are those the forward began with, and those are default devices
 only (another mode could change what F.silu or the product compute, and one entered around a Linear would
 pop ours); no saved-tensor hooks pushed inside the model since its forward began (activation checkpointing
-inside the model recomputes without this mode and must save what the forward saved). Per thread: each
+inside the model recomputes without this mode and must save what the forward saved); not under a
+non-reentrant torch.utils.checkpoint around the model (its recompute, with other modes, must save what
+the forward saved, in the same order: `_checkpoint_hooks`). Per thread: each
 thread's forward has its own state. A recursive call of the model inside its own forward drops the state of
 the forward around it (what follows in it is not fused); a forward interrupted by a BaseException such as
 KeyboardInterrupt (no module hook runs then) leaves its window on the thread's stack until the model's next
@@ -178,7 +180,19 @@ class _FuseSwiGLU(TorchFunctionMode):
 # 16384 tokens 258.1 against 273.5 (h: 470M elements; H100, 2026-11-27, area step_llama_swiglu): the mode's
 # host time per torch call is paid by every call it sees, the backward pass saved scales with h.
 MIN_NUMEL = 1 << 24
-_OFF = object()  # a model forward where nothing is fused (no grad)
+_OFF = object()  # a model forward where nothing is fused (no grad, or under a non-reentrant checkpoint)
+
+
+def _checkpoint_hooks(hooks: Any) -> bool:
+    """Whether the saved-tensor hooks on top are those of torch.utils.checkpoint's non-reentrant checkpoint,
+    in its forward or in its recompute. Its recompute runs the model again in the backward, with other
+    function modes (none), and hands the tensors it saves to the forward's nodes by their order: a product
+    fused in one and not in the other would hand the product's node g where it expects silu(g) (same count,
+    shapes and dtypes, so unseen), and a product fused in neither would not. So neither fuses."""
+    pack = hooks[0] if hooks else None
+    return getattr(pack, "__qualname__", "").startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
 # The autograd nodes of one chunk, split or slice: their gradient is the input's, zero elsewhere.
 _VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"})
 
@@ -189,7 +203,7 @@ class _SiluNote:
     or the window closes. Weak references, but for a pair's g, which the product may take after the window of
     g's Linear has closed (the next Linear, the up projection, runs between)."""
 
-    __slots__ = ("out", "out_version", "h", "h_version", "g", "product", "pair", "held")
+    __slots__ = ("out", "out_version", "h", "h_version", "g", "product", "pair", "held", "closes_left")
 
     def __init__(
         self, out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, product: Optional[torch.Tensor], pair: bool
@@ -198,7 +212,10 @@ class _SiluNote:
         self.h, self.h_version = weakref.ref(h), h._version
         self.g, self.product = weakref.ref(g), product
         self.pair = pair
-        self.held = g if pair else None  # until the model's forward ends (the silu's node keeps it too)
+        # A pair's g, held until its product fuses or the window after the next Linear's output closes (the
+        # silu's node saves g too, but saved-tensor hooks that offload or drop it must be able to free it).
+        self.held = g if pair else None
+        self.closes_left = 1  # a pair's note outlives the close of g's own window, not the next one
 
 
 class _State(threading.local):
@@ -255,14 +272,15 @@ class SwiGLUFusion(ModelHooks):
             self._remove_window(state)
             state.clear()
         self.last_forward = {"fused": 0}
-        if not torch.is_grad_enabled():
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not torch.is_grad_enabled() or _checkpoint_hooks(hooks):
             state.contexts.append(_OFF)
             return
         # The modes active now may stay under a window only where they change no silu or product (a default
         # device: torch.set_default_device, `with torch.device(...)`); any other keeps every window shut.
         modes = tuple(torch.overrides._get_current_function_mode_stack())
         open_over = modes if all(type(m) is DeviceContext for m in modes) else None
-        state.contexts.append((torch._C._autograd._top_saved_tensors_default_hooks(False), open_over))
+        state.contexts.append((hooks, open_over))
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -313,8 +331,12 @@ class SwiGLUFusion(ModelHooks):
             state.window.__exit__(None, None, None)
             state.window = None
             state.outputs.clear()  # what the window kept: the outputs are the model's own from here
-            for note in state.silus.values():
+            for key, note in list(state.silus.items()):
                 note.product = None  # a product computed ahead that no product asked for: not kept
+                if note.pair:
+                    if note.closes_left == 0:  # its product would have come in the window closing now
+                        del state.silus[key]
+                    note.closes_left -= 1
 
     @staticmethod
     def _remove_window(state: _State) -> None:
@@ -433,9 +455,10 @@ class SwiGLUFusion(ModelHooks):
     def _pair_product(self, note: _SiluNote, a: torch.Tensor, u: Any, func, silu_first: bool) -> Optional[torch.Tensor]:
         """func(a, u) as `_SwiGLUPairProduct` where a = silu(g) of a gate output g (a pair's note) and u is the
         output of the Linear whose window is open, of g's shape and dtype; else None."""
-        g = note.held
+        g = note.held if note.held is not None else note.g()  # after a first fused product: weakly
         if (
-            g._version != note.h_version
+            g is None
+            or g._version != note.h_version
             or u is g
             or not self._noted(u)
             or u.shape != g.shape
@@ -444,6 +467,7 @@ class SwiGLUFusion(ModelHooks):
         ):
             return None
         self.last_forward["fused"] += 1
+        note.held = None
         return _SwiGLUPairProduct.apply(g, u, a.detach(), func, silu_first)
 
 

@@ -7,10 +7,12 @@ this pattern runs torch's own code."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import float8.ops as ops
 from float8.kernels.activation import act_bwd
@@ -274,3 +276,114 @@ def test_cuda_fused_holds_less_and_takes_the_kernel():
     # act_bwd's bits (the same math; on the GPU both use Triton's exp, not torch's)
     dg, du = act_bwd(_incoming(fused, g, u, dy), torch.cat([g, u], dim=-1), "swiglu").chunk(2, dim=-1)
     assert torch.equal(fused.g.grad, dg) and torch.equal(fused.u.grad, du)
+
+
+class _AnyMode(torch.overrides.TorchFunctionMode):
+    """A user's function mode that changes nothing (it keeps every window of the fusion shut)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _CheckpointedMLP(torch.nn.Module):
+    """A projection, then an MLP (separate projections or one) under a non-reentrant checkpoint."""
+
+    def __init__(self, pair):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D, bias=False)
+        self.mlp = PairMLP("torchtitan") if pair else _ChunkMLP()
+
+    def forward(self, x):
+        h = self.proj(x)  # the outer fusion's window is open when the checkpoint starts
+        return h + checkpoint(self.mlp, h, use_reentrant=False)
+
+
+class _ChunkMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(D, 2 * F_, bias=False), torch.nn.Linear(F_, D, bias=False)
+
+    def forward(self, x):
+        g, u = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["gate and up", "one projection"])
+@pytest.mark.parametrize("how", ["submodule converted again", "under a user's mode"])
+def test_a_non_reentrant_checkpoint_never_fuses_in_one_run_and_not_the_other(pair, how):
+    # Its recompute runs the MLP again in the backward with no function mode on, and hands what it saves to
+    # the forward's nodes by their order: had the recompute fused where the forward did not, the product's
+    # node would get g for silu(g) (gate and up: wrong gradients, relative error 1.5-2.3) or a different
+    # count of tensors (one projection: CheckpointError). Under checkpoint's hooks neither run fuses.
+    torch.manual_seed(0)
+    nested = how == "submodule converted again"
+    base = _CheckpointedMLP(pair) if nested else (PairMLP("torchtitan") if pair else _ChunkMLP())
+    x, dy = torch.randn(256, D), torch.randn(256, D)
+    grads = []
+    for fuse in (True, False):
+        model = ops.convert(copy.deepcopy(base), fuse_swiglu=fuse)
+        if nested:
+            ops.convert(model.mlp, fuse_swiglu=fuse)  # its own fusion; the outer window is open around it
+        for m in model.modules():
+            if swiglu_fusion_of(m) is not None:
+                swiglu_fusion_of(m).min_numel = 1
+        if nested:
+            y = model(x)
+        else:
+            with _AnyMode():  # the forward under the mode, the recompute without it
+                y = checkpoint(model, x, use_reentrant=False)
+        y.backward(dy)
+        grads.append([p.grad for p in model.parameters()])
+    for p, q in zip(*grads):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tier", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_checkpoints_hooks_are_recognized_on_this_torch(tier):
+    # ops/swiglu_fusion.py `_checkpoint_hooks` knows them by name: a torch that renames them fails here
+    # (the GPU tier runs the other torch version).
+    from float8.ops.swiglu_fusion import _checkpoint_hooks
+
+    seen = []
+
+    def probe(t):
+        seen.append(_checkpoint_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False)))
+        return t * t  # saves t: the backward unpacks it, which runs the recompute
+
+    t = torch.randn(4, requires_grad=True)
+    checkpoint(probe, t, use_reentrant=False).sum().backward()  # forward, then the recompute
+    assert seen == [True, True]
+    assert not _checkpoint_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False))
+
+
+def test_gate_outputs_are_not_held_past_their_product():
+    # Under saved-tensor hooks that copy what is saved (offloading, as save_on_cpu does on a GPU) a gate
+    # output is freed once its block is done, fused or not: the note holds it only until the product.
+    refs = []
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(PairMLP() for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+                refs.append(weakref.ref(block.g))
+                block.g = block.u = None
+            self.alive = sum(r() is not None for r in refs)
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(256, D, dtype=BF16)
+    for fuse in (True, False):
+        refs.clear()
+        model = _convert(Net().to(BF16)) if fuse else ops.convert(Net().to(BF16), fuse_swiglu=False)
+        for block in model.blocks:
+            block._keep = lambda g, u, block=block: setattr(block, "g", g) or setattr(block, "u", u)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            y = model(x)
+        assert model.alive == 0, (fuse, model.alive)
+        if fuse:
+            assert swiglu_fusion_of(model).last_forward == {"fused": 4}
+        y.float().sum().backward()
