@@ -138,11 +138,6 @@ def quantize_fusable(q: Quantizer, x: torch.Tensor, with_transpose: bool) -> Flo
     return q._quantize(x, with_transpose)
 
 
-def _quantize_source(q: TensorwiseQuantizer, x: torch.Tensor, with_transpose: bool) -> Float8Tensor:
-    """A kept high-precision input quantized (`requantize_input`): `quantize_fusable`."""
-    return quantize_fusable(q, x, with_transpose)
-
-
 def _rebuilt_weight(saved: LinearSaved, quantizer: Quantizer, in_torch_ops: bool):
     weight, version = take(saved, "rebuild")
     if version is not None and weight._version != version:
@@ -193,7 +188,7 @@ def linear_fwd(
         if isinstance(x2, Float8Tensor):
             x8 = x2
         elif source:
-            x8 = _quantize_source(qi, x2, False)
+            x8 = quantize_fusable(qi, x2, False)
         else:
             x8 = qi._quantize(x2, need_wgrad and not rows_only)
         y = _mm(x8, operand(w8, transposed=True), bias=bias, out_dtype=out_dtype, pad=True, fast_accum=fast_accum)
@@ -282,7 +277,7 @@ def linear_bwd(
             dy8 = quantize_fusable(qg, dy2, saved.need_wgrad) if among_torch else qg._quantize(dy2, saved.need_wgrad)
         if saved.need_wgrad:
             if among_torch:  # quantized again, the same bits
-                x = column_major_only(_quantize_source(quantizers.input, x, True))
+                x = column_major_only(quantize_fusable(quantizers.input, x, True))
             dw = _mm(operand(dy8, transposed=True), x, out_dtype=weight_dtype, pad=True)
         del x
         if saved.need_dgrad:
