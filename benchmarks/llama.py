@@ -30,9 +30,8 @@ class LlamaShape:
     vocab: int = 32768
     batch: int = 8
     seq: int = 2048
-    separate_gate_up: bool = (
-        False  # the plain-torch MLP as Hugging Face's Llama writes it (benchmarks.distributed.Block)
-    )
+    # the plain-torch MLP with a gate and an up projection, as Hugging Face's Llama (benchmarks.distributed.Block)
+    separate_gate_up: bool = False
 
 
 TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, vocab=256, batch=2, seq=32)

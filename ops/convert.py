@@ -82,11 +82,12 @@ def convert(
 
     recipe: the converted layers' Recipe (default Recipe()). filter_fn(module, fqn) -> bool picks the
     layers (default: all). fp8_weights: make the weights FP8-only (see the module docstring). fuse_swiglu:
-    the model's own `F.silu(g) * u` over the halves of a converted Linear's output keeps only that output
-    for its backward and runs the backward as one kernel (ops/swiglu_fusion.py; lean activations have their
-    own). When model is itself an nn.Linear, the returned op stands in for it. Converting again with a recipe gives the
-    picked ops.Linear layers that recipe (new quantizers: delayed histories and calibrated input scales
-    start over); without one, they keep theirs.
+    the model's own `F.silu(g) * u` of converted Linears' outputs (the halves of one, or a gate and an up
+    projection) keeps no silu(g) for its backward and runs the backward as one kernel
+    (ops/swiglu_fusion.py; lean activations have their own). When model is itself an nn.Linear, the
+    returned op stands in for it. Converting again with a recipe gives the picked ops.Linear layers that
+    recipe (new quantizers: delayed histories and calibrated input scales start over); without one, they
+    keep theirs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")

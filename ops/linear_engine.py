@@ -79,7 +79,7 @@ def quantize_weight(
         return weight, (weight if for_backward else None)
     with torch.no_grad():
         if in_torch_ops and torch.compiler.is_compiling() and stateless_per_tensor(quantizer):
-            w8 = quantize_fusable(quantizer, weight.detach(), for_backward)
+            w8 = quantize_in_torch_ops(quantizer, weight.detach(), for_backward)
             return w8, (w8 if for_backward else None)
         return quantizer.operands(weight.detach(), rows=True, columns=for_backward)
 
