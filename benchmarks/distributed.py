@@ -49,13 +49,20 @@ from benchmarks.harness import figures_from_rows, record, results_dir
 class Block(torch.nn.Module):
     """A Llama block: attention (grouped KV heads, causal SDPA) and a SwiGLU MLP, pre-norm residuals.
     separate_gate_up: the MLP as Hugging Face's Llama writes it, `down(silu(gate(x)) * up(x))`, instead of one
-    gate-and-up projection whose output is chunked."""
+    gate-and-up projection whose output is chunked. separate_qkv: q, k and v projections of the normed input,
+    as Hugging Face's Llama has them, instead of one qkv projection whose output is split."""
 
-    def __init__(self, d, heads, kv_heads, head_dim, ffn, separate_gate_up=False):
+    def __init__(self, d, heads, kv_heads, head_dim, ffn, separate_gate_up=False, separate_qkv=False):
         super().__init__()
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.norm1, self.norm2 = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.RMSNorm(d, eps=1e-6)
-        self.qkv = torch.nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
+        if separate_qkv:
+            self.qkv = None
+            self.q = torch.nn.Linear(d, heads * head_dim, bias=False)
+            self.k = torch.nn.Linear(d, kv_heads * head_dim, bias=False)
+            self.v = torch.nn.Linear(d, kv_heads * head_dim, bias=False)
+        else:
+            self.qkv = torch.nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
         self.o = torch.nn.Linear(heads * head_dim, d, bias=False)
         if separate_gate_up:
             self.gate = torch.nn.Linear(d, ffn, bias=False)
@@ -66,12 +73,16 @@ class Block(torch.nn.Module):
 
     def forward(self, x):  # x: (B, S, d)
         b, s, _ = x.shape
-        q, k, v = (
-            self.qkv(self.norm1(x))
-            .view(b, s, self.h + 2 * self.kv, self.hd)
-            .transpose(1, 2)
-            .split([self.h, self.kv, self.kv], dim=1)
-        )
+        if self.qkv is None:
+            h = self.norm1(x)
+            q, k, v = (p(h).view(b, s, -1, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        else:
+            q, k, v = (
+                self.qkv(self.norm1(x))
+                .view(b, s, self.h + 2 * self.kv, self.hd)
+                .transpose(1, 2)
+                .split([self.h, self.kv, self.kv], dim=1)
+            )
         a = (
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
             .transpose(1, 2)

@@ -32,6 +32,8 @@ class LlamaShape:
     seq: int = 2048
     # the plain-torch MLP with a gate and an up projection, as Hugging Face's Llama (benchmarks.distributed.Block)
     separate_gate_up: bool = False
+    # q, k and v projections, as Hugging Face's Llama (one qkv projection otherwise)
+    separate_qkv: bool = False
 
 
 TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, vocab=256, batch=2, seq=32)
@@ -39,7 +41,7 @@ TINY = LlamaShape(d=64, heads=4, kv_heads=2, head_dim=16, ffn=128, blocks=2, voc
 
 def Block(s: LlamaShape) -> torch.nn.Module:
     """One Llama block in plain PyTorch (the 2-GPU benchmark's, benchmarks/distributed.py)."""
-    return distributed.Block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn, s.separate_gate_up)
+    return distributed.Block(s.d, s.heads, s.kv_heads, s.head_dim, s.ffn, s.separate_gate_up, s.separate_qkv)
 
 
 def ops_block(s: LlamaShape, recipe=None) -> torch.nn.Module:

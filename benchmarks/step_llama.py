@@ -1,7 +1,9 @@
-"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b] [--batch B --seq S] [--separate-gate-up]:
+"""python -m benchmarks.step_llama [--tiny] [--out DIR] [--variants a,b] [--batch B --seq S] [--separate-gate-up]
+[--separate-qkv]:
 whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an AdamW
 step (foreach), for each variant, at B x S tokens (default 8 x 2048); with --separate-gate-up its plain-torch
-MLP has a gate and an up projection, as Hugging Face's Llama (one gate-and-up projection otherwise). Reports ms per step, tokens/s, the step's peak memory, and the
+MLP has a gate and an up projection, as Hugging Face's Llama (one gate-and-up projection otherwise); with
+--separate-qkv its attention has q, k and v projections, as Hugging Face's Llama (one qkv otherwise). Reports ms per step, tokens/s, the step's peak memory, and the
 kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the area "step_llama"
 in DIR (default benchmarks/results/; benchmarks.harness.record)."""
 
@@ -48,8 +50,10 @@ def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:
     if variant.startswith("bf16"):
         model = build("torch", s, device)
     elif variant.startswith("float8 ops"):
-        if s.separate_gate_up:
-            raise ValueError("float8 ops blocks have one gate-and-up projection: no separate-projection form")
+        if s.separate_gate_up or s.separate_qkv:
+            raise ValueError(
+                "float8 ops blocks have one qkv and one gate-and-up projection: no separate-projection form"
+            )
         model = build("ops", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("float8 converted"):
         recipe = Recipe(lean_activations=True) if "lean" in variant else None
@@ -100,6 +104,7 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     row = {
         "variant": variant,
         "tokens": s.batch * s.seq,
+        "attention": "q, k, v" if s.separate_qkv else "qkv",
         "mlp": "gate, up" if s.separate_gate_up else "gate-up",
         "ms_per_step": round(ms, 1),
         "tokens_per_s": round(s.batch * s.seq / ms * 1e3),
@@ -114,10 +119,14 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     return row
 
 
-def run(device, tiny: bool, variants=None, batch=None, seq=None, separate_gate_up=False) -> List[dict]:
+def run(
+    device, tiny: bool, variants=None, batch=None, seq=None, separate_gate_up=False, separate_qkv=False
+) -> List[dict]:
     """Every variant (or those named), one record each; a variant that fails records its error."""
     s = TINY if tiny else LlamaShape()
-    s = dataclasses.replace(s, batch=batch or s.batch, seq=seq or s.seq, separate_gate_up=separate_gate_up)
+    s = dataclasses.replace(
+        s, batch=batch or s.batch, seq=seq or s.seq, separate_gate_up=separate_gate_up, separate_qkv=separate_qkv
+    )
     rows = []
     for variant in variants or VARIANTS:
         try:
@@ -140,6 +149,7 @@ def run(device, tiny: bool, variants=None, batch=None, seq=None, separate_gate_u
 COLUMNS = [
     "variant",
     "tokens",
+    "attention",
     "mlp",
     "ms_per_step",
     "tokens_per_s",
@@ -166,10 +176,16 @@ def main(argv=None) -> None:
         action="store_true",
         help="the plain-torch MLP with separate gate and up projections, as Hugging Face's Llama writes it",
     )
+    p.add_argument(
+        "--separate-qkv",
+        action="store_true",
+        help="the plain-torch attention with separate q, k and v projections, as Hugging Face's Llama has them",
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants.split(",") if args.variants else None
-    rows = run(device, args.tiny or device.type == "cpu", variants, args.batch, args.seq, args.separate_gate_up)
+    tiny = args.tiny or device.type == "cpu"
+    rows = run(device, tiny, variants, args.batch, args.seq, args.separate_gate_up, args.separate_qkv)
     print(markdown_table(rows, COLUMNS))
     write_report(args.area, args.out, environment(device), rows, COLUMNS)
 

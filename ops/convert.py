@@ -37,6 +37,7 @@ from float8.checkpoint import enable_save_pretrained
 from float8.kernels.scratch import Scratch
 from float8.ops.base import is_dtensor
 from float8.ops.linear import Linear
+from float8.ops.linear_train import SharedInputCopy, TrainPlans
 from float8.ops.saved_outputs import SavedOutputs, detach_all
 from float8.ops.sequential import linears_outside_sequentials
 from float8.ops.swiglu_fusion import SwiGLUFusion
@@ -147,11 +148,14 @@ def convert(
 def _share_workspace(model: torch.nn.Module) -> None:
     """One kept workspace (kernels/scratch.py) for all of the model's Linears: their launches on a stream run
     in turn, so one buffer the size of the largest call serves them all, where one per layer would hold
-    the sum (176 MiB against 8 MiB for benchmarks/inference.py's Llama-style model)."""
-    shared = Scratch()
+    the sum (176 MiB against 8 MiB for benchmarks/inference.py's Llama-style model). And one
+    SharedInputCopy (ops/linear_train.py) for their training steps: Linears that read the same tensor (q, k
+    and v; gate and up) quantize it once and keep one FP8 copy."""
+    shared, inputs = Scratch(), SharedInputCopy()
     for m in model.modules():
         if isinstance(m, Linear):
             m._inference_plans.share(shared)
+            m.__dict__.setdefault("_train_plans", TrainPlans()).inputs = inputs  # missing: pickled before plans
 
 
 def _attach_activation_hooks(model: torch.nn.Module, fuse_swiglu: bool) -> None:

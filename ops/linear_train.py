@@ -14,7 +14,8 @@ and `linear_bwd` for that case), so the bits are the same (tests/ops/test_linear
 with the runner's on every output and gradient). Everything else returns None and takes the general path.
 
 What it keeps from the forward to the backward is what the general path keeps: the input's FP8 transpose
-(the layout the weight-gradient GEMM reads) and its scale; the weight itself, which the backward quantizes
+(the layout the weight-gradient GEMM reads) and its scale, one copy for the Linears of a converted model that
+read the same tensor (`SharedInputCopy`); the weight itself, which the backward quantizes
 again (the same bits: current scaling of an unchanged tensor); nothing in high precision. One exception: a
 weight one program quantizes (at most 16384 elements) has its FP8 transpose written by the forward's launch
 and kept (at most 16 KiB), one quantization fewer where host time is all the step waits for. A write
@@ -25,6 +26,9 @@ the new one.
 
 from __future__ import annotations
 
+import copy
+import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -83,8 +87,96 @@ class TrainPlan:
         return data, data_t, scale_inv, amax
 
 
+class _InputCopySlot:
+    """One thread's entry of a SharedInputCopy: the input read last (weakly), its key and its FP8 copy."""
+
+    __slots__ = ("ref", "key", "copy", "__weakref__")
+
+    def __init__(self):
+        self.ref = self.key = self.copy = None
+
+    def drop(self, key: Optional[tuple]) -> None:
+        """Let the entry go if it is still the one made under `key` (compared by identity)."""
+        if self.key is key:
+            self.ref = self.key = self.copy = None
+
+
+def _expire(slot_ref: weakref.ref, key: tuple, dead: weakref.ref) -> None:
+    # Called when the input dies; the slot is reached weakly, so the slot and its input's reference make no
+    # cycle (a deleted model frees its memory without the garbage collector).
+    slot = slot_ref()
+    if slot is not None:
+        slot.drop(key)
+
+
+class SharedInputCopy(threading.local):
+    """The FP8 copy of the input that the last Linear of a converted model quantized, for the Linears that read
+    the same tensor next: q, k and v of a Hugging Face attention, gate and up of its MLP each read the norm's
+    output. Each used to quantize it anew (an amax pass and a cast-transpose pass over the bf16 input) and keep
+    its own transpose until the backward: at 16384 tokens and d=4096, 64 MiB per extra Linear per block
+    (docs/memory.md). Under stateless per-tensor current scaling the same tensor gives the same bits, so
+    sharing changes no output (tests/ops/test_linear_train.py).
+
+    One per converted model (ops/convert.py), shared by its Linears; per thread. It holds one entry: the input
+    weakly, its key (version counter, data pointer, layout, quantizer settings) and (data, data_t or None,
+    scale_inv). The entry goes when the next Linear quantizes another input, or when the input dies (in a
+    transformer block, when the attention or MLP that read it returns); until then the rows copy (1 byte per
+    element of a 2-byte input) lives beside it. A write through `.data` of the same storage moves no version
+    counter and is not seen, as everywhere in torch. Derived and never saved: a pickled or copied model gets
+    a new, empty one (one per shared object)."""
+
+    def __init__(self):
+        self.slot = _InputCopySlot()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    @staticmethod
+    def _key(x: torch.Tensor, q: TensorwiseQuantizer) -> tuple:
+        return (x._version, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, q.fp8_dtype, q.margin, q.power_of_2)
+
+    def lookup(self, x: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> Optional[tuple]:
+        """(data, data_t or None, scale_inv) of x quantized by q's settings, if the entry holds it (with the
+        transpose where asked), else None."""
+        slot = self.slot
+        ref = slot.ref
+        if ref is None or ref() is not x or slot.key != self._key(x, q):
+            return None
+        if with_transpose and slot.copy[1] is None:
+            return None
+        return slot.copy
+
+    def store(self, x: torch.Tensor, q: TensorwiseQuantizer, copy: tuple) -> None:
+        """Keep (data, data_t or None, scale_inv) of x for the next Linear, in place of the entry before."""
+        slot, key = self.slot, self._key(x, q)
+        slot.ref = weakref.ref(x, lambda dead, s=weakref.ref(slot), k=key: _expire(s, k, dead))
+        slot.key, slot.copy = key, copy
+
+    def entry(self) -> tuple:
+        """(this thread's slot, the key of its entry): what a backward lets go (`_InputCopySlot.drop`), from
+        whichever thread it runs on."""
+        slot = self.slot
+        return slot, slot.key
+
+
 class TrainPlans(Plans):
-    """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device) (derived and bounded: Plans)."""
+    """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device) (derived and bounded: Plans),
+    and the SharedInputCopy of its model (`inputs`: its own until ops.convert shares one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inputs = SharedInputCopy()
+
+    def __reduce__(self):
+        return (type(self), (), {"inputs": self.inputs})
+
+    def __deepcopy__(self, memo):
+        new = type(self)()
+        new.inputs = copy.deepcopy(self.inputs, memo)  # one copy per shared object, through the memo
+        return new
 
     def plan(self, key: tuple, quantizers: tuple, weight_shape: torch.Size) -> TrainPlan:
         """The plan for `key`, made anew where it is missing or was made for other quantizers."""
@@ -135,32 +227,41 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
     if plans is None:  # a Linear unpickled from before the plans existed
         plans = d["_train_plans"] = TrainPlans()
     plan = plans.plan((x.shape, x.dtype, w.dtype, x.device), (qi, qw, qg), w.shape)
-    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op)
+    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op, plans.inputs)
 
 
 class _TrainLinear(torch.autograd.Function):
     """y = x @ w.t() (+ b): FP8 forward GEMM; FP8 weight- and input-gradient GEMMs in the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan, fast_accum, op):
+    def forward(ctx, x, weight, bias, plan, fast_accum, op, inputs):
         qi, qw, _ = plan.quantizers
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        w_t = x_t = x_scale_inv = None
+        w_t = None
+        # The input's FP8 copy made by the Linear before, where it read the same tensor (SharedInputCopy).
+        shared = inputs.lookup(x, qi, need_wgrad)
+        if shared is None:
+            # With its transpose where the weight gradient reads it (a trained weight), else rows only.
+            role = "x" if need_wgrad else "x_rows"
+            x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad)
+            inputs.store(x, qi, (x_data, x_t, x_scale_inv))
+        else:
+            x_data, x_t, x_scale_inv = shared
+        # The first backward to run lets the entry go: an input that outlives the forward (a leaf, or one that
+        # another op saves) would otherwise keep its FP8 copies past the GEMMs that read them.
+        ctx.input_entry = inputs.entry()
         if need_wgrad:
-            # The input with its transpose (the weight gradient reads the transpose); the weight without: the
-            # backward quantizes it again for the input gradient rather than keeping its transpose
-            # (linear_engine `rebuilds_weight`), except a small one (TrainPlan.small_weight).
-            x_data, x_t, x_scale_inv, _ = plan.quantize("x", x2, qi, True)
+            # The weight without its transpose: the backward quantizes it again for the input gradient rather
+            # than keeping it (linear_engine `rebuilds_weight`), except a small one (TrainPlan.small_weight).
             if need_dgrad and plan.small_weight:
                 w_data, w_t, w_scale_inv, _ = plan.quantize("w_t", weight, qw, True)
             else:
                 w_data, _, w_scale_inv, _ = plan.quantize("w", weight, qw, False)
         else:
             # A frozen weight: its FP8 copy comes from the op's cache (made once per weight version, with the
-            # transpose the input gradient reads), as on the general path; the input without its transpose.
-            x_data, _, x_scale_inv, _ = plan.quantize("x_rows", x2, qi, False)
+            # transpose the input gradient reads), as on the general path.
+            x_t = None
             w8, wd = op.quantized_weight(for_backward=True, training=False)
             w_data, w_scale_inv, w_t = w8._data, w8._scale_inv, wd._transpose
         b = None if bias is None else bias.to(x.dtype).contiguous()
@@ -190,6 +291,8 @@ class _TrainLinear(torch.autograd.Function):
         # Unpacked, not held as a tuple: the input's transpose is let go before the input-gradient GEMM, whose
         # output is the backward's largest tensor when K > N (as linear_engine.linear_bwd does).
         x_t, x_scale_inv, w_t, w_scale_inv = take(ctx, "state")
+        slot, key = take(ctx, "input_entry")
+        slot.drop(key)
         plan = ctx.plan
         _, qw, qg = plan.quantizers
         if isinstance(dy, Float8Tensor):
@@ -197,7 +300,7 @@ class _TrainLinear(torch.autograd.Function):
         if isinstance(dy, Float8Tensor):
             # An FP8 gradient from a custom op after the Linear: its own bits are multiplied, by the engine.
             dx, dw = _engine_backward(ctx, dy, weight, x_t, x_scale_inv, w_t, w_scale_inv)
-            return dx, dw, None, None, None, None
+            return dx, dw, None, None, None, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_wgrad = ctx.need_wgrad
         dbias = dw = None
@@ -220,7 +323,7 @@ class _TrainLinear(torch.autograd.Function):
                 _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
-        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None
+        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None, None
 
 
 def _engine_backward(ctx, dy8: Float8Tensor, weight, x_t, x_scale_inv, w_t, w_scale_inv) -> tuple:

@@ -35,14 +35,25 @@ def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
     assert figures >= {("bf16 eager", "ms_per_step"), ("float8 ops eager", "tokens_per_s")}
 
 
-def test_step_llama_separate_gate_up_runs_the_converted_model_and_refuses_ops_blocks(tmp_path):
+def test_step_llama_separate_projections_run_the_converted_model_and_refuse_ops_blocks(tmp_path):
     variants = "bf16 eager,float8 converted eager,float8 ops eager"
-    args = ("--tiny", "--separate-gate-up", "--variants", variants, "--area", "x", "--out", str(tmp_path))
+    args = (
+        "--tiny",
+        "--separate-gate-up",
+        "--separate-qkv",
+        "--variants",
+        variants,
+        "--area",
+        "x",
+        "--out",
+        str(tmp_path),
+    )
     run = _run_module("benchmarks.step_llama", *args, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "latest.json").read_text())["x"]["detail"]["rows"]}
-    assert rows["float8 converted eager"]["mlp"] == "gate, up" and rows["float8 converted eager"]["ms_per_step"] > 0
-    assert "one gate-and-up projection" in rows["float8 ops eager"]["error"]
+    converted = rows["float8 converted eager"]
+    assert converted["mlp"] == "gate, up" and converted["attention"] == "q, k, v" and converted["ms_per_step"] > 0
+    assert "one qkv and one gate-and-up projection" in rows["float8 ops eager"]["error"]
 
 
 def test_kernel_groups_name_each_family():

@@ -100,6 +100,31 @@ def test_sequential_block_with_attention_after_a_training_step(recipe):
     assert _freed_without_gc(lambda: _block(RECIPES[recipe]), lambda m: _train_step(m, (2, 16, 64))) == []
 
 
+class _TwoReaders(torch.nn.Module):
+    """Two Linears reading one tensor: they share its FP8 copy (ops/linear_train.py SharedInputCopy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128, bias=False)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+def test_linears_sharing_an_input_copy_while_the_input_lives():
+    kept = []
+
+    def step(model):
+        x = torch.randn(2, 16, 128, dtype=BF16, requires_grad=True)
+        model(x).float().sum().backward()  # the backward lets the entry go
+        model(x)  # a forward whose output is dropped: the entry stays while x lives
+        kept.append(weakref.ref(model.a._train_plans.inputs.slot.copy[0]))
+        return x  # the input outlives the step, so the model's entry holds its copy when the model goes
+
+    assert _freed_without_gc(lambda: ops.convert(_TwoReaders().to(BF16)), step) == []
+    assert kept[0]() is None
+
+
 def test_a_forward_whose_output_is_dropped_before_backward():
     def forward_only(model):
         model(torch.randn(2, 16, 128, dtype=BF16, requires_grad=True))  # the graph dies with the output
