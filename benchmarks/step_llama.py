@@ -37,7 +37,9 @@ VARIANTS = [
     "float8 converted eager",
     "float8 converted eager unfused",
     "float8 converted eager lean",
+    "float8 converted eager all fp8",
     "float8 converted compiled",
+    "float8 converted compiled all fp8",
     "float8 converted compiled lean",
     "torchao tensorwise compiled",
     "torchao rowwise compiled",
@@ -57,6 +59,8 @@ def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:
         model = build("ops", s, device, Recipe(lean_activations=True) if "lean" in variant else None)
     elif variant.startswith("float8 converted"):
         recipe = Recipe(lean_activations=True) if "lean" in variant else None
+        if "all fp8" in variant:  # no small-layer policy: every Linear in FP8, as torchao converts them
+            recipe = Recipe(min_fp8_gemm_flops=0)
         model = build("converted", s, device, recipe, fuse_swiglu="unfused" not in variant)
     elif variant.startswith("torchao"):
         if device.type != "cuda":
