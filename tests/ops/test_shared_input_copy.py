@@ -198,3 +198,26 @@ def test_each_thread_has_its_own_entry():
     worker.join()
     assert seen[0] is not None  # the worker's own entry: x read by q
     assert shared.q._train_plans.inputs.lookup(x, shared.k.input_quantizer, True) is None  # not this thread's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_a_small_reader_of_a_shared_copy_runs_fp8():
+    """The small-layer policy's exception (ops/linear_train.py SHARED_COPY_FLOPS_FRACTION): k, under the
+    threshold but above the fraction of it, runs FP8 after q made its input's copy, in bf16 without q before;
+    its FP8 bits are those of a recipe that sends every Linear to FP8."""
+    d, tokens = 256, 256
+    q_flops = 2 * tokens * d * 256  # 3.4e7: over the threshold below; k's (N=128) 1.7e7: under it, over 0.4x
+    recipe = Recipe(min_fp8_gemm_flops=q_flops * 0.9)
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(d, 256, bias=False), torch.nn.Linear(d, 128, bias=False)
+    pair = ops.convert(torch.nn.ModuleDict({"q": q, "k": k}).to("cuda", BF16), recipe=recipe)
+    every = ops.convert(copy.deepcopy(pair), recipe=Recipe(min_fp8_gemm_flops=0))
+    x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
+    h = x * 2
+    assert type(pair["k"](h).grad_fn).__name__ != "_TrainLinearBackward"  # alone: under the policy, bf16
+    pair["q"](h)
+    y = pair["k"](h)
+    assert type(y.grad_fn).__name__ == "_TrainLinearBackward"
+    every["q"](h)
+    _same(y, every["k"](h))
