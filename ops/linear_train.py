@@ -115,15 +115,17 @@ class SharedInputCopy(threading.local):
     output. Each used to quantize it anew (an amax pass and a cast-transpose pass over the bf16 input) and keep
     its own transpose until the backward: at 16384 tokens and d=4096, 64 MiB per extra Linear per block
     (docs/memory.md). Under stateless per-tensor current scaling the same tensor gives the same bits, so
-    sharing changes no output (tests/ops/test_linear_train.py).
+    sharing changes no output.
 
     One per converted model (ops/convert.py), shared by its Linears; per thread. It holds one entry: the input
-    weakly, its key (version counter, data pointer, layout, quantizer settings) and (data, data_t or None,
-    scale_inv). The entry goes when the next Linear quantizes another input, or when the input dies (in a
-    transformer block, when the attention or MLP that read it returns); until then the rows copy (1 byte per
-    element of a 2-byte input) lives beside it. A write through `.data` of the same storage moves no version
-    counter and is not seen, as everywhere in torch. Derived and never saved: a pickled or copied model gets
-    a new, empty one (one per shared object)."""
+    weakly, its key (version counter, data pointer, layout, CUDA stream, quantizer settings) and (data, data_t
+    or None, scale_inv); a tensor made under inference_mode (no version counter) is not shared. The entry goes
+    when the next Linear quantizes another input, when the input dies (in a transformer block, when the
+    attention or MLP that read it returns) or when the first of its readers' backwards runs; until then the
+    rows copy (1 byte per element of a 2-byte input) lives beside it. A write through `.data` of the same
+    storage moves no version counter and is not seen, as everywhere in torch. Derived and never saved: a
+    pickled or copied model gets a new, empty one (one per shared object). Tested against unshared Linears:
+    tests/ops/test_shared_input_copy.py."""
 
     def __init__(self):
         self.slot = _InputCopySlot()
@@ -135,15 +137,31 @@ class SharedInputCopy(threading.local):
         return type(self)()
 
     @staticmethod
-    def _key(x: torch.Tensor, q: TensorwiseQuantizer) -> tuple:
-        return (x._version, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, q.fp8_dtype, q.margin, q.power_of_2)
+    def _key(x: torch.Tensor, q: TensorwiseQuantizer) -> Optional[tuple]:
+        # None for a tensor made under inference_mode (no version counter: a write would not be seen). The
+        # stream: a copy written on one stream is read only on that one (another would need a wait).
+        if x.is_inference():
+            return None
+        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        return (
+            x._version,
+            x.data_ptr(),
+            x.shape,
+            x.stride(),
+            x.dtype,
+            x.device,
+            stream,
+            q.fp8_dtype,
+            q.margin,
+            q.power_of_2,
+        )
 
     def lookup(self, x: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> Optional[tuple]:
         """(data, data_t or None, scale_inv) of x quantized by q's settings, if the entry holds it (with the
         transpose where asked), else None."""
         slot = self.slot
         ref = slot.ref
-        if ref is None or ref() is not x or slot.key != self._key(x, q):
+        if ref is None or ref() is not x or slot.key is None or slot.key != self._key(x, q):
             return None
         if with_transpose and slot.copy[1] is None:
             return None
@@ -152,6 +170,9 @@ class SharedInputCopy(threading.local):
     def store(self, x: torch.Tensor, q: TensorwiseQuantizer, copy: tuple) -> None:
         """Keep (data, data_t or None, scale_inv) of x for the next Linear, in place of the entry before."""
         slot, key = self.slot, self._key(x, q)
+        if key is None:  # not shared (SharedInputCopy._key); the entry before goes all the same
+            slot.ref = slot.key = slot.copy = None
+            return
         slot.ref = weakref.ref(x, lambda dead, s=weakref.ref(slot), k=key: _expire(s, k, dead))
         slot.key, slot.copy = key, copy
 
@@ -247,6 +268,10 @@ def _reads_a_shared_copy(d: dict, recipe, x: torch.Tensor, qi, w: torch.Tensor, 
     (SharedInputCopy) and its GEMMs are large enough for that to pay (SHARED_COPY_FLOPS_FRACTION)."""
     if not x.is_cuda or flops < SHARED_COPY_FLOPS_FRACTION * recipe.min_fp8_gemm_flops:
         return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Saved-tensor hooks (a non-reentrant checkpoint, whose recompute must save what the forward saved,
+        # finds no shared entry then): the precision follows the layer alone.
+        return False
     plans = d.get("_train_plans")
     return plans is not None and stateless_per_tensor(qi) and plans.inputs.lookup(x, qi, w.requires_grad) is not None
 
@@ -266,6 +291,8 @@ class _TrainLinear(torch.autograd.Function):
             # With its transpose where the weight gradient reads it (a trained weight), else rows only.
             role = "x" if need_wgrad else "x_rows"
             x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad)
+            # Without a transpose asked for, quantize_tensorwise hands an empty placeholder in its place.
+            x_t = x_t if need_wgrad else None
             inputs.store(x, qi, (x_data, x_t, x_scale_inv))
         else:
             x_data, x_t, x_scale_inv = shared
