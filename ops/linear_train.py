@@ -255,11 +255,11 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
 
 # The small-layer policy's exception: a Linear whose input's FP8 copy another Linear already made (k and v
 # after q in Hugging Face's attention) pays for its GEMMs alone, and runs FP8 from this fraction of
-# Recipe.min_fp8_gemm_flops up. At 16384 tokens (k and v: 1.4e11 FLOPs each) FP8 k and v were 0.5% faster
-# and the step's peak 1.0 GiB lower (the bf16 Linears kept the norm's bf16 output for their backward); with
-# every small Linear FP8 at 4096 tokens, where the step waits on the host, 17% slower (benchmarks/results
-# step_llama_hf, step_llama_hf_4096; docs/performance.md). The fraction keeps k and v at 8192 tokens and
-# below (6.9e10) in bf16.
+# Recipe.min_fp8_gemm_flops up. At 16384 tokens (k and v: 1.4e11 FLOPs each) the eager step with FP8 k and v
+# took 250.0 and 252.6 ms against 254.3 and 255.6, and peaked 1.0 GiB lower (the bf16 Linears kept the
+# norm's bf16 output for their backward; area step_llama_hf_small_layer_ab); with every small Linear FP8
+# at 4096 tokens, where the step waits on the host, it was 17% slower (area step_llama_hf_4096;
+# docs/performance.md). The fraction keeps k and v at 8192 tokens and below (6.9e10) in bf16.
 SHARED_COPY_FLOPS_FRACTION = 0.4
 
 
