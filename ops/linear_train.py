@@ -268,9 +268,13 @@ def _reads_a_shared_copy(d: dict, recipe, x: torch.Tensor, qi, w: torch.Tensor, 
     (SharedInputCopy) and its GEMMs are large enough for that to pay (SHARED_COPY_FLOPS_FRACTION)."""
     if not x.is_cuda or flops < SHARED_COPY_FLOPS_FRACTION * recipe.min_fp8_gemm_flops:
         return False
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if (
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        or torch._C._current_graph_task_id() != -1
+    ):
         # Saved-tensor hooks (a non-reentrant checkpoint, whose recompute must save what the forward saved,
-        # finds no shared entry then): the precision follows the layer alone.
+        # finds no shared entry then), or a forward run inside a backward (a reentrant checkpoint's recompute,
+        # whose first forward ran without grad, so without this path): the precision follows the layer alone.
         return False
     plans = d.get("_train_plans")
     return plans is not None and stateless_per_tensor(qi) and plans.inputs.lookup(x, qi, w.requires_grad) is not None

@@ -287,3 +287,26 @@ def test_gpu_a_reader_on_another_stream_quantizes_itself(quantized_inputs):
         torch.cuda.current_stream().wait_stream(side)
     assert quantized_inputs.count("x") == 4  # k did not take q's copy, written on the other stream
     _same(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_a_reentrant_checkpoints_recompute_keeps_the_forwards_precision():
+    """A reentrant checkpoint runs its first forward without grad (no shared copy is made then, k runs as its
+    layer alone decides); its recompute, inside the backward, must run k the same way."""
+    from torch.utils.checkpoint import checkpoint
+
+    d, tokens = 256, 256
+    recipe = Recipe(min_fp8_gemm_flops=2 * tokens * d * 256 * 0.9)
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(d, 256, bias=False), torch.nn.Linear(d, 128, bias=False)
+    pair = ops.convert(torch.nn.ModuleDict({"q": q, "k": k}).to("cuda", BF16), recipe=recipe)
+    nodes = []
+    pair["k"].register_forward_hook(lambda m, a, y: nodes.append(type(y.grad_fn).__name__ if y.grad_fn else None))
+
+    def block(h):
+        return torch.cat([pair["q"](h), pair["k"](h)], dim=-1)
+
+    x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
+    checkpoint(block, x * 2, use_reentrant=True).float().sum().backward()
+    assert nodes[0] is None and nodes[1] != "_TrainLinearBackward"  # the forward without grad; the recompute
