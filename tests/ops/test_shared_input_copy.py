@@ -310,3 +310,39 @@ def test_gpu_a_reentrant_checkpoints_recompute_keeps_the_forwards_precision():
     x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
     checkpoint(block, x * 2, use_reentrant=True).float().sum().backward()
     assert nodes[0] is None and nodes[1] != "_TrainLinearBackward"  # the forward without grad; the recompute
+
+
+def test_hugging_face_llama_shares_the_norms_copies_with_the_same_loss(quantized_inputs):
+    """The user path: a Hugging Face LlamaForCausalLM converted. Per layer q, k and v read the first norm's
+    output and gate and up the second's: 4 quantizations of inputs instead of 7 (q, o, gate, down, plus
+    lm_head once), and the loss and every gradient of the unshared model, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).to(BF16)
+    shared = ops.convert(copy.deepcopy(base))
+    alone = ops.convert(copy.deepcopy(base))
+    for m in alone.modules():
+        if isinstance(m, ops.Linear):
+            m._train_plans.inputs = SharedInputCopy()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    counts, losses = [], []
+    for model in (alone, shared):
+        quantized_inputs.clear()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        counts.append(quantized_inputs.count("x"))
+        losses.append(out.loss)
+    assert counts == [2 * 7 + 1, 2 * 4 + 1]
+    assert torch.equal(losses[0], losses[1])
+    for p, q in zip(alone.parameters(), shared.parameters()):
+        _same(p.grad, q.grad)
