@@ -84,9 +84,7 @@ class Recipe:
     # The small-layer policy, on CUDA: a Linear whose GEMMs do fewer FLOPs than this (2*M*K*N) runs in
     # its activation dtype instead of FP8. Below it FP8 cannot win on the H100 here: the layer is bound
     # by host time (bf16 fwd+bwd at (2048, 4096, 4096): 0.29 ms; FP8: 1.60 ms, H100 2026-11-22,
-    # bench_linear of 2026-11-22T01:03 in benchmarks/results/history.csv). 0 disables it. A tenth of it for
-    # a training run traced by torch.compile, which has no host time to pay; 0.4x for an eager Linear
-    # reading another's FP8 copy of its input (ops/linear_engine.py, ops/linear_train.py).
+    # bench_linear of 2026-11-22T01:03 in benchmarks/results/history.csv). 0 disables it.
     min_fp8_gemm_flops: float = 3e11
     # Lean activation memory, for training steps whose peak is set by activations:
     # - GELU, SiLU and SwiGLU keep their input for backward as E4M3 with one per-tensor scale (1 byte per

@@ -78,8 +78,7 @@ def linear(
     check_linear_args(x, weight, bias)
     tokens = x.numel() // max(1, x.shape[-1])
     fp8 = isinstance(weight, Float8Tensor) or isinstance(x, Float8Tensor)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not fp8 and not fp8_pays_off(recipe, tokens, weight.shape[1], weight.shape[0], x.device, training):
+    if not fp8 and not fp8_pays_off(recipe, tokens, weight.shape[1], weight.shape[0], x.device):
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if torch.is_grad_enabled():
         check_fp8_weight_grad(weight)

@@ -224,7 +224,7 @@ class Linear(BasicOp):
     # ---- what this op asks of its neighbours -----------------------------------------------------
     def input_request(self, grad: bool, tokens: int) -> Optional[QuantRequest]:
         q = self.input_quantizer
-        if q.layout is not ScaleLayout.TENSOR or not self.runs_in_fp8(tokens, self.weight.device, grad):
+        if q.layout is not ScaleLayout.TENSOR or not self.runs_in_fp8(tokens, self.weight.device):
             return None  # per-row/block inputs are quantized here, from high precision, in both directions
         # Lean activations: rows only, the layout the forward GEMM reads (the backward makes the other).
         return QuantRequest(q, grad and self.weight.requires_grad and not self.recipe.lean_activations)
@@ -238,9 +238,8 @@ class Linear(BasicOp):
     # Set on an instance for a while by ops.high_precision(model): GEMMs in the activation dtype.
     high_precision = False
 
-    def runs_in_fp8(self, tokens: int, device: torch.device, training: bool = False) -> bool:
-        """FP8 unless, on CUDA, the GEMMs are too small for FP8 to win (Recipe.min_fp8_gemm_flops; a tenth of
-        it for a training run under torch.compile, `training` as linear_engine.fp8_pays_off takes it), or
+    def runs_in_fp8(self, tokens: int, device: torch.device) -> bool:
+        """FP8 unless, on CUDA, the GEMMs are too small for FP8 to win (Recipe.min_fp8_gemm_flops), or
         inside ops.high_precision(model).
 
         An FP8-only weight otherwise always runs in FP8; the CPU path always does (it exists to be exact)."""
@@ -248,12 +247,12 @@ class Linear(BasicOp):
             return False
         if isinstance(self.weight, Float8Tensor):
             return True
-        return fp8_pays_off(self.recipe, tokens, self.local_in_features, self.local_out_features, device, training)
+        return fp8_pays_off(self.recipe, tokens, self.local_in_features, self.local_out_features, device)
 
-    def runs_as_torch(self, tokens: int, device: torch.device, training: bool = False) -> bool:
+    def runs_as_torch(self, tokens: int, device: torch.device) -> bool:
         """Whether this Linear may run as F.linear (its `torch_forward`): a high-precision weight of a layer
         that is not tensor-parallel, on GEMMs too small for FP8 (the small-layer policy)."""
-        return self.parallel is None and not self.runs_in_fp8(tokens, device, training) and not is_dtensor(self.weight)
+        return self.parallel is None and not self.runs_in_fp8(tokens, device) and not is_dtensor(self.weight)
 
     def torch_forward(
         self, x: torch.Tensor, run: Optional[RunState] = None, bias: Optional[torch.Tensor] = None
@@ -309,15 +308,7 @@ class Linear(BasicOp):
                 y = self._inference_forward(x)
                 if y is not None:
                     return y
-            # Traced, whether the run trains moves the small-layer line (linear_engine.fp8_pays_off): decided
-            # as ops/runner.py's plan decides its `grad`, so that the route and the op's precision agree.
-            b = self.bias
-            training = (
-                tracing
-                and torch.is_grad_enabled()
-                and (x.requires_grad or self.weight.requires_grad or (b is not None and b.requires_grad))
-            )
-            if self.runs_as_torch(x.numel() // self.in_features, x.device, training):
+            if self.runs_as_torch(x.numel() // self.in_features, x.device):
                 return self.torch_forward(x, bias=self.bias)
         return super().forward(x)
 
@@ -552,7 +543,7 @@ class Linear(BasicOp):
         lead = x.shape[:-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, self.local_in_features)
         ctx.lead = lead
-        if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device, ctx.run.grad):
+        if not isinstance(x2, Float8Tensor) and not self.runs_in_fp8(x2.shape[0], x2.device):
             if need_wgrad:
                 self._weight_cache.clear()  # nothing FP8 of a trained weight outlives the step
             y, ctx.saved = linear_fwd_high_precision(

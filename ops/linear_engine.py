@@ -293,29 +293,10 @@ def linear_bwd(
     return dx, dw
 
 
-# The small-layer policy's line exists for the eager host's sake (docs/performance.md, "Dtype policy, and small
-# layers"). Traced by torch.compile for training, the host time is gone and a converted Linear's casts fuse
-# into the code around it: FP8 from a tenth of the line. Hugging Face's Llama layout compiled on the H100,
-# every Linear FP8 against the line (q and o 1.4e11 FLOPs at 4096 tokens, k and v 3.4e10): 94.6 against 94.3
-# ms at 4096 tokens, 143.2 against 148.2 at 8192, 244.1 against 246.7 ms and 9.99 against 11.49 GiB above
-# held at 16384 (areas step_llama_hf_compiled_4096, _8192, step_llama_hf).
-COMPILED_TRAINING_FLOPS_FRACTION = 0.1
-
-
-def fp8_pays_off(
-    recipe: Recipe, tokens: int, in_features: int, out_features: int, device: torch.device, training: bool = False
-) -> bool:
+def fp8_pays_off(recipe: Recipe, tokens: int, in_features: int, out_features: int, device: torch.device) -> bool:
     """The small-layer policy: FP8 unless, on CUDA, the GEMMs do fewer than recipe.min_fp8_gemm_flops FLOPs
-    (2*M*K*N), or a tenth of that for a training run traced by torch.compile (COMPILED_TRAINING_FLOPS_FRACTION).
-    `training`: the run computes gradients (its `RunPlan.grad`). Passed by the caller, not read from grad
-    mode, which is off inside a traced autograd Function: every decision of one run must agree.
-    The CPU path always runs FP8 (it exists to be exact)."""
-    if device.type != "cuda":
-        return True
-    line = recipe.min_fp8_gemm_flops
-    if training and torch.compiler.is_compiling():
-        line *= COMPILED_TRAINING_FLOPS_FRACTION
-    return 2 * tokens * in_features * out_features >= line
+    (2*M*K*N). The CPU path always runs FP8 (it exists to be exact)."""
+    return device.type != "cuda" or 2 * tokens * in_features * out_features >= recipe.min_fp8_gemm_flops
 
 
 def check_linear_args(

@@ -265,17 +265,13 @@ def _runs_as_torch(ops: list, x2: torch.Tensor) -> bool:
     copies of saved inputs only the ops' own backwards read."""
     if x2.device.type != "cuda" or isinstance(x2, Float8Tensor):
         return False
-    rows, device, linear, params = x2.shape[0], x2.device, False, []
+    rows, device, linear = x2.shape[0], x2.device, False
     for op in ops:
         if not op.has_torch_forward or op.recipe.lean_activations:
             return False
-        params += op.op_params()  # a parameter still sharded by FSDP2 is refused here, naming the op
-    # Whether the run trains, as `plan` decides its `grad` (traced, it moves the small-layer line: every
-    # decision of the run must agree, ops/linear_engine.py fp8_pays_off).
-    grad = torch.is_grad_enabled() and (x2.requires_grad or any(p.requires_grad for p in params))
-    for op in ops:
+        op.op_params()  # a parameter still sharded by FSDP2 is refused here, naming the op
         if op.gemm:
-            if not op.runs_as_torch(rows, device, grad):
+            if not op.runs_as_torch(rows, device):
                 return False
             linear = True
     return linear

@@ -303,39 +303,6 @@ def test_small_layer_policy_decision():
         Recipe(min_fp8_gemm_flops=-1)
 
 
-@pytest.mark.parametrize("grad", [True, False], ids=["training", "no-grad"])
-def test_a_compiled_training_run_takes_a_tenth_of_the_line_in_every_decision(monkeypatch, grad):
-    """Traced for training, the line is a tenth (ops/linear_engine.py COMPILED_TRAINING_FLOPS_FRACTION), and
-    the run's route (decided with grad on) and its Linear's precision (decided inside the traced autograd
-    Function, where grad mode is off) agree: FP8 GEMMs, not our runner around a bf16 one. The CPU path always
-    runs FP8, so the policy is asked as if on CUDA here."""
-    import float8.ops.linear as linear_module
-    from float8.ops.linear_engine import fp8_pays_off
-
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(
-        linear_module,
-        "fp8_pays_off",
-        lambda r, m, k, n, device, training=False: fp8_pays_off(r, m, k, n, cuda, training),
-    )
-    ran = []
-    for name in ("linear_fwd", "linear_fwd_high_precision"):
-        original = getattr(linear_module, name)
-        monkeypatch.setattr(linear_module, name, lambda *a, _f=original, _n=name, **k: (ran.append(_n), _f(*a, **k))[1])
-    lin = ops.Linear(64, 64, bias=False, recipe=Recipe(min_fp8_gemm_flops=1e6)).to(torch.bfloat16)  # 5.2e5 FLOPs
-    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=grad)
-    torch._dynamo.reset()
-    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
-    with torch.set_grad_enabled(grad):
-        y = compiled(x)
-    if grad:
-        assert ran == ["linear_fwd"]  # over a tenth of the line: FP8
-        y.float().sum().backward()
-    else:
-        assert ran == []  # under the line without training: torch's F.linear, not our runner
-    assert not lin.runs_in_fp8(64, cuda, training=True)  # eager: the whole line
-
-
 def test_mixed_recipe_layouts_still_give_every_gradient():
     # Per-row gradients against a per-tensor input cannot meet in one FP8 weight-gradient GEMM.
     from float8 import RowwiseScaling
