@@ -13,6 +13,7 @@ import torch
 import float8.ops as ops
 from float8 import Recipe, TensorwiseScaling
 from float8.ops.linear_train import SharedInputCopy, TrainPlan
+from tests.ops.tiny_llama import tiny_llama
 
 BF16 = torch.bfloat16
 RECIPE = Recipe(min_fp8_gemm_flops=0)
@@ -316,19 +317,7 @@ def test_hugging_face_llama_shares_the_norms_copies_with_the_same_loss(quantized
     """The user path: a Hugging Face LlamaForCausalLM converted. Per layer q, k and v read the first norm's
     output and gate and up the second's: 4 quantizations of inputs instead of 7 (q, o, gate, down, plus
     lm_head once), and the loss and every gradient of the unshared model, bit for bit."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(cfg).to(BF16)
+    base = tiny_llama()
     shared = ops.convert(copy.deepcopy(base))
     alone = ops.convert(copy.deepcopy(base))
     for m in alone.modules():

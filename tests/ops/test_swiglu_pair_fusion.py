@@ -19,6 +19,7 @@ from float8.kernels.activation import act_bwd
 from float8.kernels.swiglu_pair import swiglu_pair_bwd_ref
 from float8.ops.swiglu_fusion import swiglu_fusion_of
 from tests.ops.test_swiglu_fusion import _bytes_saved_by_forward, _convert, _data
+from tests.ops.tiny_llama import tiny_llama
 from tests.tolerances import sqnr_db
 
 BF16 = torch.bfloat16
@@ -216,19 +217,7 @@ def test_below_the_size_threshold_nothing_is_fused():
 
 
 def test_hugging_face_llama_is_fused_in_every_layer_and_trains_like_unfused():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(cfg).to(BF16)
+    base = tiny_llama()
     exact = copy.deepcopy(base).float()
     fused = _convert(copy.deepcopy(base))
     plain = ops.convert(copy.deepcopy(base), fuse_swiglu=False)
