@@ -39,6 +39,7 @@ from float8.kernels import quantize_tensorwise
 from float8.kernels.activation import dact_fp8
 from float8.kernels.common import SMALL_DIM, SMALL_NUMEL, forward_ad_or_functorch_active
 from float8.kernels.prepared_quantize import prepare_quantize, small_layout
+from float8.kernels.transpose import transpose_fp8
 from float8.ops.context import take
 from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd, stateless_per_tensor
 from float8.ops.weight_cache import Plans
@@ -213,8 +214,11 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
     caller then runs the general path). x: a plain tensor, grad mode on (the caller checked both)."""
     params = op._parameters
     w = params["weight"]
-    if type(w) is not torch.nn.Parameter or not (w.requires_grad or x.requires_grad):
-        return None  # an FP8-only weight, a DTensor shard; nothing to differentiate: general
+    if type(w) is Float8Tensor:
+        if not _takes_gathered_weight(w):
+            return None  # an FP8-only weight (or a gathered one of another kind): general
+    elif type(w) is not torch.nn.Parameter or not (w.requires_grad or x.requires_grad):
+        return None  # a DTensor shard; nothing to differentiate: general
     k, n = op.in_features, op.out_features
     if x.dtype not in _ACTIVATION_DTYPES or x.dim() < 2 or x.shape[-1] != k or w.shape != (n, k):
         return None  # float32 activations (the general path warns), a bad shape (it raises)
@@ -251,6 +255,23 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
         plans = d["_train_plans"] = TrainPlans()
     plan = plans.plan((x.shape, x.dtype, w.dtype, x.device), (qi, qw, qg), w.shape)
     return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op, plans.inputs)
+
+
+def _takes_gathered_weight(w: Float8Tensor) -> bool:
+    """Whether this path takes w: FSDP2's unsharded FP8 copy of a trained master (float8/fsdp.py), one E4M3
+    scale for the whole weight, bits laid out row-major. Its GEMMs read those bits as they are (the general
+    path's operands), and its gradient is the master's, in high precision."""
+    s = w._scale_inv
+    return (
+        w._gathered_master
+        and w.requires_grad
+        and w.fp8_dtype == torch.float8_e4m3fn
+        and s.dim() == 0
+        and s.dtype == torch.float32
+        and s.storage_offset() == 0  # cuBLASLt wants the scale's pointer aligned (float8/gemm.py)
+        and w._data.is_contiguous()
+        and w._data.storage_offset() == 0
+    )
 
 
 # The small-layer policy's exception: a Linear whose input's FP8 copy another Linear already made (k and v
@@ -303,7 +324,12 @@ class _TrainLinear(torch.autograd.Function):
         # The first backward to run lets the entry go: an input that outlives the forward (a leaf, or one that
         # another op saves) would otherwise keep its FP8 copies past the GEMMs that read them.
         ctx.input_entry = inputs.entry()
-        if need_wgrad:
+        if isinstance(weight, Float8Tensor):
+            # FSDP2's gathered FP8 weight (_takes_gathered_weight): its bits and scale as they are. The input
+            # gradient's GEMM reads their transpose, made in the backward from the bits FSDP gathers again
+            # into the same storage (reshard after forward): nothing of the weight is kept in between.
+            w_data, w_scale_inv = weight._data, weight._scale_inv
+        elif need_wgrad:
             # The weight without its transpose: the backward quantizes it again for the input gradient rather
             # than keeping it (linear_engine `rebuilds_weight`), except a small one (TrainPlan.small_weight).
             if need_dgrad and plan.small_weight:
@@ -351,6 +377,8 @@ class _TrainLinear(torch.autograd.Function):
             dy = dy.dequantize() if bias is not None else dy  # the general path's Linear + Bias dequantizes too
         if isinstance(dy, Float8Tensor):
             # An FP8 gradient from a custom op after the Linear: its own bits are multiplied, by the engine.
+            if isinstance(weight, Float8Tensor) and ctx.need_dgrad:
+                w_t, w_scale_inv = _gathered_transpose(weight), weight._scale_inv
             dx, dw = _engine_backward(ctx, dy, weight, x_t, x_scale_inv, w_t, w_scale_inv)
             return dx, dw, None, None, None, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -371,11 +399,20 @@ class _TrainLinear(torch.autograd.Function):
         del x_t, dy_t
         dx = None
         if ctx.need_dgrad:
-            if w_t is None:
+            if isinstance(weight, Float8Tensor):
+                w_t, w_scale_inv = _gathered_transpose(weight), weight._scale_inv
+            elif w_t is None:
                 _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
         return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None, None
+
+
+def _gathered_transpose(weight: Float8Tensor) -> torch.Tensor:
+    """The (K, N) transpose of a gathered FP8 weight's bits: its cached one, else the FP8 transpose kernel
+    (the copy float8/gemm.py makes for the general path's input-gradient GEMM: the same bits)."""
+    cached = weight._transpose
+    return cached if cached is not None else transpose_fp8(weight._data)
 
 
 def _engine_backward(ctx, dy8: Float8Tensor, weight, x_t, x_scale_inv, w_t, w_scale_inv) -> tuple:

@@ -43,9 +43,9 @@ def _train(model, batches, rank=None, world=1):
     return losses
 
 
-def _batches():
+def _batches(rows=16):
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(16, 64, generator=g) for _ in range(STEPS)]
+    return [torch.randn(rows, 64, generator=g) for _ in range(STEPS)]
 
 
 def _fsdp(rank, world):
@@ -388,6 +388,9 @@ def test_fsdp2_fp8_all_gather_resumes_from_torch_save_and_dcp(tmp_path):
 # ---- the user path: a plain torch.nn model, converted, FP8-gathered, compiled per block -----------------------
 
 
+ROWS = 32  # 16 tokens a rank: the lone Linear's eager path takes multiples of 16 (ops/linear_train.py)
+
+
 class _PlainBlock(torch.nn.Module):
     """A pre-norm SwiGLU block written in plain torch.nn, as users write them (ops.convert swaps its Linears)."""
 
@@ -415,22 +418,30 @@ def _converted_model(fuse_swiglu=True):
     return model
 
 
-def _fsdp_converted(rank, world, compiled, fuse_swiglu=False):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp_converted(rank, world, compiled, fuse_swiglu=False, mixed=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import float8.fsdp as f8fsdp
 
     model = _converted_model(fuse_swiglu)
     assert len(f8fsdp.enable_fp8_all_gather(model)) == 4
+    # mixed: bf16 compute on fp32 masters, as users train (benchmarks/distributed.py)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    kw = {"mp_policy": mp} if mixed else {}
     for block in model:
-        fully_shard(block)  # reshard after forward: backward all-gathers the FP8 weights again
-    fully_shard(model)
+        fully_shard(block, **kw)  # reshard after forward: backward all-gathers the FP8 weights again
+    fully_shard(model, **kw)
+    nodes = []
     if compiled:
         for i, block in enumerate(model):
             model[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    else:  # which path each eager Linear ran (ops/linear_train.py's node, or the op runner's)
+        for block in model:
+            for lin in (block.up, block.down):
+                lin.register_forward_hook(lambda m, i, out: nodes.append(type(out.grad_fn).__name__))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for batch in _batches():
+    for batch in _batches(ROWS):
         opt.zero_grad()
         loss = model(batch.chunk(world)[rank]).float().pow(2).mean()
         loss.backward()
@@ -441,6 +452,10 @@ def _fsdp_converted(rank, world, compiled, fuse_swiglu=False):
         from float8.ops.swiglu_fusion import swiglu_fusion_of
 
         assert swiglu_fusion_of(model).last_forward == {"fused": 2}
+    if mixed and not compiled:
+        # Eager bf16 Linears take the gathered FP8 weights on the lone Linear's path (ops/linear_train.py);
+        # they took the op runner before. float32 activations take the op runner (which warns).
+        assert nodes == ["_TrainLinearBackward"] * 4 * STEPS, nodes
     return losses, {n.replace("_orig_mod.", ""): p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
@@ -459,7 +474,7 @@ def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
         assert compiled[rank][0] == eager[rank][0], (compiled[rank][0], eager[rank][0])
     single = _converted_model()
     opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
-    for batch in _batches():
+    for batch in _batches(ROWS):
         opt.zero_grad()
         single(batch).float().pow(2).mean().backward()
         opt.step()
@@ -470,6 +485,19 @@ def test_converted_model_fp8_all_gather_compiled_per_block_trains_like_eager():
         assert sqnr_db(p.detach(), got) >= SQNR_DB["grad"], name
         got_fused = fused[0][1][name]
         assert sqnr_db(p.detach(), getattr(got_fused, "master", got_fused)) >= SQNR_DB["grad"], name
+
+
+def test_eager_fp8_all_gather_steps_take_the_lone_linear_path_with_the_general_paths_bits():
+    """bf16 compute on fp32 masters: eager Linears run ops/linear_train.py's path on the gathered FP8 weights
+    (re-gathered into the same storage for the backward), and give the bits of the op runner's path, which
+    the compiled blocks run (losses and every master after three AdamW steps)."""
+    eager = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(False, False, True))
+    compiled = run_ranks(_fsdp_converted, timeout=TIMEOUT_S, args=(True, False, True))
+    for rank in range(2):
+        assert compiled[rank][0] == eager[rank][0], (compiled[rank][0], eager[rank][0])
+        for name, got in compiled[rank][1].items():
+            want = eager[rank][1][name]
+            assert torch.equal(getattr(got, "master", got), getattr(want, "master", want)), name
 
 
 def _hsdp_fp8(rank, world):

@@ -176,6 +176,53 @@ def test_fp8_output_gradient_same_bits_as_the_op_runner(bias, k):
         _same(a, b)
 
 
+def _gather_weight(lin, fp8_dtype=torch.float8_e4m3fn):
+    """Put in the Linear's weight what FSDP2's FP8 all-gather leaves there (float8/fsdp.py
+    fsdp_post_all_gather): a Float8Tensor parameter of the master's bits, marked as a trained master's copy."""
+    w8 = Float8Tensor.quantize(lin.weight.detach(), fp8_dtype=fp8_dtype)
+    gathered = Float8Tensor(w8._data, w8._scale_inv, lin.weight.dtype)
+    gathered._gathered_master = True
+    lin._parameters["weight"] = torch.nn.Parameter(gathered)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fp8_dy", [False, True], ids=["bf16-dy", "fp8-dy"])
+def test_fsdp_gathered_fp8_weight_same_bits_as_the_op_runner(device, bias, fp8_dy):
+    """FSDP2's FP8 all-gather leaves each Linear a Float8Tensor weight; eager steps of a converted model used to
+    take the op runner for it (docs/distributed.md). This path takes it: the same output and gradients (the
+    weight's in high precision, for the master), and the bits of both are read as they are."""
+    fast, general = _pair(64, 48, bias, Recipe(min_fp8_gemm_flops=0), device=device)
+    for lin in (fast, general[0]):
+        _gather_weight(lin)
+    x = (torch.randn(2, 16, 64, device=device) * 3).to(torch.bfloat16)
+    dy = torch.randn(2, 16, 48, device=device).to(torch.bfloat16)
+    results = []
+    for model in (fast, general):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        assert (type(y.grad_fn).__name__ == TRAIN_NODE) == (model is fast)
+        (_FP8Gradient.apply(y) if fp8_dy else y).backward(dy)
+        lin = model if isinstance(model, ops.Linear) else model[0]
+        assert type(lin.weight.grad) is torch.Tensor and lin.weight.grad.dtype == torch.bfloat16
+        results.append([y, xi.grad, lin.weight.grad] + ([lin.bias.grad] if bias else []))
+    for a, b in zip(*results):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("case", ["e5m2", "frozen", "fp8-only"])
+def test_a_gathered_weight_this_path_does_not_take_runs_the_general_path(case):
+    lin = ops.Linear(32, 32, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
+    _gather_weight(lin, torch.float8_e5m2 if case == "e5m2" else torch.float8_e4m3fn)
+    if case == "frozen":
+        lin.weight.requires_grad_(False)
+    elif case == "fp8-only":
+        lin.weight._gathered_master = False
+        lin.weight.requires_grad_(False)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert _general(lin, x)
+
+
 def test_a_replaced_weight_of_the_wrong_shape_is_refused_as_the_general_path_refuses_it():
     lin = ops.Linear(64, 48, bias=False, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
     lin.weight = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16))
