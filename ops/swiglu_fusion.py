@@ -29,8 +29,9 @@ product runs as `_SwiGLUPairProduct`: torch's silu and product in the forward (t
 not fused.
 
 The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
-from the end of a Linear with a large output to the start of the next Linear (`SwiGLUFusion`), so at small
-token counts nothing runs through it.
+from the end of a Linear with a large output to the start of the next Linear or the return of the module that
+holds the Linear, whichever comes first (`SwiGLUFusion`), so at small token counts nothing runs through it,
+and nothing between two blocks does.
 
 The product's gradient goes to h (or to g and u) directly, past the nodes between them and the two factors.
 So it is fused only where those nodes are exactly torch's silu and one chunk, split or slice of h each (not
@@ -242,7 +243,8 @@ class SwiGLUFusion(ModelHooks):
     forward pre-hook and a forward hook on each ops.Linear in it that no ops.Sequential runs. `_FuseSwiGLU`
     is on only in windows: from the end of a Linear whose output has at least `min_numel` elements (when the
     only other TorchFunctionModes are the default devices the forward began with) to the start of the next
-    Linear (or the end of the model's forward). The code between (a Llama MLP's chunk, silu and product, or
+    Linear, the return of a module holding a Linear (an always-called forward hook on each), or the end of the
+    model's forward. The code between (a Llama MLP's chunk, silu and product, or
     the silu of a gate projection and the product after the up projection) is what it sees: the Linears' own
     Python, and the model's code after small outputs, run without it. `detach(model)` removes
     the hooks. `last_forward["fused"]`: how many products the latest eager forward fused."""
@@ -259,9 +261,15 @@ class SwiGLUFusion(ModelHooks):
         """Hooks on `model` (the forward whose SwiGLU is fused) and on its ops.Linear modules."""
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._exit, always_call=True)
-        for m in linears_outside_sequentials(model):
+        linears = linears_outside_sequentials(model)
+        for m in linears:
             m.register_forward_pre_hook(self._close_window)
             m.register_forward_hook(self._open_window)
+        # A window also closes when the module that holds the Linear returns (`_close_window_at_return`).
+        ids = {id(m) for m in linears}
+        for parent in model.modules():
+            if parent is not model and any(id(c) in ids for c in parent.children()):
+                parent.register_forward_hook(self._close_window_at_return, always_call=True)
 
     # ---- hooks (none does anything while compiled: the compiler fuses the code itself) ---------------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
@@ -337,6 +345,14 @@ class SwiGLUFusion(ModelHooks):
                     if note.closes_left == 0:  # its product would have come in the window closing now
                         del state.silus[key]
                     note.closes_left -= 1
+
+    def _close_window_at_return(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # The module that holds a Linear (a Llama MLP, a transformer block) returns: its SwiGLU, which reads
+        # the Linear's output inside that module's forward, has been seen. Without this a window after the
+        # block's last Linear stayed open into the next block: under FSDP2 across its hooks (the next
+        # block's all-gather: about 300 torch calls per block through the mode in the eager step of
+        # benchmarks/distributed.py's model, 2421 a step), while the eager forward waited on the host.
+        self._close_window(module, args)
 
     @staticmethod
     def _remove_window(state: _State) -> None:

@@ -645,6 +645,36 @@ def test_the_mode_is_on_only_from_a_large_output_to_the_next_linear():
     assert all(kind == "NoneType" for _, kind in seen) and swiglu_fusion_of(model).last_forward == {"fused": 0}
 
 
+def test_the_window_after_a_blocks_last_linear_closes_when_the_block_returns():
+    """The down projection's output opened a window that stayed open into the next block, until its first
+    Linear: under FSDP2 the next block's all-gather hooks (hundreds of torch calls) ran through the mode. It
+    closes when the module holding that Linear returns; what runs between blocks runs without it."""
+    seen = []
+
+    def where(name):
+        seen.append((name, type(torch.overrides._get_current_function_mode()).__name__))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(D, 2 * F_, bias=False)
+            self.down = torch.nn.Linear(F_, D, bias=False)
+
+        def forward(self, x):
+            g, u = self.up(x).chunk(2, dim=-1)
+            return x + self.down(F.silu(g) * u)
+
+    torch.manual_seed(0)
+    model = _convert(torch.nn.Sequential(Block(), Block()).to(BF16))
+    model[0].register_forward_hook(lambda m, a, out: where("block 0 returned"))
+    model[1].register_forward_pre_hook(lambda m, a: where("block 1 starts"))
+    x, dy = _data()
+    model(x.requires_grad_(True)).backward(dy)
+    assert seen == [("block 0 returned", "NoneType"), ("block 1 starts", "NoneType")]
+    assert swiglu_fusion_of(model).last_forward == {"fused": 2}
+    assert torch.overrides._get_current_function_mode() is None
+
+
 def test_an_error_inside_a_linear_leaves_no_mode_behind():
     model, _ = _models()
     with pytest.raises(ValueError, match="Linear expects input"):
