@@ -25,7 +25,8 @@ Public APIs only. --tiny shrinks every size (a CPU-free smoke of the plumbing on
 Rank 0 records the areas distributed_fsdp and distributed_tp (on 2 GPUs; distributed_fsdp_4gpu and so
 on for other counts, and distributed_mesh_4gpu...) in DIR (default benchmarks/results/; a DIR/x.json
 given stands for DIR; benchmarks.harness.record), with --profile also DIR/profile_fsdp.txt,
-profile_tp.txt and profile_mesh.txt.
+profile_tp.txt and profile_mesh.txt. --prefetch (FSDP2's explicit forward prefetch, every variant alike):
+the areas distributed_fsdp_prefetch and distributed_mesh_4gpu_prefetch instead.
 """
 
 from __future__ import annotations
@@ -183,18 +184,23 @@ def _fsdp_model(kind, cfg, dev):
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
-    return model, _shard_with_adamw(model), after_step
+    return model, _shard_with_adamw(model, prefetch=cfg.get("prefetch", False)), after_step
 
 
-def _shard_with_adamw(model, mesh=None):
+def _shard_with_adamw(model, mesh=None, prefetch=False):
     """FSDP2 per block and at the root (bf16 compute, fp32 gradient reduction) over `mesh` (default: all
-    ranks); the model's fused AdamW."""
+    ranks); the model's fused AdamW. prefetch: each block's forward also starts the next block's all-gather
+    (FSDP2's explicit forward prefetch), for every variant alike; without it FSDP2 starts a block's
+    all-gather when the host reaches that block, which overlaps compute only where the host runs ahead."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if prefetch:
+        for blk, following in zip(model.blocks, model.blocks[1:]):
+            blk.set_modules_to_forward_prefetch([following])
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
@@ -226,7 +232,7 @@ def _mesh_model(kind, cfg, dev, mesh):
             f8fsdp.enable_fp8_all_gather(model)
             if "no precompute" not in kind:
                 after_step = lambda: f8fsdp.precompute_scales(model)  # noqa: E731
-    return model, _shard_with_adamw(model, mesh["dp"]), after_step
+    return model, _shard_with_adamw(model, mesh["dp"], cfg.get("prefetch", False)), after_step
 
 
 def _fsdp(
@@ -699,6 +705,7 @@ def _write(out, path) -> None:
             figures = figures_from_rows(rows, f"{part}, {out['world']} GPUs")
             detail = {k: v for k, v in out.items() if k not in PARTS} | {part: out[part]}
             area = f"distributed_{part}" + ("" if out["world"] == 2 else f"_{out['world']}gpu")
+            area += "_prefetch" if out["config"].get("prefetch") and part in ("fsdp", "mesh") else ""
             record(area, path, env, figures, None, detail)
 
 
@@ -775,6 +782,9 @@ def main() -> None:
         "--manual-gc", action="store_true", help="fsdp, mesh: no Python garbage collection inside timed steps"
     )
     p.add_argument(
+        "--prefetch", action="store_true", help="fsdp, mesh: FSDP2's explicit forward prefetch of the next block"
+    )
+    p.add_argument(
         "--profile", action="store_true", help="NCCL time exposed per step (FSDP float8 compiled) and TP profiles"
     )
     args = p.parse_args()
@@ -787,6 +797,7 @@ def main() -> None:
     cfg = dict(d=4096, heads=32, kv=8, hd=128, ffn=14336, blocks=8, b=4, s=2048, tp_tokens=8192)
     if args.tiny:
         cfg = dict(d=256, heads=4, kv=2, hd=64, ffn=512, blocks=2, b=2, s=128, tp_tokens=512)
+    cfg["prefetch"] = args.prefetch
     versions = {"torch": torch.__version__}
     for mod in ("triton", "torchao"):
         try:

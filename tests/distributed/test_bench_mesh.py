@@ -1,5 +1,6 @@
 """The 2-D mesh models that benchmarks.distributed measures (4 gloo ranks, dp=2 x tp=2): each builds and
-trains, and float8's with precompute_scales computes what it computes without it, to the bit."""
+trains, and float8's with precompute_scales, or with FSDP2's forward prefetch, computes what it computes without
+it, to the bit."""
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ def _losses(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.randn(CFG["tp_tokens"] // 2, 1, CFG["d"], generator=torch.Generator().manual_seed(rank))
     out = {}
-    for kind in ("bf16", "float8", "float8, no precompute"):
-        model, opt, after_step = _mesh_model(kind, CFG, torch.device("cpu"), mesh)
+    for kind, prefetch in (("bf16", False), ("float8", False), ("float8, no precompute", False), ("float8", True)):
+        # --prefetch: FSDP2's explicit forward prefetch of the next block's all-gather
+        model, opt, after_step = _mesh_model(kind, dict(CFG, prefetch=prefetch), torch.device("cpu"), mesh)
+        kind = kind + (", prefetch" if prefetch else "")
         out[kind] = []
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
@@ -35,7 +38,7 @@ def test_mesh_models_train_and_precomputed_scales_change_no_bit():
     for r in run_ranks(_losses, world=4, timeout=240):
         assert all(torch.isfinite(torch.tensor(v)).all() for v in r.values()), r
         assert r["bf16"][-1] < r["bf16"][0] and r["float8"][-1] < r["float8"][0], r
-        assert r["float8"] == r["float8, no precompute"], r
+        assert r["float8"] == r["float8, no precompute"] == r["float8, prefetch"], r
 
 
 def _per_rank_and_collections(rank, world):
