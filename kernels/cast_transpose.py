@@ -187,7 +187,19 @@ def _quantize_transpose_small(x, fp8_dtype, margin, power_of_2):
     return outputs
 
 
-def _launch(x, scale_or_amax, fp8_dtype, *, current, margin=0, power_of_2=False, amax_out=None, config=None):
+def launch_cast_transpose(
+    x: torch.Tensor,
+    scale_or_amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    current: bool,
+    margin: int = 0,
+    power_of_2: bool = False,
+    amax_out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate (data, data_t, scale_inv) and launch the cast with the transpose. current: scale_or_amax is an
+    amax buffer, whose scale each program computes (the second pass of current scaling)."""
     cfg = CONFIGS[x.element_size()] if config is None else config
     *batch, M, K = x.shape
     B = math.prod(batch)
@@ -231,7 +243,7 @@ def cast_transpose_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, data_t, scale_inv, amax): x cast with the given scale and its transpose, in one kernel (no checks)."""
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    data, data_t, scale_inv = _launch(x, scale, fp8_dtype, current=False, amax_out=amax, config=config)
+    data, data_t, scale_inv = launch_cast_transpose(x, scale, fp8_dtype, current=False, amax_out=amax, config=config)
     return data, data_t, scale_inv, amax
 
 
@@ -254,7 +266,7 @@ def quantize_transpose_tensorwise_triton(
     else:
         flat = x.contiguous()
     launch_amax(flat, amax)
-    data, data_t, scale_inv = _launch(
+    data, data_t, scale_inv = launch_cast_transpose(
         x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2, config=config
     )
     return data, data_t, scale_inv, amax

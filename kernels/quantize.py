@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .amax import launch_amax
 from .cast import cast_triton, launch_cast
-from .cast_transpose import cast_transpose_triton, quantize_transpose_tensorwise_triton
+from .cast_transpose import cast_transpose_triton, launch_cast_transpose, quantize_transpose_tensorwise_triton
 from .common import (
     SMALL_NUMEL,
     _plain_eager,
@@ -54,6 +54,7 @@ from .common import (
 )
 from .launch import FastLauncher
 from .reference import quantize_tensorwise_ref
+from .reference import scale_from_amax as scale_from_amax_ref
 
 # Before any definition: run a second time (another name, a reload), this module redefines nothing.
 refuse_redefinition("float8::quantize_tensorwise", __name__)
@@ -180,3 +181,49 @@ def cast_with_scale(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor
         data, _, scale_inv, _ = quantize_tensorwise(x, fp8_dtype, scale)
         return data, scale_inv
     return launch_cast(x.contiguous(), scale, fp8_dtype, current=False)
+
+
+def quantize_tensorwise_from_amax(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_tensorwise(x, fp8_dtype, None, margin, power_of_2, with_transpose) for a caller that holds
+    max|x| already, as a () float32 tensor on x's device (the kernel that wrote x folded it in:
+    kernels/product_amax.py, kernels/swiglu_pair.py): the cast pass alone, the scale computed from `amax` on
+    the device as current scaling computes it. The same four outputs (`amax` itself last), and the same bits
+    wherever amax is max|x|, which is the caller's to guarantee (ops/known_amax.py). Eager calls only (the
+    lone Linear's path, ops/linear_train.py); off the GPU the reference with that scale."""
+    _check(x, fp8_dtype, None, margin, power_of_2, with_transpose)
+    if amax.shape != () or amax.dtype != torch.float32 or amax.device != x.device:
+        raise ValueError(
+            f"quantize_tensorwise_from_amax: amax must be a () float32 tensor on {x.device}, got "
+            f"{tuple(amax.shape)} {amax.dtype} on {amax.device}"
+        )
+    if not use_triton(x):
+        scale = scale_from_amax_ref(amax, fp8_dtype, margin, power_of_2)
+        data, data_t, scale_inv, _ = quantize_tensorwise_ref(x, fp8_dtype, scale, with_transpose=with_transpose)
+        return data, data_t, scale_inv, amax
+    return quantize_tensorwise_from_amax_triton(x, amax, fp8_dtype, margin, power_of_2, with_transpose)
+
+
+def quantize_tensorwise_from_amax_triton(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    power_of_2: bool = False,
+    with_transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_tensorwise_from_amax's launches (on CPU tensors under TRITON_INTERPRET=1), no checks: the cast
+    kernels of kernels/cast.py and kernels/cast_transpose.py with CURRENT=True, reading `amax`."""
+    if with_transpose:
+        data, data_t, scale_inv = launch_cast_transpose(
+            x, amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2
+        )
+        return data, data_t, scale_inv, amax
+    data, scale_inv = launch_cast(x.contiguous(), amax, fp8_dtype, current=True, margin=margin, power_of_2=power_of_2)
+    return data, torch.empty((0,), dtype=fp8_dtype, device=x.device), scale_inv, amax

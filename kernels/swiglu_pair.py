@@ -11,8 +11,10 @@ kernels/activation_math.py, float32, one rounding per gradient element): dg = (d
 du = dy * silu(g). So `swiglu_pair_bwd(dy, g, u)` gives the bits of `act_bwd(dy, cat([g, u], -1),
 "swiglu")` split in two, which the tests check.
 
-`swiglu_pair_bwd(dy, g, u) -> (dg, du)`: three tensors of one shape and one float dtype (float32, bfloat16,
-float16); dg, du contiguous in that dtype. `swiglu_pair_bwd_ref`: the same formulas in torch (float32), which
+`swiglu_pair_bwd(dy, g, u, with_amax=False) -> (dg, du[, max|dg|, max|du|])`: three tensors of one shape and
+one float dtype (float32, bfloat16, float16); dg, du contiguous in that dtype. with_amax: the maxima of the
+values written, folded in by the same pass (the Linears' FP8 casts of dg and du then skip their amax passes,
+one read of each fewer: ops/known_amax.py). `swiglu_pair_bwd_ref`: the same formulas in torch (float32), which
 the CPU and every non-CUDA tensor take.
 """
 
@@ -24,23 +26,31 @@ import triton.language as tl
 
 from .activation_math import _silu_dsilu
 from .activation_ref import _silu_dsilu_ref
-from .common import cdiv, use_triton
+from .common import abs_bits, atomic_amax, cdiv, use_triton
 from .launch import FastLauncher
+from .reference import amax_ref
 
 BLOCK = 2048  # elements per program
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _swiglu_pair_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_pair_bwd_kernel(
+    dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, amax_ptr, n, BLOCK: tl.constexpr, WITH_AMAX: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     silu_g, dsilu_g = _silu_dsilu(g)
-    tl.store(dg_ptr + offs, ((dy * u) * dsilu_g).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + offs, (dy * silu_g).to(du_ptr.dtype.element_ty), mask=mask)
+    dg = ((dy * u) * dsilu_g).to(dg_ptr.dtype.element_ty)
+    du = (dy * silu_g).to(du_ptr.dtype.element_ty)
+    tl.store(dg_ptr + offs, dg, mask=mask)
+    tl.store(du_ptr + offs, du, mask=mask)
+    if WITH_AMAX:  # max|dg| and max|du| of the rounded values (masked lanes hold 0): amax_ptr[0], amax_ptr[1]
+        atomic_amax(amax_ptr, tl.max(abs_bits(dg), axis=0))
+        atomic_amax(amax_ptr + 1, tl.max(abs_bits(du), axis=0))
 
 
 _launch = FastLauncher(_swiglu_pair_bwd_kernel)
@@ -57,12 +67,14 @@ def _check(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
         )
 
 
-def swiglu_pair_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of silu(g) * u, in float32 rounded once to g's dtype: the kernel's formulas in torch."""
+def swiglu_pair_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, with_amax: bool = False) -> tuple:
+    """(dg, du) of silu(g) * u, in float32 rounded once to g's dtype: the kernel's formulas in torch; with_amax:
+    (dg, du, max|dg|, max|du|), the maxima () float32."""
     _check(dy, g, u)
     dy32, g32, u32 = dy.float(), g.float(), u.float()
     silu_g, dsilu_g = _silu_dsilu_ref(g32)
-    return ((dy32 * u32) * dsilu_g).to(g.dtype), (dy32 * silu_g).to(g.dtype)
+    dg, du = ((dy32 * u32) * dsilu_g).to(g.dtype), (dy32 * silu_g).to(g.dtype)
+    return (dg, du, amax_ref(dg), amax_ref(du)) if with_amax else (dg, du)
 
 
 def takes_kernel(g: torch.Tensor) -> bool:
@@ -70,20 +82,22 @@ def takes_kernel(g: torch.Tensor) -> bool:
     return use_triton(g, writes_fp8=False)
 
 
-def swiglu_pair_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of y = silu(g) * u: one kernel on CUDA, swiglu_pair_bwd_ref elsewhere."""
+def swiglu_pair_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, with_amax: bool = False) -> tuple:
+    """(dg, du) of y = silu(g) * u, and with_amax their maxima (max|dg|, max|du|: () float32, for the FP8
+    casts that read dg and du next, ops/known_amax.py): one kernel on CUDA, swiglu_pair_bwd_ref elsewhere."""
     if not takes_kernel(g):
-        return swiglu_pair_bwd_ref(dy, g, u)
-    return swiglu_pair_bwd_triton(dy, g, u)
+        return swiglu_pair_bwd_ref(dy, g, u, with_amax)
+    return swiglu_pair_bwd_triton(dy, g, u, with_amax)
 
 
-def swiglu_pair_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's (dg, du) (on CPU tensors under TRITON_INTERPRET=1); non-contiguous inputs are copied."""
+def swiglu_pair_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, with_amax: bool = False) -> tuple:
+    """The kernel's outputs (on CPU tensors under TRITON_INTERPRET=1); non-contiguous inputs are copied."""
     _check(dy, g, u)
     dy, g, u = dy.contiguous(), g.contiguous(), u.contiguous()
     dg = torch.empty_like(g, memory_format=torch.contiguous_format)
     du = torch.empty_like(dg)
+    amax = torch.zeros((2,), dtype=torch.float32, device=g.device) if with_amax else dg  # dg: unused pointer
     n = g.numel()
     if n:
-        _launch((cdiv(n, BLOCK),), dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=8)
-    return dg, du
+        _launch((cdiv(n, BLOCK),), dy, g, u, dg, du, amax, n, BLOCK=BLOCK, WITH_AMAX=with_amax, num_warps=8)
+    return (dg, du, amax[0], amax[1]) if with_amax else (dg, du)

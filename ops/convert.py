@@ -36,6 +36,7 @@ from float8 import DelayedScaling, Float8Tensor, Recipe, TensorwiseScaling
 from float8.checkpoint import enable_save_pretrained
 from float8.kernels.scratch import Scratch
 from float8.ops.base import is_dtensor
+from float8.ops.known_amax import KnownAmaxes
 from float8.ops.linear import Linear
 from float8.ops.linear_train import SharedInputCopy, TrainPlans
 from float8.ops.saved_outputs import SavedOutputs, detach_all
@@ -150,12 +151,17 @@ def _share_workspace(model: torch.nn.Module) -> None:
     in turn, so one buffer the size of the largest call serves them all, where one per layer would hold
     the sum (176 MiB against 8 MiB for benchmarks/inference.py's Llama-style model). And one
     SharedInputCopy (ops/linear_train.py) for their training steps: Linears that read the same tensor (q, k
-    and v; gate and up) quantize it once and keep one FP8 copy."""
-    shared, inputs = Scratch(), SharedInputCopy()
+    and v; gate and up) quantize it once and keep one FP8 copy. And one KnownAmaxes (ops/known_amax.py), which
+    the SwiGLU fusion fills and the Linears read: the amaxes of the tensors its kernels write."""
+    shared, inputs, amaxes = Scratch(), SharedInputCopy(), KnownAmaxes()
     for m in model.modules():
         if isinstance(m, Linear):
             m._inference_plans.share(shared)
-            m.__dict__.setdefault("_train_plans", TrainPlans()).inputs = inputs  # missing: pickled before plans
+            plans = m.__dict__.setdefault("_train_plans", TrainPlans())  # missing: pickled before plans
+            plans.inputs, plans.amaxes = inputs, amaxes
+    fusion = SwiGLUFusion.of(model)
+    if fusion is not None:
+        fusion.amaxes = amaxes  # the amaxes its SwiGLU computes go to the Linears that read its outputs
 
 
 def _attach_activation_hooks(model: torch.nn.Module, fuse_swiglu: bool) -> None:

@@ -39,8 +39,10 @@ from float8.kernels import quantize_tensorwise
 from float8.kernels.activation import dact_fp8
 from float8.kernels.common import SMALL_DIM, SMALL_NUMEL, forward_ad_or_functorch_active
 from float8.kernels.prepared_quantize import prepare_quantize, small_layout
+from float8.kernels.quantize import quantize_tensorwise_from_amax
 from float8.kernels.transpose import transpose_fp8
 from float8.ops.context import take
+from float8.ops.known_amax import KnownAmaxes
 from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd, stateless_per_tensor
 from float8.ops.weight_cache import Plans
 from float8.quantizer import LinearQuantizers, ScaleLayout, TensorwiseQuantizer
@@ -186,18 +188,26 @@ class SharedInputCopy(threading.local):
 
 class TrainPlans(Plans):
     """A Linear's TrainPlans by (input shape, input dtype, weight dtype, device) (derived and bounded: Plans),
-    and the SharedInputCopy of its model (`inputs`: its own until ops.convert shares one)."""
+    and the SharedInputCopy and KnownAmaxes of its model (`inputs`, `amaxes`: its own until ops.convert
+    shares one of each)."""
 
     def __init__(self):
         super().__init__()
         self.inputs = SharedInputCopy()
+        self.amaxes = KnownAmaxes()
 
     def __reduce__(self):
-        return (type(self), (), {"inputs": self.inputs})
+        return (type(self), (), {"inputs": self.inputs, "amaxes": self.amaxes})
+
+    def __setstate__(self, state: dict) -> None:
+        self.inputs = state["inputs"]
+        amaxes = state.get("amaxes")
+        self.amaxes = KnownAmaxes() if amaxes is None else amaxes  # None: pickled before it existed
 
     def __deepcopy__(self, memo):
         new = type(self)()
         new.inputs = copy.deepcopy(self.inputs, memo)  # one copy per shared object, through the memo
+        new.amaxes = copy.deepcopy(self.amaxes, memo)
         return new
 
     def plan(self, key: tuple, quantizers: tuple, weight_shape: torch.Size) -> TrainPlan:
@@ -254,7 +264,7 @@ def train_forward(op: torch.nn.Module, x: torch.Tensor) -> Optional[torch.Tensor
     if plans is None:  # a Linear unpickled from before the plans existed
         plans = d["_train_plans"] = TrainPlans()
     plan = plans.plan((x.shape, x.dtype, w.dtype, x.device), (qi, qw, qg), w.shape)
-    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op, plans.inputs)
+    return _TrainLinear.apply(x, w, b, plan, recipe.fprop_fast_accum and x.is_cuda, op, plans.inputs, plans.amaxes)
 
 
 def _takes_gathered_weight(w: Float8Tensor) -> bool:
@@ -305,17 +315,25 @@ class _TrainLinear(torch.autograd.Function):
     """y = x @ w.t() (+ b): FP8 forward GEMM; FP8 weight- and input-gradient GEMMs in the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan, fast_accum, op, inputs):
+    def forward(ctx, x, weight, bias, plan, fast_accum, op, inputs, amaxes):
         qi, qw, _ = plan.quantizers
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
         w_t = None
         # The input's FP8 copy made by the Linear before, where it read the same tensor (SharedInputCopy).
         shared = inputs.lookup(x, qi, need_wgrad)
+        ctx.amaxes = amaxes
         if shared is None:
-            # With its transpose where the weight gradient reads it (a trained weight), else rows only.
-            role = "x" if need_wgrad else "x_rows"
-            x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad)
+            # With its transpose where the weight gradient reads it (a trained weight), else rows only. Where
+            # x's producer computed max|x| (ops/known_amax.py), the cast alone, with the same bits.
+            amax = amaxes.take(x)
+            if amax is not None:
+                x_data, x_t, x_scale_inv, _ = quantize_tensorwise_from_amax(
+                    x.reshape(-1, k), amax, qi.fp8_dtype, qi.margin, qi.power_of_2, need_wgrad
+                )
+            else:
+                role = "x" if need_wgrad else "x_rows"
+                x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad)
             # Without a transpose asked for, quantize_tensorwise hands an empty placeholder in its place.
             x_t = x_t if need_wgrad else None
             inputs.store(x, qi, (x_data, x_t, x_scale_inv))
@@ -380,7 +398,7 @@ class _TrainLinear(torch.autograd.Function):
             if isinstance(weight, Float8Tensor) and ctx.need_dgrad:
                 w_t, w_scale_inv = _gathered_transpose(weight), weight._scale_inv
             dx, dw = _engine_backward(ctx, dy, weight, x_t, x_scale_inv, w_t, w_scale_inv)
-            return dx, dw, None, None, None, None, None
+            return dx, dw, None, None, None, None, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_wgrad = ctx.need_wgrad
         dbias = dw = None
@@ -392,8 +410,14 @@ class _TrainLinear(torch.autograd.Function):
             )
             dbias = dbias.to(bias.dtype)
         else:
-            role = "dy" if need_wgrad else "dy_rows"
-            dy_data, dy_t, dy_scale_inv, _ = plan.quantize(role, dy2, qg, need_wgrad)
+            amax = ctx.amaxes.take(dy)  # computed by the op that wrote dy (ops/known_amax.py)
+            if amax is not None:
+                dy_data, dy_t, dy_scale_inv, _ = quantize_tensorwise_from_amax(
+                    dy2, amax, qg.fp8_dtype, qg.margin, qg.power_of_2, need_wgrad
+                )
+            else:
+                role = "dy" if need_wgrad else "dy_rows"
+                dy_data, dy_t, dy_scale_inv, _ = plan.quantize(role, dy2, qg, need_wgrad)
         if need_wgrad:
             dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_scale_inv, scale_b=x_scale_inv, out_dtype=weight.dtype)
         del x_t, dy_t
@@ -405,7 +429,7 @@ class _TrainLinear(torch.autograd.Function):
                 _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
-        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None, None
+        return dx, dw, (dbias if ctx.needs_input_grad[2] else None), None, None, None, None, None
 
 
 def _gathered_transpose(weight: Float8Tensor) -> torch.Tensor:

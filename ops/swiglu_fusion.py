@@ -25,7 +25,11 @@ Where g is one ops.Linear's output whole (of at least MIN_NUMEL elements) and u 
 ops.Linear to run, of g's shape and dtype, taken after the silu (as `F.silu(gate(x)) * up(x)` evaluates), the
 product runs as `_SwiGLUPairProduct`: torch's silu and product in the forward (their bits), g and u saved
 (which torch's silu and product save too), not silu(g), and one backward pass writing dg and du
-(kernels/swiglu_pair.py, act_bwd's math). `up(x) * F.silu(gate(x))`, whose up projection runs first, is
+(kernels/swiglu_pair.py, act_bwd's math). In a converted model (ops/convert.py gives the fusion the model's
+KnownAmaxes, ops/known_amax.py) the product's kernel also computes its amax (kernels/product_amax.py, the
+same bits for contiguous factors) and the backward's the amaxes of dg and du, for the Linears that quantize
+them next: the down projection's input, the gate's and the up projection's output gradients skip their amax
+passes. `up(x) * F.silu(gate(x))`, whose up projection runs first, is
 not fused.
 
 The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
@@ -67,8 +71,10 @@ from torch.utils._device import DeviceContext
 
 from float8.kernels.activation import act_bwd
 from float8.kernels.common import forward_ad_or_functorch_active
+from float8.kernels.product_amax import product_with_amax
 from float8.kernels.silu_product import silu_and_product, takes_kernel
 from float8.kernels.swiglu_pair import swiglu_pair_bwd
+from float8.ops.known_amax import KnownAmaxes
 from float8.ops.model_hooks import ModelHooks
 from float8.ops.sequential import linears_outside_sequentials
 
@@ -121,21 +127,38 @@ class _SwiGLUProduct(torch.autograd.Function):
 class _SwiGLUPairProduct(torch.autograd.Function):
     """silu(g) * u (either order) for g and u the outputs of two Linears: torch's product in the forward (its
     bits); saved: g and u, which the silu and the product keep anyway, not silu(g); the backward writes dg and du
-    in one pass (kernels/swiglu_pair.py)."""
+    in one pass (kernels/swiglu_pair.py).
+
+    amaxes (ops/known_amax.py, or None): the product is computed with its amax (kernels/product_amax.py: the
+    same bits, for contiguous factors) and the backward with dg's and du's, handed to the Linears that
+    quantize them next (the down projection's input; the gate's and the up projection's output gradients),
+    which then skip their amax passes. `amax_out` receives the product's amax (the caller notes it against
+    the product Function.apply returns)."""
 
     @staticmethod
-    def forward(ctx, g: torch.Tensor, u: torch.Tensor, silu_g: torch.Tensor, func, silu_first: bool):
+    def forward(ctx, g, u, silu_g, func, silu_first: bool, amaxes, amax_out: list):
         ctx.save_for_backward(g, u)
+        ctx.amaxes = amaxes
+        if amaxes is not None and silu_g.is_contiguous() and u.is_contiguous():
+            # a * b and b * a are one float32 product rounded once: either order's bits
+            product, amax = product_with_amax(silu_g, u)
+            amax_out.append(amax)
+            return product
         return func(silu_g, u) if silu_first else func(u, silu_g)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         g, u = ctx.saved_tensors
+        amaxes = ctx.amaxes
         if torch.is_grad_enabled():  # create_graph=True: torch's differentiable formula, not the kernel
             dg, du = _swiglu_grad_differentiable(dy, torch.cat([g, u], dim=-1)).chunk(2, dim=-1)
+        elif amaxes is not None:
+            dg, du, amax_g, amax_u = swiglu_pair_bwd(dy, g, u, with_amax=True)
+            amaxes.put(dg, amax_g)
+            amaxes.put(du, amax_u)
         else:
             dg, du = swiglu_pair_bwd(dy, g, u)
-        return dg, du, None, None, None
+        return dg, du, None, None, None, None, None
 
 
 def _swiglu_grad_differentiable(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -251,7 +274,16 @@ class SwiGLUFusion(ModelHooks):
 
     def __init__(self, min_numel: int = MIN_NUMEL):
         self.min_numel = min_numel
+        # The converted model's KnownAmaxes (ops/convert.py sets it; None: no amax handed over)
+        self.amaxes: Optional[KnownAmaxes] = None
         self._reset()
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "amaxes": self.amaxes}  # one KnownAmaxes with the Linears' (memo)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.amaxes = state.get("amaxes")
 
     def _reset(self) -> None:
         self.last_forward = {"fused": 0}
@@ -484,7 +516,11 @@ class SwiGLUFusion(ModelHooks):
             return None
         self.last_forward["fused"] += 1
         note.held = None
-        return _SwiGLUPairProduct.apply(g, u, a.detach(), func, silu_first)
+        amax_out = []
+        out = _SwiGLUPairProduct.apply(g, u, a.detach(), func, silu_first, self.amaxes, amax_out)
+        if amax_out:
+            self.amaxes.put(out, amax_out[0])
+        return out
 
 
 def swiglu_fusion_of(model: torch.nn.Module) -> Optional[SwiGLUFusion]:

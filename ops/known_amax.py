@@ -1,0 +1,75 @@
+"""max|t| of tensors whose producer computed it on the way, for the Linear that quantizes t next.
+
+Per-tensor current scaling reads a tensor twice: an amax pass, then the cast. Where the kernel that wrote the
+tensor folded max|t| in (the SwiGLU product of a converted model's separate gate and up projections,
+kernels/product_amax.py, and that product's backward, kernels/swiglu_pair.py: ops/swiglu_fusion.py), the
+Linear reading t (the down projection's input; the gate's and the up projection's output gradients) skips
+its amax pass: at 16384 tokens x 14336 features one read of 448 MiB each, three per block a step.
+
+`KnownAmaxes` holds, per tensor, the amax and what makes it still that tensor's: the tensor itself (weakly,
+by identity), its version counter, data pointer, shape, strides and dtype, and the CUDA stream the amax was
+written on (read on another, it would need a wait). An entry is taken once (`take`), and goes when its
+tensor dies. A write into the tensor since (in place, or through a view) moves its version and the entry is
+not used; a write through `.data` moves none and is not seen, as everywhere in torch. One per converted model
+(ops/convert.py), shared by its Linears and its SwiGLU fusion; not per thread (a backward runs on autograd's
+threads). Derived state: a pickled or copied model gets a new, empty one (one per shared object).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["KnownAmaxes"]
+
+
+def _key(t: torch.Tensor) -> tuple:
+    stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
+    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, stream)
+
+
+def _forget(table_ref: weakref.ref, key: int, dead: weakref.ref) -> None:
+    # The tensor died: its entry goes. The table is reached weakly (no cycle through the entries).
+    table = table_ref()
+    if table is not None:
+        entry = table._entries.get(key)
+        if entry is not None and entry[0] is dead:
+            del table._entries[key]
+
+
+class KnownAmaxes:
+    """max|t| for tensors whose producer computed it (see the module docstring): `put` by the producer,
+    `take` by the Linear that quantizes t next."""
+
+    def __init__(self):
+        self._entries: dict = {}  # id(t) -> (weakref to t, key of t when put, amax)
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, t: torch.Tensor, amax: torch.Tensor) -> None:
+        """Note that amax (a () float32 tensor on t's device) is max|t| of t as it is now. Tensors made under
+        inference_mode (no version counter: a write would not be seen) are not noted."""
+        if t.is_inference():
+            return
+        ident = id(t)
+        ref = weakref.ref(t, lambda dead, table=weakref.ref(self), key=ident: _forget(table, key, dead))
+        self._entries[ident] = (ref, _key(t), amax)
+
+    def take(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """max|t| if noted for this very tensor, unchanged since and on this stream; the entry goes either way."""
+        entry = self._entries.pop(id(t), None)
+        if entry is None:
+            return None
+        ref, key, amax = entry
+        if ref() is not t or key != _key(t):
+            return None
+        return amax
