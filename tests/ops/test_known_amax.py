@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import float8.ops.linear_train as linear_train
+from float8 import Recipe
 from float8.ops.known_amax import KnownAmaxes
 from float8.ops.swiglu_fusion import swiglu_fusion_of
 from tests.ops.test_swiglu_fusion import _convert, _data
@@ -201,7 +202,8 @@ def test_copies_and_pickles_keep_the_fusion_and_the_linears_on_one_table():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_the_kernels_amaxes_change_no_bit(monkeypatch):
     torch.manual_seed(0)
-    handed = _convert(PairMLP(f=2048).to(BF16).cuda())
+    # every Linear FP8 (these GEMMs are under the small-layer line, where they would run in bf16)
+    handed = _convert(PairMLP(f=2048).to(BF16).cuda(), recipe=Recipe(min_fp8_gemm_flops=0))
     plain = copy.deepcopy(handed)
     swiglu_fusion_of(plain).amaxes = None
     x = torch.randn(4096, 64, device="cuda", dtype=BF16)
