@@ -10,7 +10,11 @@ its amax pass: at 16384 tokens x 14336 features one read of 448 MiB each, three 
 by identity), its version counter, data pointer, shape, strides and dtype, and the CUDA stream the amax was
 written on (read on another, it would need a wait). An entry is taken once (`take`), and goes when its
 tensor dies. A write into the tensor since (in place, or through a view) moves its version and the entry is
-not used; a write through `.data` moves none and is not seen, as everywhere in torch. One per converted model
+not used. A write that moves no version counter is not seen: through `.data`, through another tensor `set_`
+on the same storage, the storage itself, a DLPack alias or a kernel outside torch. Autograd's saved tensors
+miss such writes too (they compute gradients from the new values); here the cast would use the old amax, a
+wrong scale, where before this handoff it read the new values. Tensors under functorch transforms (vmap,
+`is_grads_batched`: their per-sample amaxes are not one tensor's) are never noted. One per converted model
 (ops/convert.py), shared by its Linears and its SwiGLU fusion; not per thread (a backward runs on autograd's
 threads). Derived state: a pickled or copied model gets a new, empty one (one per shared object).
 """
@@ -28,6 +32,12 @@ __all__ = ["KnownAmaxes"]
 def _key(t: torch.Tensor) -> tuple:
     stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
     return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, stream)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    # A tensor with storage of its own: not a batched tensor of vmap or of `is_grads_batched` (whose samples
+    # would share one amax), nor a functorch wrapper.
+    return torch._C._has_storage(t) and not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _forget(table_ref: weakref.ref, key: int, dead: weakref.ref) -> None:
@@ -58,7 +68,7 @@ class KnownAmaxes:
     def put(self, t: torch.Tensor, amax: torch.Tensor) -> None:
         """Note that amax (a () float32 tensor on t's device) is max|t| of t as it is now. Tensors made under
         inference_mode (no version counter: a write would not be seen) are not noted."""
-        if t.is_inference():
+        if t.is_inference() or not _plain(t):
             return
         ident = id(t)
         ref = weakref.ref(t, lambda dead, table=weakref.ref(self), key=ident: _forget(table, key, dead))
@@ -67,7 +77,7 @@ class KnownAmaxes:
     def take(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """max|t| if noted for this very tensor, unchanged since and on this stream; the entry goes either way."""
         entry = self._entries.pop(id(t), None)
-        if entry is None:
+        if entry is None or not _plain(t):
             return None
         ref, key, amax = entry
         if ref() is not t or key != _key(t):

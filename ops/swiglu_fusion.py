@@ -152,7 +152,8 @@ class _SwiGLUPairProduct(torch.autograd.Function):
         amaxes = ctx.amaxes
         if torch.is_grad_enabled():  # create_graph=True: torch's differentiable formula, not the kernel
             dg, du = _swiglu_grad_differentiable(dy, torch.cat([g, u], dim=-1)).chunk(2, dim=-1)
-        elif amaxes is not None:
+        elif amaxes is not None and torch._C._has_storage(dy) and not forward_ad_or_functorch_active():
+            # (under vmap or `is_grads_batched` the gradients are batched: one amax would mix the samples)
             dg, du, amax_g, amax_u = swiglu_pair_bwd(dy, g, u, with_amax=True)
             amaxes.put(dg, amax_g)
             amaxes.put(du, amax_u)

@@ -213,3 +213,17 @@ def test_gpu_the_kernels_amaxes_change_no_bit(monkeypatch):
     assert len(calls) == 3 * 2
     for p, q in zip(a, _grads(plain, x, dy)):
         assert torch.equal(p, q)
+
+
+def test_batched_gradients_are_not_handed_an_amax():
+    """`torch.autograd.grad(..., is_grads_batched=True)` (jacobian's vectorized path) runs the backward under
+    vmap: dg and du are batched there, their amax would mix the samples, and noting them crashed (a batched
+    tensor has no data pointer). Nothing is noted; the gradients are the model's without the handoff."""
+    x, dy = _data()
+    handed, plain = _pair_models(PairMLP("hf"))
+    grads = []
+    for model in (handed, plain):
+        xi = x.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(model(xi), xi, torch.stack([dy, 2 * dy]), is_grads_batched=True)[0])
+    assert torch.equal(grads[0], grads[1])
+    assert len(swiglu_fusion_of(handed).amaxes) == 0
