@@ -26,12 +26,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["KnownAmaxes"]
+__all__ = ["KnownAmaxes", "tensor_state"]
 
 
-def _key(t: torch.Tensor) -> tuple:
+def tensor_state(t: torch.Tensor) -> tuple:
+    """What makes a tensor still the one a derived value was made from: its version counter, data pointer,
+    shape, strides, dtype, device, and the current CUDA stream (a value written on one stream is read only on
+    that one; another would need a wait). Also the key of ops/linear_train.py's SharedInputCopy."""
     stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
-    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, stream)
+    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, stream)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -72,7 +75,7 @@ class KnownAmaxes:
             return
         ident = id(t)
         ref = weakref.ref(t, lambda dead, table=weakref.ref(self), key=ident: _forget(table, key, dead))
-        self._entries[ident] = (ref, _key(t), amax)
+        self._entries[ident] = (ref, tensor_state(t), amax)
 
     def take(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """max|t| if noted for this very tensor, unchanged since and on this stream; the entry goes either way."""
@@ -80,6 +83,6 @@ class KnownAmaxes:
         if entry is None or not _plain(t):
             return None
         ref, key, amax = entry
-        if ref() is not t or key != _key(t):
+        if ref() is not t or key != tensor_state(t):
             return None
         return amax

@@ -42,7 +42,7 @@ from float8.kernels.prepared_quantize import prepare_quantize, small_layout
 from float8.kernels.quantize import quantize_tensorwise_from_amax
 from float8.kernels.transpose import transpose_fp8
 from float8.ops.context import take
-from float8.ops.known_amax import KnownAmaxes
+from float8.ops.known_amax import KnownAmaxes, tensor_state
 from float8.ops.linear_engine import LinearSaved, fp8_pays_off, linear_bwd, stateless_per_tensor
 from float8.ops.weight_cache import Plans
 from float8.quantizer import LinearQuantizers, ScaleLayout, TensorwiseQuantizer
@@ -145,19 +145,7 @@ class SharedInputCopy(threading.local):
         # stream: a copy written on one stream is read only on that one (another would need a wait).
         if x.is_inference():
             return None
-        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
-        return (
-            x._version,
-            x.data_ptr(),
-            x.shape,
-            x.stride(),
-            x.dtype,
-            x.device,
-            stream,
-            q.fp8_dtype,
-            q.margin,
-            q.power_of_2,
-        )
+        return (*tensor_state(x), q.fp8_dtype, q.margin, q.power_of_2)
 
     def lookup(self, x: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> Optional[tuple]:
         """(data, data_t or None, scale_inv) of x quantized by q's settings, if the entry holds it (with the
