@@ -1,4 +1,4 @@
-"""python -m benchmarks.gaps [--variants a,b] [--tiny] [--out DIR]: where the GPU waits inside one training
+"""python -m benchmarks.gaps [--variants a,b] [--tiny] [--separate-gate-up] [--separate-qkv] [--out DIR]: where the GPU waits inside one training
 step of the Llama-style model (benchmarks/step_llama.py variants).
 
 A step's wall time is its kernels' time plus the time the GPU sits idle, waiting for the host to launch
@@ -13,6 +13,7 @@ figures, the whole report as detail.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Callable, Dict, List
 
@@ -87,10 +88,13 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="float8 ops eager", help="comma-separated step_llama variants")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the default without CUDA)")
     p.add_argument("--min-us", type=float, default=20.0, help="shortest idle interval counted, in microseconds")
+    p.add_argument("--separate-gate-up", action="store_true", help="Hugging Face's MLP (benchmarks.step_llama)")
+    p.add_argument("--separate-qkv", action="store_true", help="Hugging Face's attention (benchmarks.step_llama)")
     add_out_argument(p)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if args.tiny or device.type == "cpu" else LlamaShape()
+    s = dataclasses.replace(s, separate_gate_up=args.separate_gate_up, separate_qkv=args.separate_qkv)
     report = {}
     for variant in args.variants.split(","):
         step, _ = build_step(variant, s, device)

@@ -88,7 +88,7 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 25) -> dict:
+def kernel_breakdown(step: Callable[[], None], device: torch.device, top: int = 40) -> dict:
     """Where one step's GPU time goes (torch.profiler, ms): `total` of all kernels (against the step's
     wall time, the rest is the GPU waiting), the time of each KERNEL_GROUPS group, and the `top` kernels."""
     if device.type != "cuda":

@@ -44,7 +44,13 @@ VARIANTS = [
     "torchao tensorwise compiled",
     "torchao rowwise compiled",
 ]
-BREAKDOWN = {"float8 converted compiled", "torchao tensorwise compiled", "float8 ops eager", "float8 ops compiled"}
+BREAKDOWN = {
+    "float8 converted eager",
+    "float8 converted compiled",
+    "torchao tensorwise compiled",
+    "float8 ops eager",
+    "float8 ops compiled",
+}
 
 
 def variant_model(variant: str, s: LlamaShape, device) -> torch.nn.Module:

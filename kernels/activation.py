@@ -6,6 +6,7 @@
     act_fp8_save_input(x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=False)
         -> (data, data_t, scale_inv, amax, x_data, x_scale_inv)             act_fp8, and x itself in E4M3
     act_bwd(dy, x, kind, bias=None, x_scale_inv=None) -> dx                 dy * act'(x + bias)
+    act_bwd_with_amax(dy, x, kind) -> (dx, max|dx|)                         act_bwd and dx's amax, one pass
     dact_fp8(dy, x, kind, bias, fp8_dtype, scale=None, margin=0, power_of_2=False, with_transpose=True,
              with_dbias=True, x_scale_inv=None) -> (data, data_t, scale_inv, amax, dbias)
 
@@ -56,7 +57,7 @@ from .common import (
     triton_op,
     use_triton,
 )
-from .reference import FP8_DTYPES
+from .reference import FP8_DTYPES, amax_ref
 
 # Before any definition: run a second time (another name, a reload), this module redefines nothing.
 refuse_redefinition("float8::act_fwd", __name__)
@@ -69,6 +70,7 @@ __all__ = [
     "TRANSPOSE_CONFIG",
     "act_bwd",
     "act_bwd_ref",
+    "act_bwd_with_amax",
     "act_bwd_triton",
     "act_fp8",
     "act_fp8_ref",
@@ -232,6 +234,17 @@ def act_bwd(
     if use_triton(x, writes_fp8=False):
         return act_bwd_triton(dy, x, kind, bias, x_scale_inv=x_scale_inv)
     return act_bwd_ref(dy, x, kind, bias, x_scale_inv)
+
+
+def act_bwd_with_amax(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act_bwd(dy, x, kind), max|dx|): the same dx, and the maximum of its values as a () float32 tensor,
+    folded in by the pass that writes dx on CUDA (for the FP8 cast that reads dx next: ops/known_amax.py), from
+    act_bwd_ref and amax_ref elsewhere. A plain function, not an op: eager callers only (ops/swiglu_fusion.py)."""
+    _check("act_bwd", x, kind, None, dy=dy)
+    if use_triton(x, writes_fp8=False):
+        return act_bwd_triton(dy, x, kind, with_amax=True)
+    dx = act_bwd_ref(dy, x, kind)
+    return dx, amax_ref(dx)
 
 
 @triton_op("float8::dact_fp8")

@@ -1,7 +1,8 @@
 """The activation backward kernel (Triton): dx = dy * act'(x + bias), its amax and dbias partials, or its
 FP8 cast.
 
-_act_bwd_kernel, one MODE a launch: "hp" stores dx; "amax" folds max|dx| and (DBIAS) writes one row of
+_act_bwd_kernel, one MODE a launch: "hp" stores dx; "hp_amax" stores dx and folds max|dx| of the stored
+(rounded) values, for the FP8 cast that reads dx next (ops/known_amax.py); "amax" folds max|dx| and (DBIAS) writes one row of
 column sums per program; "current" / "delayed" cast dx at the scale from that amax / the given scale, in
 rows and (WITH_T) transposed. X_FP8: x is the forward's saved E4M3 copy, read as x * x_scale_inv (one
 scale, or with X_ROW_SCALES one per row of x).
@@ -37,7 +38,8 @@ def _act_bwd_kernel(
     margin_div,  # 2.0**margin ("current")
     KIND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,  # "hp": store dx; "amax": fold max|dx| (and dbias partials); "current" / "delayed": store FP8
+    MODE: tl.constexpr,  # "hp": store dx; "hp_amax": store dx, fold max|dx| as stored; "amax": fold max|dx| (and
+    # dbias partials); "current" / "delayed": store FP8
     WITH_T: tl.constexpr,
     DBIAS: tl.constexpr,
     X_FP8: tl.constexpr,  # x is FP8 (the forward's saved E4M3 copy): its values are x * x_scale_inv
@@ -95,10 +97,16 @@ def _act_bwd_kernel(
             da = _dact(g, v, KIND)
 
         out = row[:, None] * n_in + cols[None, :]
-        if MODE == "hp":
-            tl.store(dx_ptr + out, da.to(dx_ptr.dtype.element_ty), mask=mask)
+        if MODE == "hp" or MODE == "hp_amax":
+            da_out = da.to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + out, da_out, mask=mask)
+            if MODE == "hp_amax":  # masked lanes: 0
+                amax_acc = tl.maximum(amax_acc, abs_bits(tl.where(mask, da_out, 0.0)))
             if KIND == "swiglu":
-                tl.store(dx_ptr + out + N, db.to(dx_ptr.dtype.element_ty), mask=mask)
+                db_out = db.to(dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + out + N, db_out, mask=mask)
+                if MODE == "hp_amax":
+                    amax_acc = tl.maximum(amax_acc, abs_bits(tl.where(mask, db_out, 0.0)))
         if MODE == "amax":
             da = tl.where(mask, da, 0.0)
             amax_acc = tl.maximum(amax_acc, abs_bits(da))
@@ -129,8 +137,9 @@ def _act_bwd_kernel(
                         mask=mask_t,
                     )
 
-    if MODE == "amax":
+    if MODE == "amax" or MODE == "hp_amax":
         atomic_amax(amax_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
+    if MODE == "amax":
         if DBIAS:
             part = dbias_ptr + (b * tiles_s + pid_s) * n_in + cols
             tl.store(part, tl.sum(dbias_a, axis=0), mask=col_ok)

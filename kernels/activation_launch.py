@@ -90,7 +90,7 @@ def launch_fwd(
     xq, x_amax, x_scale_inv = saved_x if saved_x is not None else (x, amax, amax)
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
-    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=mode in ("amax", "hp_amax"), config=config)
     _launch_act_fwd(
         grid,
         x,
@@ -144,7 +144,7 @@ def launch_bwd(
     (..., 1) one per row (contiguous)."""
     n = dy.shape[-1]
     B, S = _geometry(dy, transpose)
-    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=mode in ("amax", "hp_amax"), config=config)
     _launch_act_bwd(
         grid,
         dy,
@@ -267,15 +267,30 @@ def act_bwd_triton(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     x_scale_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dy * act'(x + bias) in out_dtype (default: x.dtype, dy.dtype for an FP8 x)."""
+    with_amax: bool = False,
+):
+    """dy * act'(x + bias) in out_dtype (default: x.dtype, dy.dtype for an FP8 x); with_amax: (dx, max|dx|), the
+    maximum of the values stored, a () float32 tensor, folded in by the same pass."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)
     dx = torch.empty(x.shape, dtype=out_dtype or _grad_dtype(dy, x), device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
     unused = torch.empty((), dtype=torch.float32, device=x.device)
     launch_bwd(
-        dy, x, kind, bias, dx, None, None, None, unused, unused, mode="hp", transpose=False, x_scale_inv=x_scale_inv
+        dy,
+        x,
+        kind,
+        bias,
+        dx,
+        None,
+        None,
+        None,
+        unused if amax is None else amax,
+        unused,
+        mode="hp_amax" if with_amax else "hp",
+        transpose=False,
+        x_scale_inv=x_scale_inv,
     )
-    return dx
+    return (dx, amax) if with_amax else dx
 
 
 def dact_fp8_triton(

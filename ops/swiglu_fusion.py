@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 
-from float8.kernels.activation import act_bwd
+from float8.kernels.activation import act_bwd, act_bwd_with_amax
 from float8.kernels.common import forward_ad_or_functorch_active
 from float8.kernels.product_amax import product_with_amax
 from float8.kernels.silu_product import silu_and_product, takes_kernel
@@ -104,11 +104,15 @@ class _SiluOfHalf(torch.autograd.Function):
 
 class _SwiGLUProduct(torch.autograd.Function):
     """silu(g) * u (either order) in the forward: computed ahead with the silu where `computed` holds it,
-    else torch's product; the backward writes the gradient of h = [g | u] whole from h alone."""
+    else torch's product; the backward writes the gradient of h = [g | u] whole from h alone.
+
+    amaxes (ops/known_amax.py, or None): the backward computes max|dh| in the pass that writes dh and notes it
+    for the Linear that quantizes dh next (the gate-and-up projection's output gradient)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, silu_g: torch.Tensor, u: torch.Tensor, func, silu_first: bool, computed: list):
+    def forward(ctx, h, silu_g, u, func, silu_first: bool, computed: list, amaxes):
         ctx.save_for_backward(h)
+        ctx.amaxes = amaxes
         if computed:
             return computed.pop()
         return func(silu_g, u) if silu_first else func(u, silu_g)
@@ -116,12 +120,17 @@ class _SwiGLUProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (h,) = ctx.saved_tensors
+        amaxes = ctx.amaxes
         if torch.is_grad_enabled():
             # create_graph=True (a gradient penalty): torch's differentiable formula, not the kernel.
             dh = _swiglu_grad_differentiable(dy, h)
+        elif amaxes is not None and torch._C._has_storage(dy) and not forward_ad_or_functorch_active():
+            # (under vmap or `is_grads_batched` dy is batched: one amax would mix the samples)
+            dh, amax = act_bwd_with_amax(dy.contiguous(), h, "swiglu")
+            amaxes.put(dh, amax)
         else:
             dh = act_bwd(dy.contiguous(), h, "swiglu")
-        return dh, None, None, None, None, None
+        return dh, None, None, None, None, None, None
 
 
 class _SwiGLUPairProduct(torch.autograd.Function):
@@ -228,14 +237,21 @@ class _SiluNote:
     or the window closes. Weak references, but for a pair's g, which the product may take after the window of
     g's Linear has closed (the next Linear, the up projection, runs between)."""
 
-    __slots__ = ("out", "out_version", "h", "h_version", "g", "product", "pair", "held", "closes_left")
+    __slots__ = ("out", "out_version", "h", "h_version", "g", "product", "amax", "pair", "held", "closes_left")
 
     def __init__(
-        self, out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, product: Optional[torch.Tensor], pair: bool
+        self,
+        out: torch.Tensor,
+        h: torch.Tensor,
+        g: torch.Tensor,
+        product: Optional[torch.Tensor],
+        pair: bool,
+        amax: Optional[torch.Tensor] = None,
     ):
         self.out, self.out_version = weakref.ref(out), out._version
         self.h, self.h_version = weakref.ref(h), h._version
         self.g, self.product = weakref.ref(g), product
+        self.amax = amax  # max|product|, where the kernel computed it (for the converted model's KnownAmaxes)
         self.pair = pair
         # A pair's g, held until its product fuses or the window after the next Linear's output closes (the
         # silu's node saves g too, but saved-tensor hooks that offload or drop it must be able to free it).
@@ -373,7 +389,7 @@ class SwiGLUFusion(ModelHooks):
             state.window = None
             state.outputs.clear()  # what the window kept: the outputs are the model's own from here
             for key, note in list(state.silus.items()):
-                note.product = None  # a product computed ahead that no product asked for: not kept
+                note.product = note.amax = None  # a product computed ahead that no product asked for: not kept
                 if note.pair:
                     if note.closes_left == 0:  # its product would have come in the window closing now
                         del state.silus[key]
@@ -456,15 +472,24 @@ class SwiGLUFusion(ModelHooks):
             out = func(g)  # a gate projection's output whole: its product comes after the up projection's
             self._local.silus[id(out)] = _SiluNote(out, g, g, None, pair=True)
             return out
-        product = None
-        if takes_kernel(whole):
+        product = amax = None
+        if self._computes_ahead(whole):
             with torch.no_grad():
-                s, product = silu_and_product(whole)
+                if self.amaxes is not None:
+                    s, product, amax = silu_and_product(whole, with_amax=True)
+                else:
+                    s, product = silu_and_product(whole)
             out = _SiluOfHalf.apply(g, [s])
         else:
             out = func(g)
-        self._local.silus[id(out)] = _SiluNote(out, h, g, product, pair=False)
+        self._local.silus[id(out)] = _SiluNote(out, h, g, product, pair=False, amax=amax)
         return out
+
+    def _computes_ahead(self, whole: torch.Tensor) -> bool:
+        """Whether the silu of whole's first half computes the product with it: with the kernel (CUDA), or,
+        where the converted model's Linears take the product's amax (ops/known_amax.py), with torch's own
+        silu and product and their amax (the CPU, a dispatch mode): the same bits either way."""
+        return takes_kernel(whole) or self.amaxes is not None
 
     def _product(self, func, args: tuple) -> Optional[torch.Tensor]:
         """func(*args) as `_SwiGLUProduct` where one factor is a noted silu(g) and the other g's second half;
@@ -497,8 +522,12 @@ class SwiGLUFusion(ModelHooks):
                 continue
             self.last_forward["fused"] += 1
             computed = [] if note.product is None else [note.product]
-            note.product = None  # handed out once: a second product is a new tensor
-            return _SwiGLUProduct.apply(whole, a.detach(), u.detach(), func, silu_first, computed)
+            amax = note.amax
+            note.product = note.amax = None  # handed out once: a second product is a new tensor
+            out = _SwiGLUProduct.apply(whole, a.detach(), u.detach(), func, silu_first, computed, self.amaxes)
+            if computed == [] and amax is not None:  # the product computed ahead is the one returned
+                self.amaxes.put(out, amax)
+            return out
         return None
 
     def _pair_product(self, note: _SiluNote, a: torch.Tensor, u: Any, func, silu_first: bool) -> Optional[torch.Tensor]:

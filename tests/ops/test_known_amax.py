@@ -1,5 +1,6 @@
-"""Amaxes handed from the SwiGLU pair's kernels to the Linears that quantize their outputs (ops/known_amax.py):
-the down projection's input, the gate's and the up projection's output gradients. The bits do not change
+"""Amaxes handed from the SwiGLU fusion's kernels to the Linears that quantize their outputs (ops/known_amax.py):
+the down projection's input, and the output gradients of the gate and up projections (a pair) or of the one
+gate-and-up projection. The bits do not change
 (every output and gradient equal to the same model without the handoff), an amax is used only for the very
 tensor it was computed for, unchanged since, and the table holds nothing past its tensors."""
 
@@ -18,7 +19,7 @@ import float8.ops.linear_train as linear_train
 from float8 import Recipe
 from float8.ops.known_amax import KnownAmaxes
 from float8.ops.swiglu_fusion import swiglu_fusion_of
-from tests.ops.test_swiglu_fusion import _convert, _data
+from tests.ops.test_swiglu_fusion import MLP, _convert, _data
 from tests.ops.test_swiglu_pair_fusion import PairMLP
 from tests.ops.tiny_llama import tiny_llama
 
@@ -86,12 +87,22 @@ def test_gpu_an_amax_written_on_another_stream_is_not_used():
 # ---- the handoff in a converted model ---------------------------------------------------------------------
 
 
-def _counting(monkeypatch):
-    calls = []
+class _Calls(list):
+    """The shapes of the tensors cast from a handed amax; `weights`: those of the weights, which the backward
+    casts from the forward's amax (ops/linear_train.py), apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+
+def _counting(monkeypatch, *models):
+    calls = _Calls()
     real = linear_train.quantize_tensorwise_from_amax
 
     def counted(x, amax, *args):
-        calls.append(tuple(x.shape))
+        weights = {p.data_ptr() for m in models for p in m.parameters()}
+        (calls.weights if x.data_ptr() in weights else calls).append(tuple(x.shape))
         return real(x, amax, *args)
 
     monkeypatch.setattr(linear_train, "quantize_tensorwise_from_amax", counted)
@@ -121,18 +132,57 @@ def _grads(model, x, dy, steps=2):
     return out
 
 
-def test_the_three_amax_passes_are_skipped_and_no_bit_changes(monkeypatch):
+# per step: the down projection's input (256 tokens x 128), and the output gradients of the gate and the up
+# projection (each 256 x 128) or of the one gate-and-up projection (256 x 256)
+PAIR_CALLS = [(256, 128), (256, 128), (256, 128)]
+ONE_PROJECTION_CALLS = [(256, 128), (256, 256)]
+
+
+@pytest.mark.parametrize(
+    "module, per_step",
+    [
+        (lambda: PairMLP("hf"), PAIR_CALLS),
+        (lambda: MLP("chunk"), ONE_PROJECTION_CALLS),
+        (lambda: MLP("reversed"), ONE_PROJECTION_CALLS),
+        (lambda: MLP("slices"), ONE_PROJECTION_CALLS),
+    ],
+    ids=["pair", "chunk", "reversed", "slices"],
+)
+def test_the_amax_passes_are_skipped_and_no_bit_changes(monkeypatch, module, per_step):
     x, dy = _data()
-    handed, plain = _pair_models(PairMLP("hf"))
-    calls = _counting(monkeypatch)
+    handed, plain = _pair_models(module())
+    calls = _counting(monkeypatch, handed, plain)
     a = _grads(handed, x, dy)
-    # per step: the down projection's input (256 tokens x 128), the gate's and the up's output gradients
-    assert calls == [(256, 128), (256, 128), (256, 128)] * 2, calls
+    assert calls == per_step * 2, calls
     assert len(swiglu_fusion_of(handed).amaxes) == 0  # all taken
     calls.clear()
     b = _grads(plain, x, dy)
     assert calls == []
     for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+class _OneProjectionWritten(MLP):
+    """The product scaled in place before the down projection reads it, and h's gradient scaled in place by a
+    hook before the up projection's backward reads it: both amaxes are stale."""
+
+    def forward(self, x):
+        h = self.up(x)
+        h.register_hook(lambda d: d.mul_(16.0))
+        g, u = h.chunk(2, dim=-1)
+        a = F.silu(g) * u
+        a.mul_(8.0)
+        return self.down(a)
+
+
+def test_one_projection_tensors_written_after_their_amaxes_are_quantized_from_their_own_values(monkeypatch):
+    x, dy = _data()
+    handed, plain = _pair_models(_OneProjectionWritten())
+    calls = _counting(monkeypatch, handed, plain)
+    a = _grads(handed, x, dy)
+    assert swiglu_fusion_of(handed).last_forward == {"fused": 1}
+    assert calls == []  # both tensors were written: neither amax was used
+    for p, q in zip(a, _grads(plain, x, dy)):
         assert torch.equal(p, q)
 
 
@@ -158,7 +208,7 @@ class _GateGradWrittenInPlace(PairMLP):
 def test_a_tensor_written_after_its_amax_is_quantized_from_its_own_values(monkeypatch, module):
     x, dy = _data()
     handed, plain = _pair_models(module())
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, handed, plain)
     a = _grads(handed, x, dy)
     assert len(calls) == 2 * 2  # one of the three tensors per step was written: its amax was not used
     for p, q in zip(a, _grads(plain, x, dy)):
@@ -171,7 +221,7 @@ def test_hugging_face_llama_trains_bit_for_bit_with_the_handoff(monkeypatch):
     plain = copy.deepcopy(handed)
     swiglu_fusion_of(plain).amaxes = None
     assert swiglu_fusion_of(handed).amaxes is handed.model.layers[0].mlp.down_proj._train_plans.amaxes
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, handed, plain)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     results = []
     for model in (handed, plain):
@@ -200,17 +250,19 @@ def test_copies_and_pickles_keep_the_fusion_and_the_linears_on_one_table():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_the_kernels_amaxes_change_no_bit(monkeypatch):
+@pytest.mark.parametrize("module, per_step", [(PairMLP, 3), (MLP, 2)], ids=["pair", "one projection"])
+def test_gpu_the_kernels_amaxes_change_no_bit(monkeypatch, module, per_step):
     torch.manual_seed(0)
     # every Linear FP8 (these GEMMs are under the small-layer line, where they would run in bf16)
-    handed = _convert(PairMLP(f=2048).to(BF16).cuda(), recipe=Recipe(min_fp8_gemm_flops=0))
+    handed = _convert(module(f=2048).to(BF16).cuda(), recipe=Recipe(min_fp8_gemm_flops=0))
     plain = copy.deepcopy(handed)
     swiglu_fusion_of(plain).amaxes = None
     x = torch.randn(4096, 64, device="cuda", dtype=BF16)
     dy = torch.randn_like(x)
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, handed, plain)
     a = _grads(handed, x, dy)
-    assert len(calls) == 3 * 2
+    assert len(calls) == per_step * 2
+    assert len(calls.weights) == 3 * 2 if module is PairMLP else 2 * 2  # each weight's backward cast
     for p, q in zip(a, _grads(plain, x, dy)):
         assert torch.equal(p, q)
 

@@ -49,10 +49,12 @@ def _same(a, b):
     "x_dtype,w_dtype",
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
 )
-def test_same_bits_as_the_op_runner(device, bias, x_grad, lead, x_dtype, w_dtype):
+# 256 x 64: not a small weight, so the backward casts it again from the forward's amax
+@pytest.mark.parametrize("k", [48, 256], ids=["small-weight", "weight-cast-from-its-amax"])
+def test_same_bits_as_the_op_runner(device, bias, x_grad, lead, x_dtype, w_dtype, k):
     recipe = Recipe(min_fp8_gemm_flops=0)
-    fast, general = _pair(48, 64, bias, recipe, w_dtype, device)
-    x = (torch.randn(*lead, 48, device=device) * 3).to(x_dtype).requires_grad_(x_grad)
+    fast, general = _pair(k, 64, bias, recipe, w_dtype, device)
+    x = (torch.randn(*lead, k, device=device) * 3).to(x_dtype).requires_grad_(x_grad)
     dy = torch.randn(*lead, 64, device=device).to(x_dtype)
     y = fast(x.detach().requires_grad_(x_grad))
     assert type(y.grad_fn).__name__ == TRAIN_NODE  # the fast path ran
@@ -121,12 +123,13 @@ def test_keeps_the_input_transpose_a_small_weights_transpose_and_the_parameters(
     lin = ops.Linear(k, n, bias=True, recipe=Recipe(min_fp8_gemm_flops=0)).to(torch.bfloat16)
     x = torch.randn(64, k, dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
-    x_t, scale_inv, w_t, w_scale_inv = y.grad_fn.state
+    x_t, scale_inv, w_t, w_scale_inv, w_amax = y.grad_fn.state
     assert x_t.dtype == torch.float8_e4m3fn and tuple(x_t.shape) == (k, 64) and scale_inv.dim() == 0
     if small:  # 1 byte per weight element, at most 16 KiB: one quantization fewer in the backward
-        assert tuple(w_t.shape) == (k, n) and w_scale_inv.dim() == 0
-    else:  # the backward quantizes the weight again
+        assert tuple(w_t.shape) == (k, n) and w_scale_inv.dim() == 0 and w_amax is None
+    else:  # the backward quantizes the weight again, from the forward's amax (4 bytes kept)
         assert w_t is None and w_scale_inv is None
+        assert w_amax.shape == () and float(w_amax) == float(lin.weight.detach().float().abs().max())
     assert [t.data_ptr() for t in y.grad_fn.saved_tensors] == [lin.weight.data_ptr(), lin.bias.data_ptr()]
 
 

@@ -20,7 +20,7 @@ import float8.ops as ops
 from float8 import Recipe
 from float8.kernels.activation import act_bwd
 from float8.ops.saved_outputs import saved_outputs_of
-from float8.ops.swiglu_fusion import swiglu_fusion_of
+from float8.ops.swiglu_fusion import SwiGLUFusion, swiglu_fusion_of
 from tests.tolerances import sqnr_db
 
 BF16 = torch.bfloat16
@@ -168,10 +168,10 @@ def test_convert_attaches_it_by_default_and_not_when_asked_or_lean():
 
 @pytest.fixture(params=[False, True], ids=["torch forward", "computed ahead"])
 def ahead(request, monkeypatch):
-    """On CUDA the silu computes the product with it (kernels/silu_product.py); here that path runs with
-    torch's own calls standing in for the kernel (whose bits the GPU tests compare with them)."""
-    if request.param:
-        monkeypatch.setattr("float8.ops.swiglu_fusion.takes_kernel", lambda h: True)
+    """On CUDA the silu computes the product with it (kernels/silu_product.py), and on the CPU too where the
+    Linears take the product's amax (a converted model); here both paths run, that one with torch's own calls
+    standing in for the kernel (whose bits the GPU tests compare with them)."""
+    monkeypatch.setattr(SwiGLUFusion, "_computes_ahead", lambda self, h: request.param)
     return request.param
 
 
