@@ -268,7 +268,7 @@ def act_bwd_triton(
     out_dtype: torch.dtype | None = None,
     x_scale_inv: torch.Tensor | None = None,
     with_amax: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """dy * act'(x + bias) in out_dtype (default: x.dtype, dy.dtype for an FP8 x); with_amax: (dx, max|dx|), the
     maximum of the values stored, a () float32 tensor, folded in by the same pass."""
     dy, x, bias = dy.contiguous(), x.contiguous(), _contig(bias)

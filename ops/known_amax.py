@@ -1,10 +1,13 @@
 """max|t| of tensors whose producer computed it on the way, for the Linear that quantizes t next.
 
 Per-tensor current scaling reads a tensor twice: an amax pass, then the cast. Where the kernel that wrote the
-tensor folded max|t| in (the SwiGLU product of a converted model's separate gate and up projections,
-kernels/product_amax.py, and that product's backward, kernels/swiglu_pair.py: ops/swiglu_fusion.py), the
-Linear reading t (the down projection's input; the gate's and the up projection's output gradients) skips
-its amax pass: at 16384 tokens x 14336 features one read of 448 MiB each, three per block a step.
+tensor folded max|t| in (ops/swiglu_fusion.py: the SwiGLU product of a converted model's separate gate and up
+projections, kernels/product_amax.py, and that product's backward, kernels/swiglu_pair.py; or of its one
+gate-and-up projection, kernels/silu_product.py, and its backward, kernels/activation.py act_bwd_with_amax),
+the Linear reading t (the down projection's input; the output gradients of the gate and up projections, or
+of the one projection) skips its amax pass: at 16384 tokens x 14336 features one read of 448 MiB each (896
+for the one projection's gradient), two or three per block a step. (A weight's own backward cast reads the
+amax its forward computed, kept by the Linear itself: ops/linear_train.py.)
 
 `KnownAmaxes` holds, per tensor, the amax and what makes it still that tensor's: the tensor itself (weakly,
 by identity), its version counter, data pointer, shape, strides and dtype, and the CUDA stream the amax was
