@@ -6,8 +6,7 @@ projections, kernels/product_amax.py, and that product's backward, kernels/swigl
 gate-and-up projection, kernels/silu_product.py, and its backward, kernels/activation.py act_bwd_with_amax),
 the Linear reading t (the down projection's input; the output gradients of the gate and up projections, or
 of the one projection) skips its amax pass: at 16384 tokens x 14336 features one read of 448 MiB each (896
-for the one projection's gradient), two or three per block a step. (A weight's own backward cast reads the
-amax its forward computed, kept by the Linear itself: ops/linear_train.py.)
+for the one projection's gradient), two or three per block a step.
 
 `KnownAmaxes` holds, per tensor, the amax and what makes it still that tensor's: the tensor itself (weakly,
 by identity), its version counter, data pointer, shape, strides and dtype, and the CUDA stream the amax was

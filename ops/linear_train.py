@@ -307,7 +307,7 @@ class _TrainLinear(torch.autograd.Function):
         qi, qw, _ = plan.quantizers
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k = x.shape[-1]
-        w_t = w_amax = None
+        w_t = None
         # The input's FP8 copy made by the Linear before, where it read the same tensor (SharedInputCopy).
         shared = inputs.lookup(x, qi, need_wgrad)
         ctx.amaxes = amaxes
@@ -338,12 +338,13 @@ class _TrainLinear(torch.autograd.Function):
         elif need_wgrad:
             # The weight without its transpose: the backward quantizes it again for the input gradient rather
             # than keeping it (linear_engine `rebuilds_weight`), except a small one (TrainPlan.small_weight).
-            # Its amax (4 bytes) is kept: the backward's cast then skips the amax pass over the weight (the
-            # weight cannot change in between: autograd refuses a backward after an in-place write into it).
+            # Quantized again with its own amax pass: a write through weight.data between the forward and the
+            # backward moves no version counter, and the forward's amax would then saturate the new values
+            # (autograd's saved weight reads them too; the general path quantizes them afresh).
             if need_dgrad and plan.small_weight:
                 w_data, w_t, w_scale_inv, _ = plan.quantize("w_t", weight, qw, True)
             else:
-                w_data, _, w_scale_inv, w_amax = plan.quantize("w", weight, qw, False)
+                w_data, _, w_scale_inv, _ = plan.quantize("w", weight, qw, False)
         else:
             # A frozen weight: its FP8 copy comes from the op's cache (made once per weight version, with the
             # transpose the input gradient reads), as on the general path.
@@ -361,7 +362,7 @@ class _TrainLinear(torch.autograd.Function):
         # The parameters are saved (no copy) so that autograd refuses a backward after an in-place write into
         # one, as the general path does (ops/runner.py _RunFunction).
         ctx.save_for_backward(weight, *(() if bias is None else (bias,)))
-        ctx.state = (x_t, x_scale_inv, w_t, w_scale_inv if w_t is not None else None, w_amax if need_dgrad else None)
+        ctx.state = (x_t, x_scale_inv, w_t, w_scale_inv if w_t is not None else None)
         ctx.plan, ctx.need_dgrad, ctx.need_wgrad, ctx.has_bias = plan, need_dgrad, need_wgrad, bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         if x.dim() == 2:
@@ -376,7 +377,7 @@ class _TrainLinear(torch.autograd.Function):
         weight, bias = saved[0], (saved[1] if ctx.has_bias else None)
         # Unpacked, not held as a tuple: the input's transpose is let go before the input-gradient GEMM, whose
         # output is the backward's largest tensor when K > N (as linear_engine.linear_bwd does).
-        x_t, x_scale_inv, w_t, w_scale_inv, w_amax = take(ctx, "state")
+        x_t, x_scale_inv, w_t, w_scale_inv = take(ctx, "state")
         slot, key = take(ctx, "input_entry")
         slot.drop(key)
         plan = ctx.plan
@@ -415,11 +416,6 @@ class _TrainLinear(torch.autograd.Function):
         if ctx.need_dgrad:
             if isinstance(weight, Float8Tensor):
                 w_t, w_scale_inv = _gathered_transpose(weight), weight._scale_inv
-            elif w_t is None and w_amax is not None:
-                # The forward's amax of this weight: the cast-transpose pass alone, the same bits.
-                _, w_t, w_scale_inv, _ = quantize_tensorwise_from_amax(
-                    weight.detach(), w_amax, qw.fp8_dtype, qw.margin, qw.power_of_2, True
-                )
             elif w_t is None:
                 _, w_t, w_scale_inv, _ = plan.quantize("w_t", weight.detach(), qw, True)
             dx = torch._scaled_mm(dy_data, w_t.t(), scale_a=dy_scale_inv, scale_b=w_scale_inv, out_dtype=ctx.x_dtype)

@@ -96,9 +96,12 @@ class _SiluOfHalf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ds: torch.Tensor):
         (g,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: aten's silu_backward has no derivative of its own
-            s = torch.sigmoid(g.float())
-            return (ds.float() * s * (1 + g.float() * (1 - s))).to(g.dtype), None
+        if torch.is_grad_enabled():
+            # create_graph=True: aten's silu_backward has no derivative of its own. Torch's own formula for
+            # this case, op for op in g's dtype (its infinitely differentiable silu backward), so the
+            # gradient and its graph are the bits torch's F.silu gives.
+            s = torch.sigmoid(g)
+            return ds * s * (1.0 + g * (1.0 - s)), None
         return torch.ops.aten.silu_backward(ds, g), None
 
 
