@@ -50,6 +50,20 @@ def time_steps(step: Callable[[], None], device: torch.device, warmup: int = 2, 
     return statistics.median(times)
 
 
+def time_back_to_back(step: Callable[[], None], device: torch.device, steps: int = 8) -> float:
+    """Milliseconds per step of `steps` calls run back to back, one synchronize after the last: a training
+    loop that does not wait on the GPU every step (no `loss.item()`), where an eager step's host runs ahead.
+    time_steps synchronizes before each step instead, so an eager step starts with its host behind."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / steps
+
+
 def step_peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[int]:
     """The most memory allocated during one call of `step` (after warm-up calls), or None on the CPU."""
     if device.type != "cuda":

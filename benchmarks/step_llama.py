@@ -3,9 +3,10 @@
 whole training steps of the Llama-style model (benchmarks/llama.py): zero_grad, forward, backward and an AdamW
 step (foreach), for each variant, at B x S tokens (default 8 x 2048); with --separate-gate-up its plain-torch
 MLP has a gate and an up projection, as Hugging Face's Llama (one gate-and-up projection otherwise); with
---separate-qkv its attention has q, k and v projections, as Hugging Face's Llama (one qkv otherwise). Reports ms per step, tokens/s, the step's peak memory, and the
-kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the area "step_llama"
-in DIR (default benchmarks/results/; benchmarks.harness.record)."""
+--separate-qkv its attention has q, k and v projections, as Hugging Face's Llama (one qkv otherwise). Reports
+ms per step (each step started from a synchronized GPU, and 8 steps back to back), tokens/s, the step's peak
+memory, and the kernels one step spends its time in, for the variants that say `breakdown`. Recorded as the
+area "step_llama" in DIR (default benchmarks/results/; benchmarks.harness.record)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from benchmarks.harness import (
     kernel_breakdown,
     markdown_table,
     step_peak_bytes,
+    time_back_to_back,
     time_steps,
     write_report,
 )
@@ -109,6 +111,7 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
     for _ in range(3):
         step()  # compile, autotune, and the optimizer's states exist from here on
     ms = time_steps(step, device, warmup=0, reps=5 if device.type == "cuda" else 2)
+    ms_b2b = time_back_to_back(step, device, steps=8 if device.type == "cuda" else 2)
     held = torch.cuda.memory_allocated() if device.type == "cuda" else None  # between steps
     peak = step_peak_bytes(step, device)
     row = {
@@ -117,6 +120,7 @@ def run_variant(variant: str, s: LlamaShape, device, breakdown: bool) -> dict:
         "attention": "q, k, v" if s.separate_qkv else "qkv",
         "mlp": "gate, up" if s.separate_gate_up else "gate-up",
         "ms_per_step": round(ms, 1),
+        "ms_per_step_back_to_back": round(ms_b2b, 1),
         "tokens_per_s": round(s.batch * s.seq / ms * 1e3),
         "peak_GiB": None if peak is None else round(peak / 2**30, 2),
         "peak_above_held_GiB": None if peak is None else round((peak - held) / 2**30, 2),
@@ -162,6 +166,7 @@ COLUMNS = [
     "attention",
     "mlp",
     "ms_per_step",
+    "ms_per_step_back_to_back",
     "tokens_per_s",
     "peak_GiB",
     "peak_above_held_GiB",

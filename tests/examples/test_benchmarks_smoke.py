@@ -26,7 +26,7 @@ def test_step_llama_tiny_runs_every_cpu_variant(tmp_path):
             assert "CUDA" in row["error"]
         else:
             assert "error" not in row, (variant, row.get("error"))
-            assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0
+            assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0 and row["ms_per_step_back_to_back"] > 0
     # One model, one data: every variant starts from the same loss (FP8 rounding apart).
     losses = [r["final_loss"] for v, r in rows.items() if not v.startswith("torchao")]
     assert max(losses) - min(losses) < 0.05, losses
