@@ -90,7 +90,7 @@ def launch_fwd(
     xq, x_amax, x_scale_inv = saved_x if saved_x is not None else (x, amax, amax)
     n = _n_out(x.shape[-1], kind)
     B, S = _geometry(x, transpose)
-    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=mode in ("amax", "hp_amax"), config=config)
+    meta, tiles_s, tiles_n, grid = _tiles(B, S, n, transpose, iterate=(mode == "amax"), config=config)
     _launch_act_fwd(
         grid,
         x,
