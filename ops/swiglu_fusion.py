@@ -29,8 +29,10 @@ product runs as `_SwiGLUPairProduct`: torch's silu and product in the forward (t
 KnownAmaxes, ops/known_amax.py) the product's kernel also computes its amax (kernels/product_amax.py, the
 same bits for contiguous factors) and the backward's the amaxes of dg and du, for the Linears that quantize
 them next: the down projection's input, the gate's and the up projection's output gradients skip their amax
-passes. `up(x) * F.silu(gate(x))`, whose up projection runs first, is
-not fused.
+passes. The one-projection form does the same: its silu computes the product and max|product| ahead (the
+kernel on CUDA, torch's own calls elsewhere), its backward max|dh| in the pass that writes dh
+(kernels/activation.py act_bwd_with_amax), for the down projection's input and the gate-and-up projection's
+output gradient. `up(x) * F.silu(gate(x))`, whose up projection runs first, is not fused.
 
 The calls are seen by a TorchFunctionMode, which costs host time on every torch call it sees; it is on only
 from the end of a Linear with a large output to the start of the next Linear or the return of the module that
