@@ -10,7 +10,8 @@ fsdp: 8 blocks (d=4096, 32 heads and 8 KV heads of 128, SwiGLU FFN 14336), 4x204
     eager and compiled per block; torchao tensorwise + FP8 all-gather, compiled per block (if torchao
     imports). Whole steps (zero_grad, forward, backward, optimizer step, scale precompute), CUDA events, in
     interleaved rounds with every model alive; step peak above what is held, what each model holds;
-    all-gather bytes per step. --profile: NCCL time per step, the part not hidden behind compute, and the
+    all-gather bytes per step. --profile: NCCL time per step, the part not hidden behind compute (and on
+    every rank, with its longest exposed collective: a rank that waits long reached it first), and the
     time the GPU runs no kernel at all (host-bound steps: benchmarks/results/profile_mesh.txt).
 tp: one transformer layer, TP over every rank with sequence parallelism, 8192 tokens: float8.ops
     (Linear(parallel=..., sequence_parallel=True)) against the same layer in bf16 PyTorch with Megatron-style
@@ -363,6 +364,10 @@ def _fsdp(
         r["gc_collections_per_rank"] = [[int(v) for v in row[1:]] for row in per_rank]
         if profile_dir:  # on every rank (the collectives need both); rank 0 writes
             r.update(_exposed_comm(step_fn(name), profile_dir if rank == 0 else None, name, part))
+            # Every rank's exposed communication: a rank whose collectives wait long reached them first.
+            per_rank = _per_rank([r["exposed_nccl_ms_per_step"], r["longest_exposed_nccl_ms"]], dev)
+            r["exposed_nccl_ms_per_step_per_rank"] = [row[0] for row in per_rank]
+            r["longest_exposed_nccl_ms_per_rank"] = [row[1] for row in per_rank]
     return results
 
 
@@ -746,19 +751,22 @@ def _union(intervals):
 def timeline_figures(kernels: "list[tuple[float, float, bool]]", steps: int) -> dict:
     """Per step, from kernels (start_us, end_us, is_nccl): NCCL kernel time; the part of it with no other
     kernel running (exposed communication); the time from the first kernel's start to the last one's end
-    with no kernel running at all (the GPU waiting on the host: launches, Python, syncs); kernel count."""
+    with no kernel running at all (the GPU waiting on the host: launches, Python, syncs); kernel count. And
+    the largest exposed part of one NCCL kernel (ms): an NCCL kernel runs until every rank has joined, so
+    one long exposed collective is this rank waiting for a later one."""
     import bisect
 
     comm = [(a, b) for a, b, nccl in kernels if nccl]
     compute = _union((a, b) for a, b, nccl in kernels if not nccl)
     starts = [a for a, _ in compute]
-    exposed = 0.0
+    exposed = longest = 0.0
     for a, b in comm:
         covered, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
         while i < len(compute) and compute[i][0] < b:
             covered += max(0, min(b, compute[i][1]) - max(a, compute[i][0]))
             i += 1
         exposed += (b - a) - covered
+        longest = max(longest, (b - a) - covered)
     busy = _union((a, b) for a, b, _ in kernels)
     span = busy[-1][1] - busy[0][0] if busy else 0.0
     idle = span - sum(b - a for a, b in busy)
@@ -767,6 +775,7 @@ def timeline_figures(kernels: "list[tuple[float, float, bool]]", steps: int) -> 
         "exposed_nccl_ms_per_step": exposed / 1e3 / steps,
         "gpu_idle_ms_per_step": idle / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
+        "longest_exposed_nccl_ms": longest / 1e3,
     }
 
 

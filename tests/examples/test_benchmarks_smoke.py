@@ -160,6 +160,7 @@ def test_timeline_figures_split_communication_compute_and_host_waits():
         "exposed_nccl_ms_per_step": 0.025,
         "gpu_idle_ms_per_step": 0.035,
         "kernels_per_step": 2.5,
+        "longest_exposed_nccl_ms": 0.03,
     }
     assert timeline_figures([], steps=1)["gpu_idle_ms_per_step"] == 0.0
 
