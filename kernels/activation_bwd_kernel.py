@@ -3,8 +3,8 @@ FP8 cast.
 
 _act_bwd_kernel, one MODE a launch: "hp" stores dx; "hp_amax" stores dx and folds max|dx| of the stored
 (rounded) values, for the FP8 cast that reads dx next (ops/known_amax.py); "amax" folds max|dx| and (DBIAS)
-writes one row of column sums per program; "current" / "delayed" cast dx at the scale from that amax / the given scale, in
-rows and (WITH_T) transposed. X_FP8: x is the forward's saved E4M3 copy, read as x * x_scale_inv (one
+writes one row of column sums per program; "current" / "delayed" cast dx at the scale from that amax / the
+given scale, in rows and (WITH_T) transposed. X_FP8: x is the forward's saved E4M3 copy, read as x * x_scale_inv (one
 scale, or with X_ROW_SCALES one per row of x).
 Numerics: float32 registers; silu and silu' from one IEEE reciprocal (kernels/activation_math.py).
 Launcher: kernels/activation_launch.py; design notes: docs/design.md §10.

@@ -69,9 +69,19 @@ class TrainPlan:
         self.x = self.w = self.dy = self.w_t = None
         self.x_rows = self.dy_rows = None  # a frozen weight's step: no transposes of x and dy
 
-    def quantize(self, role: str, t: torch.Tensor, q: TensorwiseQuantizer, with_transpose: bool) -> tuple:
+    def quantize(
+        self,
+        role: str,
+        t: torch.Tensor,
+        q: TensorwiseQuantizer,
+        with_transpose: bool,
+        amax: Optional[torch.Tensor] = None,
+    ) -> tuple:
         """(data, data_t or None, scale_inv, amax): t quantized by q at current scaling, through the prepared
-        call of `role` where there is one that fits t."""
+        call of `role` where there is one that fits t. amax: max|t|, where t's producer computed it
+        (ops/known_amax.py): the cast alone, with the same bits."""
+        if amax is not None:
+            return quantize_tensorwise_from_amax(t, amax, q.fp8_dtype, q.margin, q.power_of_2, with_transpose)
         prepared = getattr(self, role)
         if prepared:
             out = prepared(t)
@@ -312,16 +322,10 @@ class _TrainLinear(torch.autograd.Function):
         shared = inputs.lookup(x, qi, need_wgrad)
         ctx.amaxes = amaxes
         if shared is None:
-            # With its transpose where the weight gradient reads it (a trained weight), else rows only. Where
-            # x's producer computed max|x| (ops/known_amax.py), the cast alone, with the same bits.
-            amax = amaxes.take(x)
-            if amax is not None:
-                x_data, x_t, x_scale_inv, _ = quantize_tensorwise_from_amax(
-                    x.reshape(-1, k), amax, qi.fp8_dtype, qi.margin, qi.power_of_2, need_wgrad
-                )
-            else:
-                role = "x" if need_wgrad else "x_rows"
-                x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad)
+            # With its transpose where the weight gradient reads it (a trained weight), else rows only; from
+            # max|x| where x's producer computed it (ops/known_amax.py).
+            role = "x" if need_wgrad else "x_rows"
+            x_data, x_t, x_scale_inv, _ = plan.quantize(role, x.reshape(-1, k), qi, need_wgrad, amaxes.take(x))
             # Without a transpose asked for, quantize_tensorwise hands an empty placeholder in its place.
             x_t = x_t if need_wgrad else None
             inputs.store(x, qi, (x_data, x_t, x_scale_inv))
@@ -401,14 +405,9 @@ class _TrainLinear(torch.autograd.Function):
             )
             dbias = dbias.to(bias.dtype)
         else:
-            amax = ctx.amaxes.take(dy)  # computed by the op that wrote dy (ops/known_amax.py)
-            if amax is not None:
-                dy_data, dy_t, dy_scale_inv, _ = quantize_tensorwise_from_amax(
-                    dy2, amax, qg.fp8_dtype, qg.margin, qg.power_of_2, need_wgrad
-                )
-            else:
-                role = "dy" if need_wgrad else "dy_rows"
-                dy_data, dy_t, dy_scale_inv, _ = plan.quantize(role, dy2, qg, need_wgrad)
+            # max|dy| where the op that wrote dy computed it (ops/known_amax.py)
+            role = "dy" if need_wgrad else "dy_rows"
+            dy_data, dy_t, dy_scale_inv, _ = plan.quantize(role, dy2, qg, need_wgrad, ctx.amaxes.take(dy))
         if need_wgrad:
             dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_scale_inv, scale_b=x_scale_inv, out_dtype=weight.dtype)
         del x_t, dy_t

@@ -129,8 +129,7 @@ class _SwiGLUProduct(torch.autograd.Function):
         if torch.is_grad_enabled():
             # create_graph=True (a gradient penalty): torch's differentiable formula, not the kernel.
             dh = _swiglu_grad_differentiable(dy, h)
-        elif amaxes is not None and torch._C._has_storage(dy) and not forward_ad_or_functorch_active():
-            # (under vmap or `is_grads_batched` dy is batched: one amax would mix the samples)
+        elif _hands_over(amaxes, dy):
             dh, amax = act_bwd_with_amax(dy.contiguous(), h, "swiglu")
             amaxes.put(dh, amax)
         else:
@@ -166,14 +165,19 @@ class _SwiGLUPairProduct(torch.autograd.Function):
         amaxes = ctx.amaxes
         if torch.is_grad_enabled():  # create_graph=True: torch's differentiable formula, not the kernel
             dg, du = _swiglu_grad_differentiable(dy, torch.cat([g, u], dim=-1)).chunk(2, dim=-1)
-        elif amaxes is not None and torch._C._has_storage(dy) and not forward_ad_or_functorch_active():
-            # (under vmap or `is_grads_batched` the gradients are batched: one amax would mix the samples)
+        elif _hands_over(amaxes, dy):
             dg, du, amax_g, amax_u = swiglu_pair_bwd(dy, g, u, with_amax=True)
             amaxes.put(dg, amax_g)
             amaxes.put(du, amax_u)
         else:
             dg, du = swiglu_pair_bwd(dy, g, u)
         return dg, du, None, None, None, None, None
+
+
+def _hands_over(amaxes: Optional[KnownAmaxes], dy: torch.Tensor) -> bool:
+    """Whether a fused backward computes its gradients' amaxes for the Linears after it: a converted model's
+    table, and a plain dy (under vmap or `is_grads_batched` dy is batched: one amax would mix the samples)."""
+    return amaxes is not None and torch._C._has_storage(dy) and not forward_ad_or_functorch_active()
 
 
 def _swiglu_grad_differentiable(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
